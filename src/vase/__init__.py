@@ -1,0 +1,1 @@
+"""vase: value-aware stochastic KV cache eviction for transformers."""
