@@ -1,0 +1,75 @@
+"""Eviction policies: pure tensor code, registered by name.
+
+    from vase.policies import get_policy
+    policy = get_policy("vase-attnv", n_large=64, sinks=4)
+    keep = policy.select(keys, values, queries, n_keep, generator=None)
+
+The VaSE modifiers compose with any scoring policy through parameters: `value_guard`
+(fraction of the budget) or `n_large` (slots) for the value reserve, `sample=True` for
+stochastic selection, `protect_sinks=True` for the sinks; e.g.
+`get_policy("tova", value_guard=0.25, sample=True)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields, replace
+
+from .base import VALUE_METRICS, Policy, sample_without_replacement, value_magnitude
+from .dkv import CurDKV, VaseDKV
+from .evict_large_v import EvictLargeV
+from .full import Full
+from .h2o import H2O
+from .knorm import KNorm
+from .random import RandomKeep
+from .rkv import RKV
+from .scores import key_redundancy, window_attention
+from .snapkv import SnapKV, SnapKVSample, SnapKVValueReserve, VaseAttnV
+from .streaming import StreamingLLM
+from .tova import TOVA
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
+    Full, StreamingLLM, RandomKeep, KNorm, SnapKV, RKV, H2O, TOVA, CurDKV, VaseDKV, VaseAttnV,
+    EvictLargeV, SnapKVSample, SnapKVValueReserve,
+)}
+
+
+class UnknownMethodError(ValueError):
+    """A method name or parameter that does not exist."""
+
+
+def method_names() -> list[str]:
+    return list(POLICIES)
+
+
+def policy_parameters(name: str) -> dict:
+    """The parameters of method `name` with their defaults."""
+    return get_policy(name).params()
+
+
+def get_policy(name: str | Policy, **params) -> Policy:
+    """The policy registered as `name`, with `params` overriding its defaults.
+
+    Raises UnknownMethodError naming close matches for an unknown method, and the accepted
+    parameters for an unknown parameter.
+    """
+    if isinstance(name, Policy):
+        return replace(name, **params) if params else name
+    key = name.strip().lower().replace("_", "-")
+    if key not in POLICIES:
+        close = difflib.get_close_matches(key, POLICIES, n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise UnknownMethodError(f"unknown method {name!r}.{hint} Known: {', '.join(POLICIES)}.")
+    cls = POLICIES[key]
+    accepted = {f.name for f in fields(cls)}
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise UnknownMethodError(f"method {key!r} takes no parameter {', '.join(map(repr, unknown))}; "
+                                 f"it takes: {', '.join(sorted(accepted))}.")
+    return cls(**params)
+
+
+__all__ = [
+    "POLICIES", "Policy", "UnknownMethodError", "VALUE_METRICS", "get_policy", "key_redundancy",
+    "method_names", "policy_parameters", "sample_without_replacement", "value_magnitude", "window_attention",
+]

@@ -1,0 +1,204 @@
+"""The policy contract and the two VaSE modifiers (value guard, stochastic selection).
+
+A policy is a small frozen dataclass. Its scorer says how much each candidate is worth
+keeping; the shared `select` turns scores into kept indices:
+
+1. reserve the sinks (when protected) and, with a value guard, the candidates whose value
+   vectors have the largest magnitude;
+2. fill the rest of the budget by top-k on the scores, or by sampling without replacement
+   with probability proportional to the scores (Gumbel-top-k).
+
+Tensor layout everywhere (no transformers import in this package):
+    keys, values: [batch, kv_heads, n_candidates, head_dim]   (post-RoPE keys, raw values)
+    queries:      [batch, q_heads, window, head_dim]          (post-RoPE), or None
+    returned:     LongTensor [batch, kv_heads, n_keep], indices into the candidate axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+Generators = "torch.Generator | Sequence[torch.Generator] | None"
+VALUE_METRICS = ("range", "l2", "var")
+
+
+def value_magnitude(values: torch.Tensor, metric: str = "range") -> torch.Tensor:
+    """Per-token magnitude of the value vectors.
+
+    values: [batch, kv_heads, n, head_dim] -> [batch, kv_heads, n] float32.
+    `range` = max_d v - min_d v (the paper's choice), `l2` = ||v||, `var` = variance over d.
+    """
+    v = values.float()
+    if metric == "range":
+        return v.amax(-1) - v.amin(-1)
+    if metric == "l2":
+        return v.norm(dim=-1)
+    if metric == "var":
+        return v.var(-1, unbiased=False)
+    raise ValueError(f"unknown value metric {metric!r}: use one of {', '.join(VALUE_METRICS)}")
+
+
+def uniform_noise(shape: tuple[int, ...], generator, device: torch.device) -> torch.Tensor:
+    """Uniform(0,1) noise of `shape` [batch, ...]; one generator per batch row when a list is given.
+
+    Drawing each row from its own generator makes a row's choices independent of the batch.
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, device=device)
+    if len(generator) != shape[0]:
+        raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]} rows")
+    return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generator])
+
+
+def normal_noise(shape: tuple[int, ...], generator, device: torch.device) -> torch.Tensor:
+    """Standard normal noise of `shape` [batch, ...], per-row generators as in `uniform_noise`."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(shape, generator=generator, device=device)
+    if len(generator) != shape[0]:
+        raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]} rows")
+    return torch.stack([torch.randn(shape[1:], generator=g, device=device) for g in generator])
+
+
+def sample_without_replacement(weights: torch.Tensor, k: int, generator) -> torch.Tensor:
+    """Draw `k` indices per row of `weights` [..., n] without replacement, P(i) proportional to weights.
+
+    Gumbel-top-k on log(weights): the same distribution as sequential draws from the
+    renormalised remainder. Zero-weight entries come only after every positive one, and
+    entries marked -inf in `weights` (excluded) never come before zero-weight ones.
+    """
+    u = uniform_noise(tuple(weights.shape), generator, weights.device).clamp_(min=1e-20)
+    gumbel = -torch.log(-torch.log(u))
+    keys = torch.where(weights > 0, weights.clamp(min=1e-38).log() + gumbel, torch.full_like(weights, -1e30) + gumbel)
+    keys = torch.where(torch.isneginf(weights), torch.full_like(keys, float("-inf")), keys)
+    return keys.topk(k, dim=-1).indices
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base of every eviction policy; subclasses implement `score`.
+
+    sinks:          how many first tokens are attention sinks.
+    protect_sinks:  always keep the sinks (first in the kept order).
+    n_large:        value guard: reserve this many slots (sinks included) for the candidates
+                    with the largest value magnitude. None = use `value_guard`.
+    value_guard:    the reserve as a fraction of the budget (0 = no guard).
+    metric:         value magnitude metric: range, l2 or var.
+    sample:         keep by sampling proportional to the scores instead of top-k.
+    """
+
+    sinks: int = 4
+    protect_sinks: bool = False
+    n_large: int | None = None
+    value_guard: float = 0.0
+    metric: str = "range"
+    sample: bool = False
+
+    name: ClassVar[str] = "base"
+    summary: ClassVar[str] = ""
+    needs_queries: ClassVar[bool] = False
+    #: scores are non-negative weights (attention mass); others are shifted before sampling
+    nonnegative_scores: ClassVar[bool] = True
+    #: per-slot state the cache keeps aligned with the stored tokens (e.g. H2O's accumulator)
+    slot_state: ClassVar[tuple[str, ...]] = ()
+    #: per-layer state the cache keeps across evictions (e.g. CurDKV's projection)
+    layer_state: ClassVar[tuple[str, ...]] = ()
+    evicts: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.n_large is not None and self.n_large < 0:
+            raise ValueError(f"n_large must be >= 0, got {self.n_large}")
+        if not 0.0 <= self.value_guard < 1.0:
+            raise ValueError(f"value_guard is a fraction of the budget in [0, 1), got {self.value_guard}")
+        if self.metric not in VALUE_METRICS:
+            raise ValueError(f"unknown value metric {self.metric!r}: use one of {', '.join(VALUE_METRICS)}")
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether `select` draws random numbers (then pass a generator per batch row)."""
+        return self.sample
+
+    @property
+    def guarded(self) -> bool:
+        return self.n_large is not None or self.value_guard > 0
+
+    def reserve_size(self, n_keep: int, budget: int | None = None) -> int:
+        """Slots reserved before scoring: the value guard (sinks included) or the protected sinks."""
+        sinks = self.sinks if self.protect_sinks else 0
+        if self.n_large is not None:
+            reserve = self.n_large
+        elif self.value_guard > 0:
+            reserve = round(self.value_guard * (budget if budget is not None else n_keep))
+        else:
+            reserve = 0
+        return min(max(reserve, sinks), n_keep)
+
+    def params(self) -> dict:
+        """Every parameter with its value: the method's identity in saved results."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # -- the part a method implements -------------------------------------------------------
+    def score(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
+              generator=None, **extra) -> torch.Tensor:
+        """Worth of each candidate: [batch, kv_heads, n_candidates] float32, higher keeps."""
+        raise NotImplementedError
+
+    # -- the shared selection ---------------------------------------------------------------
+    def select(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
+               n_keep: int, generator=None, budget: int | None = None, **extra) -> torch.Tensor:
+        """Indices of the candidates to keep: LongTensor [batch, kv_heads, n_keep].
+
+        Reserved candidates come first (sinks, then the largest values), then the chosen ones.
+        `generator` is a torch.Generator or one per batch row; `budget` (B) sizes a
+        fractional value guard (default: n_keep).
+        """
+        self._check_shapes(keys, values, queries, n_keep)
+        b, h, n, _ = keys.shape
+        device = keys.device
+        if n_keep == n:
+            return torch.arange(n, device=device).expand(b, h, n).clone()
+
+        n_sinks = min(self.sinks, n) if self.protect_sinks else 0
+        n_reserve = self.reserve_size(n_keep, budget)
+        excluded = torch.zeros(b, h, n, dtype=torch.bool, device=device)
+        parts = []
+        if n_sinks:
+            parts.append(torch.arange(n_sinks, device=device).expand(b, h, n_sinks))
+            excluded[..., :n_sinks] = True
+        if n_reserve > n_sinks:
+            magnitude = value_magnitude(values, self.metric).masked_fill(excluded, float("-inf"))
+            large = magnitude.topk(n_reserve - n_sinks, dim=-1).indices
+            parts.append(large)
+            excluded.scatter_(-1, large, True)
+
+        n_rest = n_keep - max(n_reserve, n_sinks)
+        if n_rest > 0:
+            scores = self.score(keys, values, queries, generator=generator, **extra).float()
+            if scores.shape != (b, h, n):
+                raise ValueError(f"{self.name}.score returned {tuple(scores.shape)}, expected {(b, h, n)}")
+            if self.sample:
+                weights = scores if self.nonnegative_scores else scores - scores.amin(-1, keepdim=True)
+                weights = weights.masked_fill(excluded, float("-inf"))
+                parts.append(sample_without_replacement(weights, n_rest, generator))
+            else:
+                parts.append(scores.masked_fill(excluded, float("-inf")).topk(n_rest, dim=-1).indices)
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0].clone()
+
+    def _check_shapes(self, keys, values, queries, n_keep) -> None:
+        if keys.dim() != 4 or keys.shape != values.shape:
+            raise ValueError(f"keys and values must both be [batch, kv_heads, n, head_dim]; got "
+                             f"{tuple(keys.shape)} and {tuple(values.shape)}")
+        if not 0 < n_keep <= keys.shape[2]:
+            raise ValueError(f"n_keep must be in 1..{keys.shape[2]} (the number of candidates), got {n_keep}")
+        if self.needs_queries:
+            if queries is None:
+                raise ValueError(f"{self.name} scores candidates by attention and needs the query window")
+            if queries.dim() != 4 or queries.shape[0] != keys.shape[0] or queries.shape[-1] != keys.shape[-1] \
+                    or queries.shape[1] % keys.shape[1]:
+                raise ValueError(f"queries must be [batch, q_heads, window, head_dim] with q_heads a multiple "
+                                 f"of kv_heads; got {tuple(queries.shape)} for keys {tuple(keys.shape)}")

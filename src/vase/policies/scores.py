@@ -1,0 +1,41 @@
+"""Scores shared by several policies: windowed attention (SnapKV, R-KV, VaSE-AttnV, H2O, TOVA)
+and key redundancy (R-KV). Layouts as in `base.py`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def window_attention(keys: torch.Tensor, queries: torch.Tensor, temperature: float = 1.0,
+                     smooth_kernel: int = 5) -> torch.Tensor:
+    """Attention mass each candidate gets from the query window (ALGORITHMS.md section 2).
+
+    keys [b, kv_heads, n, d], queries [b, q_heads, w, d] -> [b, kv_heads, n] float32:
+    softmax over the candidates (float32), mean over the window, average pool along the
+    candidates (kernel `smooth_kernel`, zero padding, edges divided by the full kernel),
+    mean over the query heads of each KV group.
+    """
+    b, h_kv, n, d = keys.shape
+    h_q, w = queries.shape[1], queries.shape[2]
+    group = h_q // h_kv
+    q = queries.float().reshape(b, h_kv, group * w, d)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) / (math.sqrt(d) * temperature)
+    attn = logits.softmax(-1).view(b, h_kv, group, w, n).mean(3)  # [b, h_kv, group, n]
+    if smooth_kernel > 1:
+        attn = F.avg_pool1d(attn.reshape(-1, 1, n), smooth_kernel, stride=1, padding=smooth_kernel // 2,
+                            count_include_pad=True).view(b, h_kv, group, -1)[..., :n]
+    return attn.mean(2)
+
+
+def key_redundancy(keys: torch.Tensor) -> torch.Tensor:
+    """R-KV's redundancy: softmax over candidates of the mean cosine similarity to the others.
+
+    keys [b, kv_heads, n, d] -> [b, kv_heads, n] float32 (the diagonal counts as 0 in the mean).
+    """
+    k = F.normalize(keys.float(), dim=-1)
+    cos = torch.matmul(k, k.transpose(-1, -2))
+    cos.diagonal(dim1=-2, dim2=-1).zero_()
+    return cos.mean(-1).softmax(-1)
