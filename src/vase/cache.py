@@ -1,0 +1,425 @@
+"""The evicting KV cache: owned, preallocated storage with in-place compaction.
+
+Each layer owns K/V buffers of capacity `max(P, B) + w` slots, allocated once at prefill
+(P = prompt length, B = budget, w = window). Tokens are written in place; when the stored
+length reaches `B + w`, the next update first evicts down to `B` (the policy keeps `B - w`
+of the older candidates, the `w` most recent stay) by compacting survivors to the front
+of the same buffers. Stored tensors: [batch, kv_heads, length, head_dim].
+
+Logical length (tokens seen, used for positions) and physical length (slots stored, used
+for masks) are kept apart. Left padding is owned here: row r's first `pad[r]` slots are
+padding; eviction keeps them at the front (and drops them once the row has enough real
+tokens), and the registered attention function (`vase.attention`) masks them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .policies import Policy, get_policy
+
+#: The layer whose `update` ran last and whose attention call is pending. Set by
+#: `EvictionLayer.update`, consumed by the attention function registered in `vase.attention`.
+PENDING_LAYER: contextvars.ContextVar["EvictionLayer | None"] = contextvars.ContextVar("vase_pending_layer",
+                                                                                      default=None)
+
+
+class EvictedStateError(RuntimeError):
+    """An operation that would need evicted tokens back (crop, beam search)."""
+
+
+@dataclass
+class CacheConfig:
+    """What every layer of one cache shares."""
+
+    policy: Policy
+    budget: int
+    window: int
+    sort_kept: bool
+    max_length: int | None
+
+
+class EvictionLayer(CacheLayerMixin):
+    """One layer's buffers and bookkeeping.
+
+    Row r stores `pad[r]` padding slots, then its real tokens; the physical length `length`
+    is the longest row. Each row evicts on its own schedule (when its real tokens reach
+    `max(P_r, B) + w`, then `B + w`), so a row behaves exactly as it would alone.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "EvictionCache", layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.cfg = cache.cfg
+        self.layer_idx = layer_idx
+        self.length = 0  # physical: slots stored (the longest row)
+        self.seen = 0  # logical: tokens seen, padding included
+        self.pad: list[int] | None = None  # leading padding slots per row, None until the first forward
+        self.limit: list[int] = []  # per row: evict before its real tokens would pass this
+        self.until_evict = 1 << 62  # tokens every row can still take before some row must evict
+        self.positions: torch.Tensor | None = None  # [b, kv_heads, capacity] sequence index of each slot, -1 = pad
+        self.queries: torch.Tensor | None = None  # [b, q_heads, w, d] ring buffer of post-RoPE queries
+        self.queries_seen = 0
+        self.slot_state: dict[str, torch.Tensor] = {}
+        self.layer_state: dict[str, torch.Tensor] = {}
+        self.evictions = 0
+        self.tokens_evicted = 0
+        self.awaiting_attention = False
+
+    # -- storage -------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, q, d = key_states.shape
+        cfg = self.cfg
+        if cfg.policy.evicts:
+            capacity = max(q, cfg.budget) + cfg.window
+        else:
+            capacity = max(q, cfg.max_length or 0) or 2 * q
+        self.device = key_states.device
+        self.keys = key_states.new_zeros(b, h, capacity, d)
+        self.values = value_states.new_zeros(b, h, capacity, value_states.shape[-1])
+        self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=self.device)
+        for name in cfg.policy.slot_state:
+            self.slot_state[name] = torch.zeros(b, h, capacity, dtype=torch.float32, device=self.device)
+        self.is_initialized = True
+        self.cache.ensure_generators(b, self.device)
+
+    def _grow(self, needed: int) -> None:
+        """Only the full cache grows (amortised doubling) when no max_length was given."""
+        new_cap = max(needed, 2 * self.capacity)
+        for attr in ("keys", "values"):
+            old = getattr(self, attr)
+            new = old.new_zeros(*old.shape[:2], new_cap, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, attr, new)
+        pos = torch.full((*self.positions.shape[:2], new_cap), -1, dtype=torch.long, device=self.device)
+        pos[..., : self.length] = self.positions[..., : self.length]
+        self.positions = pos
+
+    def real_lengths(self) -> list[int]:
+        """Real (non-padding) tokens stored per row."""
+        return [self.length - p for p in (self.pad or [0] * self.keys.shape[0])]
+
+    def _reschedule(self) -> None:
+        reals = self.real_lengths()
+        self.until_evict = min(lim - n for lim, n in zip(self.limit, reals))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append `key_states`/`value_states` [b, kv_heads, q, d]; return what is stored [b, kv_heads, L, d].
+
+        First evicts the rows whose real tokens would pass their limit (`B + w` once decoding).
+        """
+        if self.awaiting_attention:
+            raise RuntimeError(
+                f"layer {self.layer_idx} updated the cache but never called the attention function: this model's "
+                "attention does not go through transformers' AttentionInterface, so vase cannot mask or score it")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"batch of {key_states.shape[0]} rows fed to a cache holding {self.keys.shape[0]}")
+        q = key_states.shape[2]
+        cfg = self.cfg
+        if cfg.policy.evicts and q > self.until_evict:
+            reals = self.real_lengths()
+            due = [r for r, n in enumerate(reals) if n + q > self.limit[r] and n > cfg.budget]
+            if due:
+                self.evict(due)
+        end = self.length + q
+        if end > self.capacity:
+            if cfg.policy.evicts:
+                raise ValueError(f"cannot append {q} tokens at once after prefill: at most the window "
+                                 f"({cfg.window}) fits between evictions; feed fewer tokens per call")
+            self._grow(end)
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.positions[:, :, self.length:end] = torch.arange(self.seen, self.seen + q, device=self.device)
+        for state in self.slot_state.values():
+            state[:, :, self.length:end] = 0
+        self.length, self.seen = end, self.seen + q
+        self.until_evict -= q
+        self.awaiting_attention = True
+        PENDING_LAYER.set(self)
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def room(self) -> int:
+        """How many tokens one update can take, evicting exactly as token-by-token decoding would (batch of 1)."""
+        if not self.cfg.policy.evicts:
+            return 1 << 30
+        return self.until_evict if self.until_evict > 0 else self.cfg.window
+
+    # -- what the attention function reports ----------------------------------------------------
+    def observe_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Learn each row's left padding from the 2-D mask of the first forward ([b, seen])."""
+        if self.pad is not None:
+            return
+        b = self.keys.shape[0]
+        if attention_mask is None or attention_mask.dim() != 2:
+            self.pad = [0] * b
+        else:
+            mask = attention_mask[:, -self.seen:].bool()
+            pads = (~mask).sum(-1)
+            # Left padding only: every row must be [pads..., tokens...].
+            expected = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pads[:, None]
+            if not torch.equal(expected, mask):
+                raise ValueError("vase caches need left padding (tokenizer.padding_side = 'left') and no holes in "
+                                 "the attention mask")
+            self.pad = pads.tolist()
+            self.positions[:, :, : self.length].masked_fill_(~mask[:, None, : self.length].to(self.device), -1)
+        w, B = self.cfg.window, self.cfg.budget
+        self.limit = [max(n, B) + w for n in self.real_lengths()]
+        self._reschedule()
+
+    def record_queries(self, query: torch.Tensor) -> None:
+        """Keep the last `w` post-RoPE queries [b, q_heads, q, d] in a ring buffer."""
+        w = self.cfg.window
+        if self.queries is None:
+            b, hq, _, d = query.shape
+            self.queries = query.new_zeros(b, hq, w, d)
+        q = query.shape[2]
+        take = min(q, w)
+        slots = (self.queries_seen + q - take + torch.arange(take, device=query.device)) % w
+        self.queries[:, :, slots] = query[:, :, q - take:]
+        self.queries_seen += q
+
+    def query_window(self) -> torch.Tensor:
+        """The recorded queries in time order: [b, q_heads, min(seen, w), d]."""
+        w = self.cfg.window
+        n = min(self.queries_seen, w)
+        order = (self.queries_seen - n + torch.arange(n, device=self.queries.device)) % w
+        return self.queries[:, :, order]
+
+    # -- eviction ---------------------------------------------------------------------------------
+    def evict(self, due: list[int]) -> None:
+        """Bring rows `due` down to B real tokens, compacting every row's slots in place."""
+        cfg, policy = self.cfg, self.cfg.policy
+        L, w, B = self.length, cfg.window, cfg.budget
+        b, h = self.keys.shape[:2]
+        device = self.device
+        if policy.needs_queries and self.queries is None:
+            raise RuntimeError("this policy scores by attention but no queries were recorded: the model must run "
+                               "with vase's attention function (EvictionCache installs it)")
+        reals = self.real_lengths()
+        new_reals = [B if r in due else n for r, n in enumerate(reals)]
+        new_len = max(new_reals)
+        # Rows that do not evict keep their last new_len slots (all their real tokens).
+        index = torch.arange(L - new_len, L, device=device).expand(b, h, new_len).clone()
+        recent = torch.arange(L - w, L, device=device)
+        by_pad: dict[int, list[int]] = {}
+        for r in due:
+            by_pad.setdefault(self.pad[r], []).append(r)
+        for p, rows in by_pad.items():
+            kept = self._select(rows, p, L - w) + p
+            if cfg.sort_kept:
+                kept = kept.sort(-1).values
+            index[rows, :, new_len - B:] = torch.cat([kept, recent.expand(len(rows), h, w)], dim=-1)
+        self._compact(index)
+        self.pad = [new_len - n for n in new_reals]
+        for r in due:
+            self.tokens_evicted += (reals[r] - B) * h
+            self.positions[r, :, : self.pad[r]] = -1
+            self.limit[r] = B + w
+        self.length = new_len
+        self._reschedule()
+        self.evictions += 1
+
+    def _select(self, rows: list[int], pad: int, n_cand: int) -> torch.Tensor:
+        """Ask the policy which real candidates (slots pad..n_cand-1) of `rows` to keep: [len(rows), h, B - w].
+
+        Padding never reaches the policy: it sees real tokens only, sinks first."""
+        cfg, policy = self.cfg, self.cfg.policy
+        sel = rows if len(rows) < self.keys.shape[0] else slice(None)
+        keys = self.keys[sel, :, pad:n_cand]
+        values = self.values[sel, :, pad:n_cand]
+        queries = self.query_window()[sel] if policy.needs_queries else None
+        generators = [self.cache.generators[r] for r in rows] if policy.stochastic else None
+        extra = {name: state[sel, :, pad:n_cand] for name, state in self.slot_state.items()}
+        for name in policy.layer_state:  # CurDKV: one projection per layer and row, drawn once
+            if name not in self.layer_state:
+                self.layer_state[name] = policy.draw_projection(
+                    self.keys.shape[0], self.keys.shape[-1], self.cache.generators, self.device)
+            extra[name] = self.layer_state[name][sel]
+        keep = policy.select(keys, values, queries, cfg.budget - cfg.window, generator=generators,
+                             budget=cfg.budget, **extra)
+        if isinstance(sel, list):  # advanced indexing copied the state: write updates back
+            for name, state in self.slot_state.items():
+                state[rows, :, pad:n_cand] = extra[name]
+        return keep
+
+    def _compact(self, index: torch.Tensor) -> None:
+        """Move the slots `index` [b, h, n] to the front of every per-slot buffer, in place."""
+        n = index.shape[-1]
+        for buf in (self.keys, self.values):
+            gathered = buf[:, :, : self.length].gather(2, index.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1]))
+            buf[:, :, :n] = gathered
+        for buf in (self.positions, *self.slot_state.values()):
+            buf[:, :, :n] = buf[:, :, : self.length].gather(2, index)
+
+    # -- the transformers Cache layer interface --------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.cache, self.layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise EvictedStateError("an evicting cache cannot be cropped: evicted tokens cannot be restored. Disable "
+                                "assisted/speculative decoding, or use method='full'")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise EvictedStateError("beam search is not supported with an evicting cache (each beam would need its "
+                                "own evicted history): use sampling or greedy decoding (num_beams=1)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            raise EvictedStateError("cannot expand a filled evicting cache; expand the inputs before the first "
+                                    "forward instead")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows `indices` (drop finished rows)."""
+        if not self.is_initialized:
+            return
+        rows = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        self.keys, self.values = self.keys[rows], self.values[rows]
+        self.positions = self.positions[rows]
+        self.slot_state = {k: v[rows] for k, v in self.slot_state.items()}
+        self.layer_state = {k: v[rows] for k, v in self.layer_state.items()}
+        if self.queries is not None:
+            self.queries = self.queries[rows]
+        if self.pad is not None:
+            self.pad = [self.pad[r] for r in rows]
+            self.limit = [self.limit[r] for r in rows]
+            shift = min(self.pad)
+            if shift:  # the longest row left: drop the padding columns every remaining row has
+                index = torch.arange(shift, self.length, device=self.device).expand(*self.keys.shape[:2], -1)
+                self._compact(index)
+                self.pad = [p - shift for p in self.pad]
+                self.length -= shift
+            self._reschedule()
+
+
+class EvictionCache(Cache):
+    """A transformers `Cache` that keeps at most `budget + window` KV pairs per layer and KV head.
+
+        cache = vase.EvictionCache(model, method="vase-attnv", budget=512)
+        model.generate(**inputs, cache=cache, max_new_tokens=2048)
+
+    method:      a registered method name (see `vase.policies`) or a Policy instance.
+    budget:      B, KV pairs kept per layer and KV head after an eviction.
+    window:      w, recent tokens never evicted; also the eviction interval and query window.
+    seed:        one seed, or one per batch row; row r of an int seed uses seed + r.
+    sort_kept:   store kept tokens in position order instead of the policy's order.
+    max_length:  prompt + new tokens, to preallocate the `full` cache once.
+    Remaining keyword arguments are the method's parameters.
+
+    Building it installs vase's attention function on `model` (see `vase.attention.install`).
+    """
+
+    def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int = 512, window: int = 64, *,
+                 seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
+                 num_layers: int | None = None, **method_params):
+        policy = get_policy(method, **method_params)
+        if window <= 0:
+            raise ValueError(f"window must be a positive number of tokens, got {window}")
+        sinks = policy.sinks if policy.protect_sinks else 0
+        if policy.evicts and budget <= window + sinks:
+            raise ValueError(f"budget ({budget}) must be larger than window + protected sinks ({window} + {sinks}): "
+                             f"raise --budget or lower --window")
+        if model is not None:
+            from .attention import install  # the cache needs vase's attention function to mask and score
+
+            install(model)
+            num_layers = model.config.get_text_config().num_hidden_layers
+        if num_layers is None:
+            raise ValueError("pass the model (or num_layers) so the cache knows how many layers to hold")
+        self.cfg = CacheConfig(policy=policy, budget=budget, window=window, sort_kept=sort_kept,
+                               max_length=max_length)
+        self.seed = seed
+        self.generators: list[torch.Generator] | None = None
+        self._mask_memo: tuple | None = None
+        super().__init__(layers=[EvictionLayer(self, i) for i in range(num_layers)])
+
+    @property
+    def policy(self) -> Policy:
+        return self.cfg.policy
+
+    def ensure_generators(self, batch: int, device: torch.device) -> None:
+        """One generator per batch row, seeded from the user seed (row r: seed + r, or seed[r])."""
+        if self.generators is not None:
+            return
+        seeds = list(self.seed) if isinstance(self.seed, Sequence) else [self.seed + r for r in range(batch)]
+        if len(seeds) != batch:
+            raise ValueError(f"got {len(seeds)} seeds for a batch of {batch} rows")
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        rows = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        if self.generators is not None:
+            self.generators = [self.generators[r] for r in rows]
+        self._mask_memo = None
+
+    def attention_mask(self, layer: EvictionLayer, q_len: int, dtype: torch.dtype, additive: bool):
+        """The mask for `q_len` new queries over `layer`'s stored slots: None when nothing is masked,
+        else [b, 1, q_len, L] (bool, or additive float for eager). Memoised across layers."""
+        pad = layer.pad or []
+        L = layer.length
+        if not any(pad) and (q_len == 1 or q_len == L):
+            return None  # no padding, and plain causal (sdpa's is_causal) or a single query
+        key = (L, q_len, tuple(pad), dtype, additive)
+        if self._mask_memo is not None and self._mask_memo[0] == key:
+            return self._mask_memo[1]
+        device = layer.device
+        slots = torch.arange(L, device=device)
+        real = slots[None, :] >= torch.tensor(pad or [0], device=device)[:, None]  # [b, L]
+        causal = slots[None, :] <= (L - q_len + torch.arange(q_len, device=device))[:, None]  # [q, L]
+        mask = real[:, None, None, :] & causal[None, None]
+        if additive:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+        self._mask_memo = (key, mask)
+        return mask
+
+    def stats(self) -> dict:
+        """Counters that prove what happened: evictions, evicted tokens, lengths and bytes."""
+        layers = [l for l in self.layers if l.is_initialized]
+        if not layers:
+            return {"method": self.policy.name, "budget": self.cfg.budget, "window": self.cfg.window,
+                    "evictions": 0, "tokens_evicted": 0, "kv_bytes": 0, "kv_bytes_capacity": 0,
+                    "kv_bytes_full": 0, "stored_length": 0, "seen_length": 0, "capacity": 0}
+
+        def kv_bytes(l: EvictionLayer, length: int) -> int:
+            b, h, _, d = l.keys.shape
+            return 2 * b * h * length * d * l.keys.element_size()
+
+        first = layers[0]
+        return {
+            "method": self.policy.name,
+            "budget": self.cfg.budget,
+            "window": self.cfg.window,
+            "evictions": first.evictions,
+            "layer_evictions": sum(l.evictions for l in layers),
+            "tokens_evicted": first.tokens_evicted,
+            "stored_length": first.length,
+            "seen_length": first.seen,
+            "capacity": first.capacity,
+            "kv_bytes": sum(kv_bytes(l, l.length) for l in layers),
+            "kv_bytes_capacity": sum(kv_bytes(l, l.capacity) for l in layers),
+            "kv_bytes_full": sum(kv_bytes(l, l.seen) for l in layers),
+        }

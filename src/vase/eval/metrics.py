@@ -1,0 +1,212 @@
+"""Pure metric functions over per-sample records and next-token distributions.
+
+A record is one completion, a dict with (at least) the keys the functions read:
+
+- ``problem_id`` (str) and ``sample`` (int, the sample index within the problem),
+- ``correct`` (bool), ``answer`` (extracted answer, str or None),
+- ``length`` (number of generated tokens), ``failure`` (a class of FAILURE_CLASSES).
+
+Every function takes the key names as keyword arguments, so records with other names work.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from vase.eval.failures import FAILURE_CLASSES
+
+__all__ = [
+    "pass_at_1",
+    "agreement",
+    "length_stats",
+    "inflation",
+    "compression_ratio",
+    "failure_shares",
+    "fidelity_metrics",
+    "aggregate_fidelity",
+    "FIDELITY_KEYS",
+]
+
+Record = Mapping[str, Any]
+
+#: Per-token means reported by :func:`fidelity_metrics` (besides ``n_tokens``).
+FIDELITY_KEYS: tuple[str, ...] = ("kl_mean", "top1_agree", "top1_disagree_share", "dnll_mean")
+
+
+def _require(records: Sequence[Record], what: str) -> None:
+    if len(records) == 0:
+        raise ValueError(f"{what}: no records")
+
+
+def pass_at_1(
+    records: Sequence[Record], *, problem_key: str = "problem_id", correct_key: str = "correct"
+) -> tuple[float, float]:
+    """pass@1 and its standard error over problems.
+
+    Each problem's accuracy is the mean over its samples; pass@1 is the mean over problems
+    (so a problem with more samples does not weigh more), and the standard error is the
+    sample standard deviation (ddof=1) of per-problem accuracies over sqrt(#problems),
+    0.0 for a single problem.
+    """
+    _require(records, "pass_at_1")
+    per_problem: dict[Any, list[float]] = defaultdict(list)
+    for r in records:
+        per_problem[r[problem_key]].append(float(bool(r[correct_key])))
+    accs = [sum(v) / len(v) for v in per_problem.values()]
+    mean = sum(accs) / len(accs)
+    if len(accs) < 2:
+        return mean, 0.0
+    return mean, statistics.stdev(accs) / math.sqrt(len(accs))
+
+
+def _norm_answer(a: Any) -> str | None:
+    # Whitespace carries no meaning in an extracted answer ("x = 5" vs "x=5").
+    return None if a is None else "".join(str(a).split())
+
+
+def agreement(
+    records_method: Sequence[Record],
+    records_full: Sequence[Record],
+    *,
+    problem_key: str = "problem_id",
+    sample_key: str = "sample",
+    answer_key: str = "answer",
+    none_matches: bool = False,
+) -> float:
+    """Share of (problem, sample) pairs whose extracted answers are equal.
+
+    Records are paired on ``(problem_id, sample)``; records present in only one list are
+    ignored. Answers are compared as strings with whitespace removed. A pair where neither
+    completion has an answer counts as agreeing only if ``none_matches``.
+
+    Raises:
+        ValueError: a duplicate (problem, sample) key, or no pair in common.
+    """
+    full: dict[tuple[Any, Any], Any] = {}
+    for r in records_full:
+        k = (r[problem_key], r[sample_key])
+        if k in full:
+            raise ValueError(f"agreement: duplicate full-cache record {k}")
+        full[k] = _norm_answer(r.get(answer_key))
+    seen: set[tuple[Any, Any]] = set()
+    n = agree = 0
+    for r in records_method:
+        k = (r[problem_key], r[sample_key])
+        if k in seen:
+            raise ValueError(f"agreement: duplicate method record {k}")
+        seen.add(k)
+        if k not in full:
+            continue
+        a, b = _norm_answer(r.get(answer_key)), full[k]
+        n += 1
+        if a is None and b is None:
+            agree += int(none_matches)
+        else:
+            agree += int(a == b)
+    if n == 0:
+        raise ValueError("agreement: no (problem, sample) pair in common")
+    return agree / n
+
+
+def length_stats(records: Sequence[Record], *, key: str = "length") -> tuple[float, float]:
+    """Mean and median output length (tokens) over records."""
+    _require(records, "length_stats")
+    lengths = [float(r[key]) for r in records]
+    return statistics.fmean(lengths), float(statistics.median(lengths))
+
+
+def inflation(method_mean_len: float, full_mean_len: float) -> float:
+    """Output length inflation: method mean length / full-cache mean length (1.0 = none)."""
+    if full_mean_len <= 0:
+        raise ValueError(f"inflation: full-cache mean length must be > 0, got {full_mean_len}")
+    return method_mean_len / full_mean_len
+
+
+def compression_ratio(full_mean_len: float, budget: int) -> float:
+    """The paper's compression ratio: mean full-cache output length / budget B."""
+    if budget <= 0:
+        raise ValueError(f"compression_ratio: budget must be > 0, got {budget}")
+    return full_mean_len / budget
+
+
+def failure_shares(records: Sequence[Record], *, key: str = "failure") -> dict[str, float]:
+    """Share of records in each failure class; every class of FAILURE_CLASSES is present."""
+    _require(records, "failure_shares")
+    counts = {c: 0 for c in FAILURE_CLASSES}
+    for r in records:
+        c = r[key]
+        if c not in counts:
+            raise ValueError(
+                f"failure_shares: unknown failure class {c!r}; known: {FAILURE_CLASSES}"
+            )
+        counts[c] += 1
+    return {c: n / len(records) for c, n in counts.items()}
+
+
+def fidelity_metrics(
+    full_logprobs: torch.Tensor, comp_logprobs: torch.Tensor, targets: torch.Tensor
+) -> dict[str, float | int]:
+    """Fidelity of a compressed cache's next-token distributions to the full cache's.
+
+    Args:
+        full_logprobs, comp_logprobs: ``[T, V]`` log-probabilities (logits also work: rows
+            are renormalised with log_softmax in float64, which leaves log-probs unchanged
+            up to rounding and removes bf16 normalisation drift).
+        targets: ``[T]`` token ids actually generated (teacher-forced on both caches).
+
+    Returns:
+        ``kl_mean``: mean over tokens of KL(full || compressed) = sum_v p_full (log p_full -
+        log p_comp); ``top1_agree``: share of tokens whose argmax agrees;
+        ``top1_disagree_share``: 1 - top1_agree; ``dnll_mean``: mean of NLL_comp(target) -
+        NLL_full(target) (positive = the compressed cache finds the text less likely);
+        ``n_tokens``: T.
+    """
+    if full_logprobs.shape != comp_logprobs.shape or full_logprobs.dim() != 2:
+        raise ValueError(
+            f"fidelity_metrics: need two [T, V] tensors of one shape, got "
+            f"{tuple(full_logprobs.shape)} and {tuple(comp_logprobs.shape)}"
+        )
+    T = full_logprobs.shape[0]
+    if targets.shape != (T,):
+        raise ValueError(f"fidelity_metrics: targets must be [T]=[{T}], got {tuple(targets.shape)}")
+    if T == 0:
+        raise ValueError("fidelity_metrics: no tokens")
+    lf = torch.log_softmax(full_logprobs.detach().to(torch.float64), dim=-1)
+    lc = torch.log_softmax(comp_logprobs.detach().to(device=lf.device, dtype=torch.float64), dim=-1)
+    p = lf.exp()
+    # Terms with p_full == 0 contribute 0 (not 0 * -inf = nan).
+    kl = torch.where(p > 0, p * (lf - lc), torch.zeros_like(p)).sum(dim=-1)
+    agree = (lf.argmax(dim=-1) == lc.argmax(dim=-1)).to(torch.float64).mean().item()
+    idx = targets.to(device=lf.device, dtype=torch.long).unsqueeze(-1)
+    dnll = (lf.gather(-1, idx) - lc.gather(-1, idx)).squeeze(-1)
+    return {
+        "kl_mean": kl.mean().item(),
+        "top1_agree": agree,
+        "top1_disagree_share": 1.0 - agree,
+        "dnll_mean": dnll.mean().item(),
+        "n_tokens": int(T),
+    }
+
+
+def aggregate_fidelity(per_problem: Iterable[Mapping[str, float | int]]) -> dict[str, float | int]:
+    """Token-weighted means of :func:`fidelity_metrics` results over many problems.
+
+    Each result weighs by its ``n_tokens``, so the aggregate equals the metrics of all tokens
+    pooled. Adds ``n_problems``; ``n_tokens`` is the total.
+    """
+    items = list(per_problem)
+    total = sum(int(m["n_tokens"]) for m in items)
+    if total == 0:
+        raise ValueError("aggregate_fidelity: no tokens")
+    out: dict[str, float | int] = {
+        k: sum(float(m[k]) * int(m["n_tokens"]) for m in items) / total for k in FIDELITY_KEYS
+    }
+    out["n_tokens"] = total
+    out["n_problems"] = len(items)
+    return out

@@ -1,0 +1,47 @@
+"""The paper's prompts: the question plus a fixed instruction, wrapped in the chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vase.eval.tasks import Problem, task_kind
+
+__all__ = ["MATH_SUFFIX", "GSM8K_SUFFIX", "prompt_suffix", "build_user_message", "build_prompt"]
+
+# Exactly the paper's strings (ALGORITHMS.md section 7); note the newline vs the space.
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+GSM8K_SUFFIX = " Put your final answer within \\boxed{}."
+
+
+def prompt_suffix(task: str) -> str:
+    """Instruction appended to a question of ``task`` (GSM8K/arith vs math tasks)."""
+    return GSM8K_SUFFIX if task_kind(task) == "gsm8k" else MATH_SUFFIX
+
+
+def build_user_message(problem: Problem) -> str:
+    """The user turn: the question followed by the task's instruction."""
+    return problem.question + prompt_suffix(problem.task)
+
+
+def build_prompt(
+    tokenizer: Any,
+    problem: Problem,
+    chat_template: bool = True,
+    **template_kwargs: Any,
+) -> str:
+    """The full prompt text for ``problem``.
+
+    With ``chat_template`` and a tokenizer that has one, the user message is rendered by
+    ``tokenizer.apply_chat_template(..., tokenize=False, add_generation_prompt=True)``;
+    ``template_kwargs`` are passed through (e.g. ``enable_thinking=True`` for Qwen3).
+    Otherwise (base models, templates switched off) the bare message is returned.
+    """
+    msg = build_user_message(problem)
+    if chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": msg}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **template_kwargs,
+        )
+    return msg

@@ -1,0 +1,458 @@
+"""Evaluation tasks: load benchmark problems from a local JSONL file, the hub, or generate them.
+
+Three sources, tried in this order:
+
+1. ``task_file``: any JSONL file, with the question and answer fields named by the caller.
+2. A named task (:data:`HUB_TASKS`): a local file in ``data_dir`` (or ``$VASE_DATA_DIR``)
+   in the hub's row format, else the hub itself through ``datasets`` (imported lazily).
+3. The embedded task ``arith`` / ``arith-N``: seeded multi-step arithmetic word problems
+   with exact integer answers, which need no download at all.
+
+Every failure a user can cause (missing file, bad JSON line, missing field, unknown name,
+no hub access) raises :class:`TaskError` with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from vase.eval.grading import last_boxed
+
+__all__ = [
+    "Problem",
+    "TaskError",
+    "HubTask",
+    "HUB_TASKS",
+    "TASK_NAMES",
+    "ARITH_DEFAULT_STEPS",
+    "ARITH_DEFAULT_SIZE",
+    "DATA_DIR_ENV",
+    "task_kind",
+    "load_task",
+    "load_jsonl_task",
+    "generate_arith",
+    "apply_arith_op",
+    "parse_gsm8k_answer",
+]
+
+DATA_DIR_ENV = "VASE_DATA_DIR"
+ARITH_DEFAULT_STEPS = 3
+ARITH_DEFAULT_SIZE = 200
+
+# Field names tried, in order, when the caller names none (hub formats differ per task).
+_QUESTION_FIELDS = ("question", "problem", "Question", "Problem")
+_ANSWER_FIELDS = ("answer", "Answer")
+# Extra row fields kept in Problem.meta only when small: solutions and rationales are long
+# and are not needed once the gold answer is extracted.
+_META_MAX_CHARS = 200
+
+
+class TaskError(ValueError):
+    """A task cannot be loaded; the message says why and what to do."""
+
+
+@dataclass
+class Problem:
+    """One evaluation problem.
+
+    ``answer`` is the gold final answer as a string (for GSM8K the number after ``####``
+    with thousands separators removed). ``task`` is the task name, used to pick the prompt.
+    """
+
+    id: str
+    question: str
+    answer: str
+    task: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HubTask:
+    """Where a named task lives on the hub and how its local files are named."""
+
+    name: str
+    hub_id: str
+    hub_config: str | None
+    split: str
+    kind: Literal["gsm8k", "math"]
+
+
+HUB_TASKS: dict[str, HubTask] = {
+    "gsm8k": HubTask("gsm8k", "openai/gsm8k", "main", "test", "gsm8k"),
+    "math500": HubTask("math500", "HuggingFaceH4/MATH-500", None, "test", "math"),
+    "aime24": HubTask("aime24", "math-ai/aime24", None, "test", "math"),
+    "aime25": HubTask("aime25", "math-ai/aime25", None, "test", "math"),
+    "amc23": HubTask("amc23", "math-ai/amc23", None, "test", "math"),
+}
+
+#: Every task name :func:`load_task` accepts without a file (``arith-N`` too).
+TASK_NAMES: tuple[str, ...] = (*HUB_TASKS, "arith")
+
+_ARITH_RE = re.compile(r"^arith(?:-(\d+))?$")
+
+
+def task_kind(name: str) -> Literal["gsm8k", "math"]:
+    """Prompt family of a task: ``"gsm8k"`` for GSM8K and arith, ``"math"`` otherwise.
+
+    Unknown names (custom JSONL tasks) get the math prompt, the paper's default; a custom
+    name starting with ``gsm8k`` gets the GSM8K prompt.
+    """
+    n = name.strip().lower()
+    if n.startswith("gsm8k") or _ARITH_RE.match(n):
+        return "gsm8k"
+    return "math"
+
+
+def parse_gsm8k_answer(answer: str) -> str:
+    """Gold number of a GSM8K answer: the text after ``#### ``, thousands separators removed."""
+    if "####" not in answer:
+        raise TaskError(f"GSM8K answer has no '#### <number>' line: {answer[-80:]!r}")
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+# ----------------------------------------------------------------------------- JSONL files
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise TaskError(f"task file not found: {path}")
+    rows: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # tolerate blank lines, e.g. a trailing newline
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise TaskError(f"{path}: line {lineno} is not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _pick_field(
+    row: dict[str, Any], wanted: str | None, candidates: tuple[str, ...], what: str, where: str
+) -> str:
+    """The field of ``row`` to read: ``wanted`` if given, else the first candidate present."""
+    if wanted is not None:
+        if wanted not in row:
+            raise TaskError(
+                f"{where}: no {what} field {wanted!r}; fields present: {sorted(row)}"
+            )
+        return wanted
+    for c in candidates:
+        if c in row:
+            return c
+    raise TaskError(
+        f"{where}: no {what} field (tried {list(candidates)}); fields present: {sorted(row)}"
+        f"; name it with --{what}-field"
+    )
+
+
+def _gold(row: dict[str, Any], answer_field: str | None, kind: str, where: str) -> str:
+    """Gold answer string of a row, in the row's hub format."""
+    if answer_field is None and not any(c in row for c in _ANSWER_FIELDS) and "solution" in row:
+        # MATH-style rows without an answer column: the gold is the solution's last box.
+        boxed = last_boxed(str(row["solution"]))
+        if boxed is None:
+            raise TaskError(f"{where}: no answer field and no \\boxed{{}} in 'solution'")
+        return boxed
+    key = _pick_field(row, answer_field, _ANSWER_FIELDS, "answer", where)
+    value = row[key]
+    if value is None:
+        raise TaskError(f"{where}: answer field {key!r} is null")
+    text = str(value).strip()
+    if kind == "gsm8k":
+        # Hub GSM8K rows hold the rationale with the gold after "####"; pre-extracted
+        # copies hold the bare number. Either way the gold is a number without commas.
+        return parse_gsm8k_answer(text) if "####" in text else text.replace(",", "")
+    return text
+
+
+def _rows_to_problems(
+    rows: list[dict[str, Any]],
+    *,
+    task: str,
+    source: str,
+    question_field: str | None,
+    answer_field: str | None,
+) -> list[Problem]:
+    kind = task_kind(task)
+    ids = _row_ids(rows, task)
+    problems: list[Problem] = []
+    for i, row in enumerate(rows):
+        where = f"{source}: row {i + 1}"
+        q_key = _pick_field(row, question_field, _QUESTION_FIELDS, "question", where)
+        gold = _gold(row, answer_field, kind, where)
+        meta: dict[str, Any] = {"index": i, "source": source}
+        for k, v in row.items():
+            if k in (q_key, answer_field, "solution", *_ANSWER_FIELDS):
+                continue
+            if isinstance(v, (int, float, bool)) or (
+                isinstance(v, str) and len(v) <= _META_MAX_CHARS
+            ):
+                meta[k] = v
+        problems.append(Problem(ids[i], str(row[q_key]), gold, task, meta))
+    return problems
+
+
+def _row_ids(rows: list[dict[str, Any]], task: str) -> list[str]:
+    """Stable problem ids: the rows' ``unique_id``/``id`` when unique, else the row index."""
+    for key in ("unique_id", "id"):
+        if rows and all(r.get(key) not in (None, "") for r in rows):
+            # Integer ids ("0", "1", ...) mean nothing on their own: prefix the task.
+            ids = [
+                str(r[key]) if isinstance(r[key], str) and not str(r[key]).isdigit()
+                else f"{task}-{r[key]}"
+                for r in rows
+            ]
+            if len(set(ids)) == len(ids):
+                return ids
+    return [f"{task}-{i:04d}" for i in range(len(rows))]
+
+
+def load_jsonl_task(
+    path: str | Path,
+    *,
+    task: str | None = None,
+    question_field: str | None = None,
+    answer_field: str | None = None,
+) -> list[Problem]:
+    """Load problems from any JSONL file (one JSON object per line).
+
+    Without ``question_field`` / ``answer_field`` the fields ``question``/``problem`` and
+    ``answer`` are tried. ``task`` defaults to the file stem and sets the prompt family
+    (see :func:`task_kind`); a GSM8K-kind task extracts the gold after ``####``.
+    """
+    p = Path(path).expanduser()
+    name = task or p.stem
+    rows = _read_jsonl(p)
+    if not rows:
+        raise TaskError(f"task file is empty: {p}")
+    return _rows_to_problems(
+        rows, task=name, source=str(p), question_field=question_field, answer_field=answer_field
+    )
+
+
+# ----------------------------------------------------------------------------- named tasks
+
+
+def _local_candidates(spec: HubTask, data_dir: Path) -> list[Path]:
+    n = spec.name
+    return [
+        data_dir / f"{n}_test.jsonl",
+        data_dir / f"{n}.jsonl",
+        data_dir / n / "test.jsonl",  # the math-evaluation-harness layout data/<task>/test.jsonl
+    ]
+
+
+def _resolve_data_dir(data_dir: str | Path | None) -> Path | None:
+    if data_dir is not None:
+        return Path(data_dir).expanduser()
+    env = os.environ.get(DATA_DIR_ENV)
+    return Path(env).expanduser() if env else None
+
+
+def _missing_message(spec: HubTask, data_dir: Path | None, reason: str) -> str:
+    looked = f" (looked in {data_dir})" if data_dir is not None else ""
+    return (
+        f"no local file for task {spec.name!r}{looked}: put {spec.name}_test.jsonl in "
+        f"--data-dir DIR (or set {DATA_DIR_ENV}), or install `datasets` and connect to the "
+        f"hub ({spec.hub_id}); {reason}"
+    )
+
+
+def _load_hub_rows(spec: HubTask, data_dir: Path | None) -> list[dict[str, Any]]:
+    try:
+        import datasets  # lazy: an optional dependency (the `hub` extra)
+    except ImportError as e:
+        raise TaskError(_missing_message(spec, data_dir, "`datasets` is not installed")) from e
+    try:
+        args = (spec.hub_id, spec.hub_config) if spec.hub_config else (spec.hub_id,)
+        ds = datasets.load_dataset(*args, split=spec.split)
+    except Exception as e:  # noqa: BLE001 - offline, gated, renamed: all mean "no hub"
+        raise TaskError(
+            _missing_message(spec, data_dir, f"the hub failed: {type(e).__name__}: {e}")
+        ) from e
+    return [dict(r) for r in ds]
+
+
+def _load_named(
+    spec: HubTask,
+    data_dir: Path | None,
+    question_field: str | None,
+    answer_field: str | None,
+) -> list[Problem]:
+    if data_dir is not None:
+        for cand in _local_candidates(spec, data_dir):
+            if cand.is_file():
+                return load_jsonl_task(
+                    cand, task=spec.name, question_field=question_field, answer_field=answer_field
+                )
+    rows = _load_hub_rows(spec, data_dir)
+    return _rows_to_problems(
+        rows,
+        task=spec.name,
+        source=f"hub:{spec.hub_id}",
+        question_field=question_field,
+        answer_field=answer_field,
+    )
+
+
+# ----------------------------------------------------------------------------- arith
+
+_NAMES = (
+    ("Mia", "she"), ("Leo", "he"), ("Ava", "she"), ("Noah", "he"), ("Zoe", "she"),
+    ("Omar", "he"), ("Lena", "she"), ("Ravi", "he"), ("Ines", "she"), ("Tom", "he"),
+)
+_ITEMS = ("apples", "marbles", "stickers", "coins", "books", "pencils", "cards", "shells")
+_MAX_VALUE = 200  # keeps every intermediate value small enough to do in one's head
+_MAX_DELTA = 20
+
+# op -> (sentence templates, function); {k} is the operand, {pro} the pronoun.
+_OPS: dict[str, tuple[tuple[str, ...], Callable[[int, int], int]]] = {
+    "+": (("buys {k} more", "finds {k} more", "is given {k} more"), lambda v, k: v + k),
+    "-": (("gives away {k}", "loses {k}", "sells {k}"), lambda v, k: v - k),
+    "*": (("doubles what {pro} has", "triples what {pro} has"), lambda v, k: v * k),
+    "/": (("gives away half of them",), lambda v, k: v // k),
+}
+
+
+def _arith_step(rng: random.Random, v: int) -> tuple[str, int, str]:
+    """Choose one operation valid for the current value ``v`` (results stay in 1.._MAX)."""
+    choices: list[str] = []
+    if v + 1 <= _MAX_VALUE:
+        choices.append("+")
+    if v >= 2:
+        choices.append("-")
+    if v * 2 <= _MAX_VALUE:
+        choices.append("*")
+    if v >= 4 and v % 2 == 0:
+        choices.append("/")
+    op = rng.choice(choices)
+    if op == "+":
+        k = rng.randint(1, min(_MAX_DELTA, _MAX_VALUE - v))
+        phrase = rng.choice(_OPS["+"][0])
+    elif op == "-":
+        k = rng.randint(1, min(_MAX_DELTA, v - 1))
+        phrase = rng.choice(_OPS["-"][0])
+    elif op == "*":
+        k = 3 if v * 3 <= _MAX_VALUE and rng.random() < 0.3 else 2
+        phrase = _OPS["*"][0][0 if k == 2 else 1]
+    else:
+        k = 2
+        phrase = _OPS["/"][0][0]
+    return op, k, phrase
+
+
+def apply_arith_op(value: int, op: str, k: int) -> int:
+    """Apply one arith step; used by the generator and to check answers independently."""
+    return _OPS[op][1](value, k)
+
+
+def generate_arith(
+    n: int = ARITH_DEFAULT_SIZE, *, steps: int = ARITH_DEFAULT_STEPS, seed: int = 0
+) -> list[Problem]:
+    """Generate ``n`` arithmetic word problems of ``steps`` operations each.
+
+    Example: "Mia has 12 apples. She buys 7 more. Then she gives away 5. Then she doubles
+    what she has. How many apples does Mia have now?" (answer 28). One ``random.Random``
+    seeded with ``seed`` is drawn from in order, so the first ``m`` problems of any set are
+    the same whatever ``n`` is. Every intermediate value is a positive integer <= 200;
+    ``meta`` holds ``start`` and ``ops`` (``[op, k]`` pairs) to re-derive the answer.
+    """
+    if steps < 1:
+        raise TaskError(f"arith needs at least 1 step, got {steps}")
+    if n < 0:
+        raise TaskError(f"arith set size must be >= 0, got {n}")
+    rng = random.Random(seed)
+    name = "arith" if steps == ARITH_DEFAULT_STEPS else f"arith-{steps}"
+    problems: list[Problem] = []
+    for i in range(n):
+        person, pro = rng.choice(_NAMES)
+        item = rng.choice(_ITEMS)
+        v = rng.randint(2, _MAX_DELTA)
+        start = v
+        sentences = [f"{person} has {v} {item}."]
+        ops: list[list[Any]] = []
+        for s in range(steps):
+            op, k, phrase = _arith_step(rng, v)
+            v = apply_arith_op(v, op, k)
+            assert 1 <= v <= _MAX_VALUE  # the op choice above guarantees this
+            lead = pro.capitalize() if s == 0 else f"Then {pro}"
+            sentences.append(f"{lead} {phrase.format(k=k, pro=pro)}.")
+            ops.append([op, k])
+        sentences.append(f"How many {item} does {person} have now?")
+        problems.append(
+            Problem(
+                id=f"{name}-{i:04d}",
+                question=" ".join(sentences),
+                answer=str(v),
+                task=name,
+                meta={"index": i, "source": f"arith(seed={seed}, steps={steps})",
+                      "start": start, "ops": ops, "steps": steps},
+            )
+        )
+    return problems
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def load_task(
+    name: str,
+    *,
+    data_dir: str | Path | None = None,
+    task_file: str | Path | None = None,
+    question_field: str | None = None,
+    answer_field: str | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+) -> list[Problem]:
+    """Load the problems of a task.
+
+    Args:
+        name: a task of :data:`TASK_NAMES`, ``arith-N`` (N steps), or, with ``task_file``,
+            any label (it selects the prompt family through :func:`task_kind`).
+        data_dir: folder with local files (``<name>_test.jsonl``, ``<name>.jsonl`` or
+            ``<name>/test.jsonl``); defaults to ``$VASE_DATA_DIR``. Tried before the hub.
+        task_file: a JSONL file to load instead of a named task.
+        question_field, answer_field: field names in the file (default: ``question`` or
+            ``problem``, and ``answer``).
+        limit: keep the first ``limit`` problems (file order; for arith, the set size,
+            default 200).
+        seed: seed of the arith generator; files and hub sets are never shuffled.
+
+    Raises:
+        TaskError: unknown name, missing file, bad JSON line, missing field, or no local
+            file and no hub access.
+    """
+    if limit is not None and limit < 0:
+        raise TaskError(f"limit must be >= 0, got {limit}")
+    key = name.strip().lower()
+
+    if task_file is not None:
+        problems = load_jsonl_task(
+            task_file, task=name, question_field=question_field, answer_field=answer_field
+        )
+    elif (m := _ARITH_RE.match(key)) is not None:
+        steps = int(m.group(1)) if m.group(1) else ARITH_DEFAULT_STEPS
+        n = ARITH_DEFAULT_SIZE if limit is None else limit
+        return generate_arith(n, steps=steps, seed=seed)
+    elif key in HUB_TASKS:
+        problems = _load_named(
+            HUB_TASKS[key], _resolve_data_dir(data_dir), question_field, answer_field
+        )
+    else:
+        raise TaskError(
+            f"unknown task {name!r}: choose one of {', '.join(TASK_NAMES)}, arith-N, "
+            f"or give a JSONL file with --task-file"
+        )
+    return problems if limit is None else problems[:limit]

@@ -1,0 +1,247 @@
+"""Generation with a bounded cache: the user-facing entry point.
+
+    out = vase.generate(model, tokenizer, prompts, method="vase-attnv", budget=512,
+                        max_new_tokens=2048, seed=0)
+
+The decode loop is our own (not `model.generate`) so that each batch row samples from its
+own generator (a row's output does not depend on what else is in the batch) and finished
+rows leave the batch and the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import EvictionCache
+from .policies import Policy
+
+#: Sampling defaults of the paper's evaluation (ALGORITHMS.md section 7).
+PAPER_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": None}
+
+
+@dataclass
+class GenerationOutput:
+    """What `generate` returns; lists have one entry per prompt, in order."""
+
+    texts: list[str]
+    token_ids: list[list[int]]  # generated ids, EOS excluded
+    prompt_lengths: list[int]  # prompt tokens (no padding)
+    finished: list[bool]  # True: stopped on EOS; False: hit max_new_tokens
+    seconds: float  # wall time of prefill + decode
+    prefill_seconds: float
+    stats: dict = field(default_factory=dict)  # cache.stats() at the end
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.seconds - self.prefill_seconds
+        return self.new_tokens / decode if decode > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Next-token choice: greedy, or temperature / top-p / top-k sampling with per-row generators."""
+
+    greedy: bool = False
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def __call__(self, logits: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        """logits [b, vocab] -> next token ids [b]."""
+        if self.greedy:
+            return logits.argmax(-1)
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)
+            # Drop a token once the mass before it already reaches top_p (the first always stays).
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= self.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        return torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
+
+
+def row_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
+    """One seed per row: `seed + r` for an int, or the given list."""
+    seeds = list(seed) if isinstance(seed, Sequence) else [seed + r for r in range(batch)]
+    if len(seeds) != batch:
+        raise ValueError(f"got {len(seeds)} seeds for {batch} prompts")
+    return [int(s) for s in seeds]
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], chat_template: bool = True,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input ids and attention mask, [b, P] each; applies the chat template when asked and present."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+    else:
+        texts = list(prompts)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat_template)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+@torch.inference_mode()
+def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, *, max_new_tokens: int,
+           sampler: Sampler, seeds: Sequence[int], eos_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+           on_token: Callable[[int, int], None] | None = None) -> tuple[list[list[int]], list[bool], float]:
+    """Prefill left-padded `input_ids` [b, P] and decode up to `max_new_tokens` per row.
+
+    Works with an EvictionCache or any transformers Cache. Finished rows leave the batch.
+    Returns (generated ids per row, finished-on-EOS per row, prefill seconds).
+    """
+    b = input_ids.shape[0]
+    device = input_ids.device
+    generators = [torch.Generator(device=device).manual_seed(s + 1_000_003) for s in seeds]
+    eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    start = time.perf_counter()
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    prefill_seconds = time.perf_counter() - start
+    generated: list[list[int]] = [[] for _ in range(b)]
+    finished = [False] * b
+    active = list(range(b))
+    next_pos = positions[:, -1:] + 1
+    logits = out.logits[:, -1]
+    for _ in range(max_new_tokens):
+        tokens = sampler(logits, [generators[r] for r in active])
+        done = torch.isin(tokens, eos) if not ignore_eos else torch.zeros_like(tokens, dtype=torch.bool)
+        keep = []
+        for i, r in enumerate(active):
+            if done[i]:
+                finished[r] = True
+            else:
+                generated[r].append(int(tokens[i]))
+                keep.append(i)
+                if on_token is not None:
+                    on_token(r, int(tokens[i]))
+        if not keep or len(generated[active[keep[0]]]) >= max_new_tokens:
+            break
+        if len(keep) < len(active):  # drop finished rows from the batch and the cache
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            tokens, next_pos = tokens[index], next_pos[index]
+            active = [active[i] for i in keep]
+        out = model(input_ids=tokens[:, None], position_ids=next_pos, cache=cache, use_cache=True)
+        logits = out.logits[:, -1]
+        next_pos = next_pos + 1
+    return generated, finished, prefill_seconds
+
+
+def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Policy = "vase-attnv",
+             budget: int = 512, window: int = 64, max_new_tokens: int = 2048, temperature: float = 0.6,
+             top_p: float = 0.95, top_k: int | None = None, greedy: bool = False,
+             seed: int | Sequence[int] = 0, chat_template: bool = True, ignore_eos: bool = False,
+             sort_kept: bool = False, stream: Callable[[int, str], None] | None = None,
+             **method_params) -> GenerationOutput:
+    """Generate from `prompts` with a bounded KV cache evicted by `method`.
+
+    Sampling defaults are the paper's (temperature 0.6, top-p 0.95); `greedy=True` takes the
+    argmax. Row r uses seed `seed + r` (or `seed[r]`) for both eviction and sampling, so a
+    row's output does not depend on its batch. `stream(row, text)` receives decoded text
+    pieces as they are generated. Extra keyword arguments are the method's parameters.
+    """
+    prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompt_list:
+        raise ValueError("no prompts given")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    input_ids, attention_mask = encode_prompts(tokenizer, prompt_list, chat_template, device)
+    seeds = row_seeds(seed, len(prompt_list))
+    cache = EvictionCache(model, method, budget, window, seed=seeds, sort_kept=sort_kept,
+                          max_length=input_ids.shape[1] + max_new_tokens, **method_params)
+    sampler = Sampler(greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k)
+
+    on_token = None
+    if stream is not None:
+        so_far: dict[int, list[int]] = {}
+        printed: dict[int, int] = {}
+
+        def on_token(row: int, token: int) -> None:
+            ids = so_far.setdefault(row, [])
+            ids.append(token)
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for a whole character
+                stream(row, text[printed.get(row, 0):])
+                printed[row] = len(text)
+
+    start = time.perf_counter()
+    ids, finished, prefill_seconds = decode(
+        model, input_ids, attention_mask, cache, max_new_tokens=max_new_tokens, sampler=sampler, seeds=seeds,
+        eos_token_ids=eos_ids(model, tokenizer), ignore_eos=ignore_eos, on_token=on_token)
+    seconds = time.perf_counter() - start
+    return GenerationOutput(
+        texts=[tokenizer.decode(t, skip_special_tokens=True) for t in ids],
+        token_ids=ids,
+        prompt_lengths=attention_mask.sum(-1).tolist(),
+        finished=finished,
+        seconds=seconds,
+        prefill_seconds=prefill_seconds,
+        stats=cache.stats(),
+    )
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token that ends generation: the generation config's EOS ids and the tokenizer's."""
+    found: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            found.add(value)
+        elif value is not None:
+            found.update(int(v) for v in value)
+    return sorted(found)
+
+
+@torch.inference_mode()
+def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
+                     method: str | Policy = "full", budget: int = 512, window: int = 64, seed: int = 0,
+                     **method_params) -> torch.Tensor:
+    """Teacher-force `target_ids` after `prompt_ids` through a cache evicted by `method`.
+
+    Returns float32 log-probabilities [T, vocab]: row t is the distribution that predicted
+    target t. Tokens are fed in chunks that end exactly where token-by-token decoding would
+    evict, so the cache evicts the same way as when generating.
+    """
+    device = next(model.parameters()).device
+    prompt = torch.as_tensor(prompt_ids, device=device).view(1, -1)
+    target = torch.as_tensor(target_ids, device=device).view(-1)
+    if target.numel() == 0:
+        raise ValueError("target_ids is empty")
+    cache = EvictionCache(model, method, budget, window, seed=[seed],
+                          max_length=prompt.shape[1] + target.numel(), **method_params)
+    out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    pieces = [out.logits[0, -1:].float().log_softmax(-1)]
+    fed, total = 0, target.numel() - 1
+    layer0 = cache.layers[0]
+    while fed < total:
+        n = min(layer0.room(), total - fed)
+        chunk = target[fed:fed + n].view(1, -1)
+        pos = torch.arange(layer0.seen, layer0.seen + n, device=device).view(1, -1)
+        out = model(input_ids=chunk, position_ids=pos, cache=cache, use_cache=True)
+        pieces.append(out.logits[0].float().log_softmax(-1))
+        fed += n
+    return torch.cat(pieces)
