@@ -61,12 +61,12 @@ def _stock_kernel(kernel: str, module: torch.nn.Module) -> Callable:
 
 
 def _mask_from_2d(mask_2d: torch.Tensor | None, q_len: int, kv_len: int, additive: bool,
-                  dtype: torch.dtype) -> torch.Tensor | None:
+                  dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """Causal + padding mask [b, 1, q, kv] from a 2-D padding mask (no eviction happened)."""
     if mask_2d is None or mask_2d.dim() != 2:
-        if q_len == 1 or q_len == kv_len:
+        if q_len == 1 or (q_len == kv_len and not additive):
             return None
-        mask_2d = torch.ones(1, kv_len, dtype=torch.bool)
+        mask_2d = torch.ones(1, kv_len, dtype=torch.bool, device=device)
     mask_2d = mask_2d[:, -kv_len:].bool()
     if q_len == 1 and bool(mask_2d.all()):
         return None
@@ -102,7 +102,7 @@ def _make_attention(kernel: str) -> Callable:
             mask = attention_mask
         else:
             mask = _mask_from_2d(attention_mask if isinstance(attention_mask, torch.Tensor) else None,
-                                 q_len, kv_len, additive, query.dtype)
+                                 q_len, kv_len, additive, query.dtype, query.device)
         return _stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
 
     vase_attention.__name__ = f"vase_{kernel}"

@@ -381,8 +381,8 @@ class EvictionCache(Cache):
         else [b, 1, q_len, L] (bool, or additive float for eager). Memoised across layers."""
         pad = layer.pad or []
         L = layer.length
-        if not any(pad) and (q_len == 1 or q_len == L):
-            return None  # no padding, and plain causal (sdpa's is_causal) or a single query
+        if not any(pad) and (q_len == 1 or (q_len == L and not additive)):
+            return None  # no padding, and a single query or plain causal (sdpa's is_causal)
         key = (L, q_len, tuple(pad), dtype, additive)
         if self._mask_memo is not None and self._mask_memo[0] == key:
             return self._mask_memo[1]
