@@ -72,7 +72,9 @@ def sample_without_replacement(weights: torch.Tensor, k: int, generator) -> torc
     """
     u = uniform_noise(tuple(weights.shape), generator, weights.device).clamp_(min=1e-20)
     gumbel = -torch.log(-torch.log(u))
-    keys = torch.where(weights > 0, weights.clamp(min=1e-38).log() + gumbel, torch.full_like(weights, -1e30) + gumbel)
+    # Zero weights get a key below any positive one (log of the smallest float32 is about -104)
+    # that still carries the noise, so they are drawn uniformly once the positive ones run out.
+    keys = torch.where(weights > 0, weights.clamp(min=1e-45).log() + gumbel, gumbel - 1000.0)
     keys = torch.where(torch.isneginf(weights), torch.full_like(keys, float("-inf")), keys)
     return keys.topk(k, dim=-1).indices
 
@@ -163,7 +165,7 @@ class Policy:
         if n_keep == n:
             return torch.arange(n, device=device).expand(b, h, n).clone()
 
-        n_sinks = min(self.sinks, n) if self.protect_sinks else 0
+        n_sinks = min(self.sinks, n, n_keep) if self.protect_sinks else 0
         n_reserve = self.reserve_size(n_keep, budget)
         excluded = torch.zeros(b, h, n, dtype=torch.bool, device=device)
         parts = []

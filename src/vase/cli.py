@@ -1,0 +1,233 @@
+"""The `vase` command: methods, generate, eval, summarize, bench.
+
+User errors end with one line on stderr and a non-zero exit; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+from rich.console import Console
+from typer.exceptions import TyperException
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, help="Decode-time KV cache eviction for reasoning models (VaSE and baselines).")
+console = Console()
+err_console = Console(stderr=True)
+
+# -- options shared by several subcommands ---------------------------------------------------------------------
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Hub id, local directory or .gguf file "
+                                                 "(default: the embedded SmolLM2-135M-Instruct).")]
+DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda or auto.")]
+AttnOpt = Annotated[str, typer.Option("--attn", help="Attention kernel: sdpa, eager or flash_attention_2.")]
+WindowOpt = Annotated[int, typer.Option(help="Recent tokens never evicted (also the eviction interval).")]
+ParamOpt = Annotated[Optional[list[str]], typer.Option("--param", "-p", help="A method parameter, KEY=VALUE "
+                                                        "(repeatable), e.g. -p n_large=64.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed for eviction and sampling (row r uses seed + r).")]
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line."""
+
+
+def parse_params(items: list[str] | None) -> dict:
+    """`KEY=VALUE` strings to a dict, values parsed as YAML scalars (64 -> int, true -> bool)."""
+    params = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--param takes KEY=VALUE, got {item!r}")
+        params[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    return params
+
+
+def split_list(text: str, kind=str) -> list:
+    try:
+        return [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"expected a comma-separated list of {kind.__name__}s, got {text!r}") from None
+
+
+def load(model: str | None, dtype: str, device: str, attn: str):
+    from .models import load_model
+
+    with err_console.status(f"loading {model or 'the default model'}..."):
+        return load_model(model, dtype=dtype, device=device, attn_implementation=attn)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# -- vase methods ------------------------------------------------------------------------------------------------
+@app.command()
+def methods() -> None:
+    """List every method with its parameters, defaults and what it does."""
+    from .policies import POLICIES, get_policy
+
+    table = Table(title="vase methods")
+    table.add_column("method", style="bold")
+    table.add_column("what it does")
+    table.add_column("parameters (defaults)")
+    for name, cls in POLICIES.items():
+        params = get_policy(name).params()
+        shown = ", ".join(f"{k}={v}" for k, v in params.items())
+        table.add_row(name, cls.summary, shown if cls.evicts else "-")
+    console.print(table)
+    console.print("Modifiers compose with any method: -p value_guard=0.25 (or n_large=N), -p sample=true, "
+                  "-p protect_sinks=true.")
+
+
+# -- vase generate ---------------------------------------------------------------------------------------------
+def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
+    if prompt is not None and file is not None:
+        raise UserError("give a PROMPT or --file, not both")
+    if prompt == "-" or (file is not None and str(file) == "-"):
+        lines = sys.stdin.read().splitlines()
+    elif file is not None:
+        if not file.exists():
+            raise UserError(f"no such prompt file: {file}")
+        lines = file.read_text(encoding="utf-8").splitlines()
+    elif prompt is not None:
+        return [prompt]
+    else:
+        raise UserError("give a PROMPT, or --file F (one prompt per line; '-' reads stdin)")
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise UserError("no prompts found (one prompt per line)")
+    return prompts
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, or None if one is a prefix of the other and equal length."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt ('-' reads prompts from stdin).")] = None,
+    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Prompts, one per line ('-' = stdin).")] = None,
+    method: Annotated[str, typer.Option(help="Eviction method (see `vase methods`).")] = "vase-attnv",
+    budget: Annotated[int, typer.Option(help="KV pairs kept per layer and KV head.")] = 512,
+    window: WindowOpt = 64,
+    param: ParamOpt = None,
+    compare: Annotated[Optional[str], typer.Option(help="Run the prompt under a second method too "
+                                                   "and show where the outputs diverge.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 512,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (paper: 0.6).")] = 0.6,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling (paper: 0.95).")] = 0.95,
+    top_k: Annotated[Optional[int], typer.Option(help="Top-k sampling (off by default).")] = None,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Take the argmax instead of sampling.")] = False,
+    seed: SeedOpt = 0,
+    batch_size: Annotated[int, typer.Option(help="Prompts per batch when reading several.")] = 8,
+    chat: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    attn: AttnOpt = "sdpa",
+) -> None:
+    """Generate with a bounded KV cache, streaming the answer, then print a summary."""
+    from .generation import generate as run
+    from .policies import get_policy
+
+    prompts = read_prompts(prompt, file)
+    params = parse_params(param)
+    get_policy(method, **params)  # fail on a bad method before the slow model load
+    if compare:
+        get_policy(compare)
+    if batch_size < 1:
+        raise UserError("--batch-size must be >= 1")
+    mdl, tok = load(model, dtype, device, attn)
+    common = dict(budget=budget, window=window, max_new_tokens=max_new_tokens, temperature=temperature,
+                  top_p=top_p, top_k=top_k, greedy=greedy, chat_template=chat)
+    single = len(prompts) == 1
+
+    def stream(row: int, text: str) -> None:
+        console.out(text, end="", highlight=False)
+
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        seeds = [seed + start + r for r in range(len(batch))]
+        if single:
+            console.rule(f"[bold]{method}[/] B={budget}")
+        out = run(mdl, tok, batch, method=method, seed=seeds, stream=stream if single else None, **common, **params)
+        if single:
+            console.out("")
+        else:
+            for r, text in enumerate(out.texts):
+                console.rule(f"[bold]prompt {start + r + 1}[/]: {batch[r][:60]}")
+                console.out(text, highlight=False)
+        print_summary(method, out)
+        if compare:
+            if single:
+                console.rule(f"[bold]{compare}[/]")
+            other = run(mdl, tok, batch, method=compare, seed=seeds, stream=stream if single else None, **common)
+            if single:
+                console.out("")
+            print_summary(compare, other)
+            for r in range(len(batch)):
+                at = first_divergence(out.token_ids[r], other.token_ids[r])
+                label = f"prompt {start + r + 1}: " if not single else ""
+                if at is None:
+                    console.print(f"{label}{method} and {compare} produced identical tokens "
+                                  f"({len(out.token_ids[r])} tokens)")
+                else:
+                    context = tok.decode(out.token_ids[r][max(0, at - 8):at], skip_special_tokens=True)
+                    console.print(f"{label}{method} and {compare} diverge at token {at} (after ...{context!r})")
+
+
+def print_summary(method: str, out) -> None:
+    s = out.stats
+    console.print(
+        f"[dim]{method}: {out.new_tokens} tokens, {out.tokens_per_second:.1f} tok/s, "
+        f"{s.get('evictions', 0)} evictions, KV held {human_bytes(s.get('kv_bytes', 0))} "
+        f"vs {human_bytes(s.get('kv_bytes_full', 0))} full[/]", highlight=False)
+
+
+# -- entry point -------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    """Console entry: one-line errors unless --debug."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("VASE_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
+    try:
+        result = app(args=args, prog_name="vase", standalone_mode=False)
+        if isinstance(result, int) and result:  # --help and friends return their exit code
+            sys.exit(result)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        print("vase: aborted", file=sys.stderr)
+        sys.exit(130)
+    except TyperException as exc:  # usage errors: bad flag, bad value, unknown command
+        if debug:
+            raise
+        print(f"vase: error: {exc.format_message()} (see vase --help)", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("vase: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except (UserError, ValueError, FileNotFoundError, OSError, RuntimeError) as exc:
+        if debug:
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"vase: error: {message}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
