@@ -144,7 +144,10 @@ class EvictionLayer(CacheLayerMixin):
             self._grow(end)
         self.keys[:, :, self.length:end] = key_states
         self.values[:, :, self.length:end] = value_states
-        self.positions[:, :, self.length:end] = torch.arange(self.seen, self.seen + q, device=self.device)
+        if q == 1:  # the decode hot path: a scalar fill instead of a new arange
+            self.positions[:, :, self.length].fill_(self.seen)
+        else:
+            self.positions[:, :, self.length:end] = torch.arange(self.seen, self.seen + q, device=self.device)
         for state in self.slot_state.values():
             state[:, :, self.length:end] = 0
         self.length, self.seen = end, self.seen + q
@@ -188,9 +191,12 @@ class EvictionLayer(CacheLayerMixin):
             b, hq, _, d = query.shape
             self.queries = query.new_zeros(b, hq, w, d)
         q = query.shape[2]
-        take = min(q, w)
-        slots = (self.queries_seen + q - take + torch.arange(take, device=query.device)) % w
-        self.queries[:, :, slots] = query[:, :, q - take:]
+        if q == 1:  # the decode hot path
+            self.queries[:, :, self.queries_seen % w] = query[:, :, 0]
+        else:
+            take = min(q, w)
+            slots = (self.queries_seen + q - take + torch.arange(take, device=query.device)) % w
+            self.queries[:, :, slots] = query[:, :, q - take:]
         self.queries_seen += q
 
     def query_window(self) -> torch.Tensor:
