@@ -56,8 +56,11 @@ def split_list(text: str, kind=str) -> list:
 
 
 def load(model: str | None, dtype: str, device: str, attn: str):
+    from transformers.utils import logging as hf_logging
+
     from .models import load_model
 
+    hf_logging.disable_progress_bar()  # our own status line is enough
     with err_console.status(f"loading {model or 'the default model'}..."):
         return load_model(model, dtype=dtype, device=device, attn_implementation=attn)
 

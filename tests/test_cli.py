@@ -1,0 +1,115 @@
+"""The `vase` command on a tiny local model: errors, streaming, --compare, stdin prompts."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+import vase
+from vase.cli import first_divergence, main
+
+from .conftest import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def run_cli(args, capsys, stdin: str | None = None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "hi", "--budget", "abc"], "Invalid value for '--budget'"),
+    (["generate", "hi", "--method", "snapk"], "Did you mean snapkv"),
+    (["generate", "hi", "-p", "rank"], "--param takes KEY=VALUE"),
+    (["generate", "hi", "--method", "snapkv", "-p", "rank=3"], "takes no parameter 'rank'"),
+    (["generate"], "give a PROMPT"),
+    (["generate", "--file", "/nonexistent/prompts.txt"], "no such prompt file"),
+    (["frobnicate"], "No such command"),
+])
+def test_argument_errors_give_one_line_and_nonzero_exit(args, message, capsys):
+    code, out, err = run_cli(args, capsys)
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("vase: error:")
+    assert "Traceback" not in err + out
+
+
+def test_bad_budget_for_window_is_one_line_before_generation(model_dir, capsys):
+    code, _, err = run_cli(["generate", "hi", "--model", model_dir, "--budget", "20", "--window", "64"], capsys)
+    assert code == 1 and "must be larger than window" in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_on_each_subcommand(capsys):
+    for sub in ([], ["generate"], ["methods"], ["eval"], ["summarize"], ["bench"]):
+        code, out, _ = run_cli([*sub, "--help"], capsys)
+        assert code == 0 and "Usage" in out
+
+
+def test_methods_lists_every_method_with_parameters(capsys):
+    code, out, _ = run_cli(["methods"], capsys)
+    assert code == 0
+    for name in vase.method_names():
+        assert name in out
+    assert "n_large" in out and "rkv_lambda" in out
+
+
+def test_generate_streams_and_summarises(model_dir, capsys):
+    code, out, _ = run_cli(["generate", "abc", "--model", model_dir, "--budget", "24", "--window", "8",
+                            "--max-new-tokens", "40", "--greedy", "--no-chat"], capsys)
+    assert code == 0
+    assert "vase-attnv:" in out and "tok/s" in out and "evictions" in out and "KV held" in out
+
+
+def test_compare_reports_the_first_divergence(model_dir, capsys):
+    from vase.models import load_model
+
+    model, tok = load_model(model_dir)
+    kwargs = dict(budget=24, window=8, max_new_tokens=60, greedy=True, chat_template=False, seed=[0])
+    a = vase.generate(model, tok, ["hello there"], method="snapkv", **kwargs)
+    b = vase.generate(model, tok, ["hello there"], method="full", **kwargs)
+    expected = first_divergence(a.token_ids[0], b.token_ids[0])
+    assert expected is not None  # eviction changed the output of this tiny model
+    code, out, _ = run_cli(["generate", "hello there", "--model", model_dir, "--method", "snapkv", "--compare",
+                            "full", "--budget", "24", "--window", "8", "--max-new-tokens", "60", "--greedy",
+                            "--no-chat"], capsys)
+    assert code == 0 and f"snapkv and full diverge at token {expected} " in out
+
+    code, out, _ = run_cli(["generate", "hello there", "--model", model_dir, "--method", "snapkv", "--compare",
+                            "full", "--budget", "400", "--window", "8", "--max-new-tokens", "30", "--greedy",
+                            "--no-chat"], capsys)
+    assert code == 0 and "snapkv and full produced identical tokens" in out
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_prompts_from_stdin_are_batched(model_dir, capsys, monkeypatch):
+    code, out, _ = run_cli(["generate", "-", "--model", model_dir, "--budget", "24", "--window", "8",
+                            "--max-new-tokens", "12", "--greedy", "--no-chat", "--batch-size", "2"],
+                           capsys, stdin="first prompt\n\nsecond one\nthird\n", monkeypatch=monkeypatch)
+    assert code == 0
+    assert "prompt 1" in out and "prompt 2" in out and "prompt 3" in out
+    assert out.count("vase-attnv:") == 2  # two batches: [1, 2] and [3]
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "vase.cli", "methods"], capture_output=True, text=True)
+    assert result.returncode == 0 and "vase-attnv" in result.stdout
