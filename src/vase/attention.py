@@ -25,31 +25,10 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import PreTrainedModel
 
 from .cache import PENDING_LAYER
+from .support import UnsupportedModelError, check_model_supported
 
 PREFIX = "vase_"
 KERNELS = ("sdpa", "eager", "flash_attention_2")
-
-
-class UnsupportedModelError(ValueError):
-    """A model vase cannot run: its attention bypasses the interface, or it uses sliding windows."""
-
-
-def check_model_supported(model: PreTrainedModel) -> None:
-    """Raise UnsupportedModelError (naming the model and the reason) if vase cannot evict its cache."""
-    name = type(model).__name__
-    if not getattr(type(model), "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"{name} does not route attention through transformers' AttentionInterface, so vase cannot record "
-            "queries or mask evicted slots; use a model such as Qwen3, Qwen2, Llama or Mistral")
-    config = model.config.get_text_config()
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name} is an encoder-decoder model; vase evicts decoder-only caches")
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = [t for t in layer_types if t != "full_attention"]
-    if sliding or (getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
-        raise UnsupportedModelError(
-            f"{name} uses sliding-window or non-full attention layers ({sorted(set(sliding)) or 'sliding_window'}), "
-            "which a budgeted cache cannot honour; disable the sliding window in the config or pick another model")
 
 
 def _stock_kernel(kernel: str, module: torch.nn.Module) -> Callable:

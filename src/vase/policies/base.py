@@ -16,13 +16,11 @@ Tensor layout everywhere (no transformers import in this package):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
 
-Generators = "torch.Generator | Sequence[torch.Generator] | None"
 VALUE_METRICS = ("range", "l2", "var")
 
 
