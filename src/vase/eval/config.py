@@ -1,0 +1,415 @@
+"""Evaluation configuration: what to run, loaded from a YAML/TOML/JSON file plus overrides.
+
+    cfg = load_config("eval.toml", {"limit": 6, "methods": "full,snapkv"})   # flags win
+    name = run_name(cfg)            # "arith-n6-s1-3f2a9c1d": the same command, the same run dir
+
+The run identity (:func:`identity`) holds everything that changes results: the problems
+themselves (a digest of ids, questions and answers), the limit and seed, every method with its
+*full* parameter set, budgets, window, samples, length cap, sampling, grading switches, model and
+dtype. Things that must not change results (batch size, device, output folder, fidelity on/off,
+progress) are left out, so changing them resumes the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vase.policies import Policy, UnknownMethodError, get_policy
+
+__all__ = [
+    "ConfigError",
+    "EvalConfig",
+    "MethodSpec",
+    "FULL",
+    "load_config",
+    "identity",
+    "identity_hash",
+    "problems_digest",
+    "run_name",
+    "canonical_label",
+]
+
+#: The reference method; always run once per problem, recorded with ``budget = None``.
+FULL = "full"
+
+_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+_ATTN = ("sdpa", "eager", "flash_attention_2")
+# Attention sinks every budget must leave room for (ALGORITHMS.md section 1: B > w + sinks).
+_MIN_SINKS = 4
+
+
+class ConfigError(ValueError):
+    """An evaluation config that cannot run; the message says what to change."""
+
+
+def canonical_label(name: str) -> str:
+    """How a method label is normalised: ``"VaSE_AttnV "`` -> ``"vase-attnv"`` (as get_policy does)."""
+    return str(name).strip().lower().replace("_", "-")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method of a run: its label in records, the registered method, its full parameters."""
+
+    label: str
+    method: str  # registered name passed to get_policy / generate
+    params: dict[str, Any]  # only what the user set (passed on as keyword arguments)
+    policy: Policy  # get_policy(method, **params): its params() are the full identity
+
+    @property
+    def evicts(self) -> bool:
+        return bool(self.policy.evicts)
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.method, "params": _jsonable(self.policy.params()), "repr": repr(self.policy)}
+
+
+_SCALARS: dict[str, type] = {
+    "limit": int, "seed": int, "window": int, "samples": int, "max_new_tokens": int, "batch_size": int,
+    "top_k": int, "temperature": float, "top_p": float, "greedy": bool, "chat_template": bool,
+    "numeric_fallback": bool, "fidelity": bool,
+}
+
+
+def _parse_scalar(text: str, kind: type) -> Any:
+    t = text.strip()
+    if t.lower() in ("none", "null", ""):
+        return None
+    if kind is bool:
+        if t.lower() in ("1", "true", "yes", "on"):
+            return True
+        if t.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(t)
+    return kind(t)
+
+
+def _split_list(value: Any) -> list[Any]:
+    """``"a,b"`` or ``["a", "b"]`` or ``"a"`` -> a list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (int, float)):
+        return [value]
+    return list(value)
+
+
+@dataclass
+class EvalConfig:
+    """Everything an evaluation run needs.
+
+    task: a task name (``arith``, ``arith-N``, ``gsm8k``, ``math500``, ...) or, with ``task_file``,
+        a label (default: the file's stem). data_dir / task_file / question_field / answer_field /
+        limit / seed: passed to :func:`vase.eval.tasks.load_task` (seed also seeds sampling).
+    methods: method labels. A label is a registered method name, or any label whose entry in
+        ``method_params`` names the method (``{"snapkv-v16": {"method": "snapkv-v", "n_large": 16}}``).
+        ``full`` (the reference) is always run once, whether listed or not.
+    budgets: KV budgets B, each run with every evicting method.
+    samples: completions per problem (the paper's n for pass@1).
+    batch_size: sequences per generate call (the samples of one problem stay together; several
+        problems share a call when it allows). Does not change results.
+    fidelity: also teacher-force the full cache's first sample through every method and record
+        KL / top-1 agreement / delta-NLL. Does not change the sample records.
+    model: a model spec for :func:`vase.models.load_model` (None = the embedded default).
+    name: the run folder's name under ``output_dir`` (default: :func:`run_name`).
+    """
+
+    task: str | None = None
+    data_dir: str | None = None
+    task_file: str | None = None
+    question_field: str | None = None
+    answer_field: str | None = None
+    limit: int | None = None
+    seed: int = 0
+    methods: list[str] = field(default_factory=lambda: ["vase-attnv"])
+    budgets: list[int] = field(default_factory=lambda: [512])
+    window: int = 64
+    samples: int = 1
+    max_new_tokens: int = 2048
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int | None = None
+    greedy: bool = False
+    chat_template: bool = True
+    numeric_fallback: bool = False
+    end_marker: str | None = None
+    batch_size: int = 8
+    fidelity: bool = False
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attn_implementation: str = "sdpa"
+    method_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    output_dir: str = "runs"
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        self._coerce()
+        self._validate()
+
+    # -- normalisation ---------------------------------------------------------------------------
+    def _coerce(self) -> None:
+        # Strings from a command line or an environment become the field's type.
+        for name, kind in _SCALARS.items():
+            v = getattr(self, name)
+            if isinstance(v, str):
+                try:
+                    setattr(self, name, _parse_scalar(v, kind))
+                except ValueError as e:
+                    raise ConfigError(f"{name} must be {kind.__name__}, got {v!r}") from e
+        self.methods = [canonical_label(m) for m in _split_list(self.methods)]
+        try:
+            self.budgets = [int(b) for b in _split_list(self.budgets)]
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"budgets must be integers, got {self.budgets!r}") from e
+        if self.method_params is None:
+            self.method_params = {}
+        if not isinstance(self.method_params, Mapping):
+            raise ConfigError(f"method_params must map a method label to its parameters, got {self.method_params!r}")
+        params: dict[str, dict[str, Any]] = {}
+        for label, p in self.method_params.items():
+            if not isinstance(p, Mapping):
+                raise ConfigError(f"method_params[{label!r}] must be a table of parameters, got {p!r}")
+            params[canonical_label(label)] = dict(p)
+        self.method_params = params
+        for name in ("task", "data_dir", "task_file", "model", "output_dir", "name"):
+            v = getattr(self, name)
+            if isinstance(v, Path):
+                setattr(self, name, str(v))
+
+    @property
+    def task_name(self) -> str:
+        """The task label: ``task``, else the task file's stem, else ``arith``."""
+        if self.task:
+            return self.task
+        if self.task_file:
+            return Path(self.task_file).stem
+        return "arith"
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(bool(self.methods), "methods is empty: name at least one method (e.g. --methods full,vase-attnv)")
+        need(len(set(self.methods)) == len(self.methods), f"methods lists a method twice: {self.methods}")
+        need(isinstance(self.window, int) and self.window >= 1, f"window must be >= 1, got {self.window}")
+        need(isinstance(self.samples, int) and self.samples >= 1, f"samples must be >= 1, got {self.samples}")
+        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+             f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        need(isinstance(self.batch_size, int) and self.batch_size >= 1,
+             f"batch_size must be >= 1, got {self.batch_size}")
+        need(self.limit is None or (isinstance(self.limit, int) and self.limit >= 1),
+             f"limit must be >= 1 (or unset for every problem), got {self.limit}")
+        need(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        need(self.greedy or float(self.temperature) > 0,
+             f"temperature must be > 0 (or set greedy), got {self.temperature}")
+        need(0 < float(self.top_p) <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+             f"top_k must be >= 1 or unset, got {self.top_k}")
+        need(str(self.dtype) in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        need(self.attn_implementation in _ATTN,
+             f"attn_implementation must be one of {', '.join(_ATTN)}, got {self.attn_implementation!r}")
+        for label in self.method_params:
+            if label not in self.methods:
+                close = difflib.get_close_matches(label, self.methods, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"method_params names {label!r}, which is not in methods {self.methods}{hint}")
+        specs = self.method_specs()  # raises on unknown methods / parameters
+        evicting = [s for s in specs.values() if s.evicts]
+        if evicting:
+            need(bool(self.budgets), f"budgets is empty but {evicting[0].label!r} evicts: give --budgets")
+        need(len(set(self.budgets)) == len(self.budgets), f"budgets lists a budget twice: {self.budgets}")
+        for b in self.budgets:
+            if b <= self.window + _MIN_SINKS:
+                raise ConfigError(f"budget {b} must be larger than window + {_MIN_SINKS} sinks "
+                                  f"({self.window} + {_MIN_SINKS}): raise the budget or lower --window")
+            for s in evicting:
+                sinks = s.policy.sinks if s.policy.protect_sinks else 0
+                if b <= self.window + sinks:
+                    raise ConfigError(f"budget {b} must be larger than window + protected sinks of {s.label!r} "
+                                      f"({self.window} + {sinks})")
+
+    def method_specs(self) -> dict[str, MethodSpec]:
+        """Label -> MethodSpec, ``full`` first, then ``methods`` in order. Raises ConfigError."""
+        out: dict[str, MethodSpec] = {}
+        for label in [FULL, *[m for m in self.methods if m != FULL]]:
+            params = dict(self.method_params.get(label, {}))
+            method = canonical_label(params.pop("method", label))
+            try:
+                policy = get_policy(method, **params)
+            except UnknownMethodError as e:
+                where = f"method {label!r}: " if method != label else ""
+                raise ConfigError(f"{where}{e}") from e
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"method {label!r}: bad parameters {params}: {e}") from e
+            if label == method:
+                label = method = policy.name
+            if label == FULL and policy.evicts:
+                raise ConfigError(f"the label {FULL!r} is reserved for the full-cache reference")
+            out[label] = MethodSpec(label, method, params, policy)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self))
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python < 3.11
+                import tomli as tomllib  # type: ignore[no-redef]
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path} must end in .toml, .yaml, .yml or .json")
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parser's error
+        raise ConfigError(f"cannot read config file {path}: {type(e).__name__}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of settings, got {type(data).__name__}")
+    # Allow the settings under an [eval] table (so one file can hold other sections too).
+    if set(data) == {"eval"} and isinstance(data["eval"], dict):
+        data = data["eval"]
+    return data
+
+
+def _normalise_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(EvalConfig)}
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown setting {k!r}{hint}")
+        out[key] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+                **kwargs: Any) -> EvalConfig:
+    """An EvalConfig from a TOML/YAML/JSON file, then ``overrides`` and keyword arguments on top.
+
+    Override values that are None are ignored (a flag that was not given); others win over the
+    file. ``method_params`` merges per method label. Keys may use dashes (``max-new-tokens``).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _normalise_keys(_read_file(Path(path).expanduser()), str(path))
+    merged_over = {**(overrides or {}), **kwargs}
+    over = _normalise_keys({k: v for k, v in merged_over.items() if v is not None}, "overrides")
+    if "method_params" in over and "method_params" in data:
+        mp = {canonical_label(k): dict(v) for k, v in (data["method_params"] or {}).items()}
+        for k, v in over.pop("method_params").items():
+            mp.setdefault(canonical_label(k), {}).update(v)
+        data["method_params"] = mp
+    data.update(over)
+    try:
+        return EvalConfig(**data)
+    except TypeError as e:
+        raise ConfigError(f"bad config: {e}") from e
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON types (tuples -> lists, paths -> str, dtypes -> str), keys sorted later by dumps."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def problems_digest(problems: Sequence[Any]) -> str:
+    """sha256 over the problems' ids, tasks, questions and gold answers (the data identity)."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(json.dumps([p.id, p.task, p.question, p.answer], ensure_ascii=False).encode("utf-8"))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _load_problems(config: EvalConfig) -> list[Any]:
+    from vase.eval.tasks import load_task
+
+    return load_task(config.task_name, data_dir=config.data_dir, task_file=config.task_file,
+                     question_field=config.question_field, answer_field=config.answer_field,
+                     limit=config.limit, seed=config.seed)
+
+
+def identity(config: EvalConfig, problems: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Everything that changes results, as plain JSON (loads the task when ``problems`` is None)."""
+    if problems is None:
+        problems = _load_problems(config)
+    specs = config.method_specs()
+    return {
+        "task": config.task_name,
+        "data": problems_digest(problems),
+        "n_problems": len(problems),
+        "limit": config.limit,
+        "seed": config.seed,
+        # Sorted: the order methods and budgets are listed in changes no result.
+        "methods": {label: {"method": s.method, "params": _jsonable(s.policy.params())}
+                    for label, s in sorted(specs.items())},
+        "budgets": sorted(config.budgets),
+        "window": config.window,
+        "samples": config.samples,
+        "max_new_tokens": config.max_new_tokens,
+        "sampling": {"greedy": config.greedy, "temperature": float(config.temperature),
+                     "top_p": float(config.top_p), "top_k": config.top_k},
+        "chat_template": config.chat_template,
+        "grading": {"numeric_fallback": config.numeric_fallback, "end_marker": config.end_marker},
+        "model": config.model if config.model is not None else "default",
+        "dtype": str(config.dtype),
+    }
+
+
+def identity_hash(ident: Mapping[str, Any]) -> str:
+    blob = json.dumps(ident, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("ascii")).hexdigest()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "task"
+
+
+def run_name(config: EvalConfig, problems: Sequence[Any] | None = None) -> str:
+    """``<task>-n<problems>-s<samples>-<hash8>``; ``config.name`` when set.
+
+    Deterministic: the same settings (and data) always give the same name, so rerunning a
+    command resumes its run. Loads the task when ``problems`` is None.
+    """
+    if config.name:
+        return config.name
+    ident = identity(config, problems)
+    return f"{_slug(config.task_name)}-n{ident['n_problems']}-s{config.samples}-{identity_hash(ident)[:8]}"

@@ -1,0 +1,602 @@
+"""The evaluation runner: how much does method X at budget B cost on task T?
+
+    from vase.eval.config import EvalConfig
+    from vase.eval.runner import run_eval
+    run_dir = run_eval(EvalConfig(task="arith", limit=6, methods=["vase-attnv"], budgets=[96]))
+
+Work is cut into units (one problem x one method/budget, its ``samples`` completions generated
+as one batch; several problems share a batch when ``batch_size`` allows). ``full`` runs once per
+problem as the reference. Sample ``s`` of problem ``i`` uses the seed :func:`sample_seed`
+``(config.seed, i, s)`` under every method, so each completion pairs with the full cache's
+completion of the same seed (the agreement metric).
+
+Every finished completion is appended to ``samples.rank{R}.jsonl`` at once (flushed, fsync'ed),
+so a killed run loses at most the batch in flight; running the same command again skips what
+is stored. Under torchrun/accelerate (``RANK``/``WORLD_SIZE`` set) rank R takes the problems
+``i % WORLD_SIZE == R``; a gloo barrier at the end lets rank 0 write the summary.
+
+Run directory (``<output_dir>/<run_name>``)::
+
+    config.json               the run identity and every method's full parameters (never overwritten)
+    starts.jsonl              one line per process start (rank, world, device, batch size, ...)
+    samples.rank{R}.jsonl     one record per finished completion (see SAMPLE_FIELDS)
+    fidelity.rank{R}.jsonl    one record per (problem, method, budget) when fidelity is on
+    summary.csv / summary.md  per (method, budget) table, rebuilt from the JSONL by report.summarize
+    accuracy_vs_budget.png, failures.png, fidelity_kl_vs_budget.png
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vase.eval.config import FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_hash, run_name
+from vase.eval.failures import classify_failure
+from vase.eval.grading import extract_answer, is_correct
+from vase.eval.metrics import aggregate_fidelity, fidelity_metrics
+from vase.eval.prompts import build_user_message
+from vase.eval.store import (
+    FIDELITY,
+    FIDELITY_KEY,
+    SAMPLE_KEY,
+    SAMPLES,
+    JsonlStore,
+    rank_path,
+    read_all,
+    record_key,
+)
+from vase.eval.tasks import Problem, load_task
+
+__all__ = [
+    "run_eval",
+    "RunConflictError",
+    "sample_seed",
+    "dist_env",
+    "row_cache_stats",
+    "kv_bytes_per_token",
+    "write_run_config",
+    "SAMPLE_FIELDS",
+    "FIDELITY_FIELDS",
+    "VOLATILE_FIELDS",
+]
+
+log = logging.getLogger(__name__)
+
+#: Fields of a sample record (``token_ids`` only on the full cache's sample 0: the fidelity trajectory).
+SAMPLE_FIELDS: tuple[str, ...] = (
+    "problem_id", "problem_index", "sample", "method", "budget", "seed", "gold", "answer", "correct",
+    "length", "prompt_length", "finished", "failure", "text", "kv_bytes", "kv_bytes_peak", "kv_bytes_full",
+    "evictions", "seconds", "prefill_seconds", "tokens_per_s", "batch_rows", "rank",
+)
+FIDELITY_FIELDS: tuple[str, ...] = (
+    "problem_id", "problem_index", "method", "budget", "seed", "n_tokens", "kl_mean", "top1_agree",
+    "top1_disagree_share", "dnll_mean", "seconds", "rank",
+)
+#: Fields that depend on timing or on how the work was split, not on the results.
+VOLATILE_FIELDS: tuple[str, ...] = ("seconds", "prefill_seconds", "tokens_per_s", "batch_rows", "rank")
+
+# Rows of the [T, vocab] log-prob matrices turned into float64 at a time by the fidelity metrics.
+_FIDELITY_CHUNK = 1024
+_DIST_TIMEOUT_ENV = "VASE_DIST_TIMEOUT_S"
+
+
+class RunConflictError(ConfigError):
+    """The run directory holds a run with a different identity: it is never overwritten."""
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+
+def sample_seed(seed: int, problem_index: int, sample: int) -> int:
+    """The seed of sample ``sample`` of problem ``problem_index``: the same for every method.
+
+    A hash (not ``seed + i``) so that neighbouring runs and problems never share streams; 31 bits.
+    """
+    digest = hashlib.sha256(f"vase-eval:{int(seed)}:{int(problem_index)}:{int(sample)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun / accelerate environment (0, 1, 0 alone)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    local = os.environ.get("LOCAL_RANK")
+    rank = int(os.environ.get("RANK", local if local is not None else "0") or 0)
+    local_rank = int(local) if local is not None else rank
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"bad distributed environment: RANK={rank} WORLD_SIZE={world}")
+    return rank, world, local_rank
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V that one token takes over all layers (a dense, unquantised cache)."""
+    cfg = model.config
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    dtype = next(model.parameters()).dtype
+    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
+    return 2 * layers * kv_heads * head_dim * size
+
+
+def row_cache_stats(prompt_length: int, n_generated: int, finished: bool, *, budget: int | None, window: int,
+                    evicts: bool, bytes_per_token: int) -> dict[str, int]:
+    """What one sequence's cache held, from the eviction schedule (ALGORITHMS.md section 1).
+
+    ``generate``'s stats describe the whole batch at its end (finished rows have left), so the
+    per-sequence numbers are derived: tokens fed = prompt + generated (the token sampled at the
+    length cap is never fed); a row evicts when it would pass ``max(P, B) + w`` (then ``B + w``)
+    and drops to ``B``. Returns evictions, stored/seen/peak lengths and the matching bytes.
+    """
+    seen = prompt_length + n_generated - (0 if finished or n_generated == 0 else 1)
+    if not evicts or budget is None:
+        stored = peak = seen
+        evictions = 0
+    else:
+        first = max(prompt_length, budget) + window
+        if seen <= first:
+            stored = peak = seen
+            evictions = 0
+        else:
+            evictions = 1 + (seen - first - 1) // window
+            stored = budget + (seen - first - 1) % window + 1
+            peak = first
+    return {
+        "evictions": evictions,
+        "stored_length": stored,
+        "seen_length": seen,
+        "peak_length": peak,
+        "kv_bytes": stored * bytes_per_token,
+        "kv_bytes_peak": peak * bytes_per_token,
+        "kv_bytes_full": seen * bytes_per_token,
+    }
+
+
+def _finite(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _json_roundtrip(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True))
+
+
+def write_run_config(run_dir: Path, meta: dict[str, Any]) -> None:
+    """Create ``config.json`` atomically, or check that the one there has the same identity.
+
+    Raises RunConflictError naming the settings that differ; the file is never overwritten.
+    """
+    path = run_dir / "config.json"
+    text = json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    if not path.exists():
+        tmp = run_dir / f".config.json.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        try:
+            os.link(tmp, path)  # atomic; fails if another process won the race
+        except FileExistsError:
+            pass
+        except OSError:  # filesystems without hard links
+            try:
+                with open(path, "x", encoding="utf-8") as f:
+                    f.write(text)
+            except FileExistsError:
+                pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    for _ in range(50):  # the file appears whole (link / exclusive create); retry a read that races a writer
+        try:
+            existing = json.loads(path.read_text(encoding="utf-8"))
+            break
+        except json.JSONDecodeError:
+            time.sleep(0.1)
+    else:
+        raise RunConflictError(f"{path} is not valid JSON: move it away or use another --output-dir")
+    old, new = existing.get("identity"), _json_roundtrip(meta["identity"])
+    if old != new:
+        if isinstance(old, dict):
+            keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        else:
+            keys = ["identity"]
+        detail = "; ".join(f"{k}: {old.get(k) if isinstance(old, dict) else None!r} -> {new.get(k)!r}"
+                           for k in keys)
+        raise RunConflictError(
+            f"{run_dir} already holds a run with different settings ({detail}). It is never overwritten: "
+            f"choose another run name or output dir")
+
+
+def _append_line(path: Path, record: dict[str, Any]) -> None:
+    line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+class _Dist:
+    """A gloo group used only to wait for every rank at the end."""
+
+    def __init__(self, world: int, rank: int):
+        self.dist = None
+        self.group = None
+        self.created = False
+        if world <= 1:
+            return
+        try:
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover
+            dist = None
+        if dist is None or not dist.is_available():
+            warnings.warn("torch.distributed is unavailable: ranks will not wait for each other; run "
+                          "`vase summarize` when every rank has finished", stacklevel=3)
+            return
+        timeout = timedelta(seconds=float(os.environ.get(_DIST_TIMEOUT_ENV, 24 * 3600)))
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
+            self.created = True
+        elif dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.dist = dist
+
+    def barrier(self) -> None:
+        if self.dist is not None:
+            self.dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        if self.dist is not None and self.created and self.dist.is_initialized():
+            self.dist.destroy_process_group()
+        self.dist = None
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class _Unit:
+    label: str
+    budget: int | None
+
+
+class _Runner:
+    def __init__(self, config: EvalConfig, model, tokenizer, generate_fn, forced_fn, progress: bool):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.generate_fn = generate_fn
+        self.forced_fn = forced_fn
+        self.show_progress = progress
+        self.rank, self.world, self.local_rank = dist_env()
+        self.specs: dict[str, MethodSpec] = config.method_specs()
+        self.units = [_Unit(FULL, None)] + [
+            _Unit(label, b) for label, s in self.specs.items() if label != FULL for b in config.budgets]
+        self._bpt: int | None = None
+        self._warned_stats = False
+
+    # -- setup -----------------------------------------------------------------------------------
+    def prepare(self) -> Path:
+        c = self.config
+        self.problems: list[Problem] = load_task(
+            c.task_name, data_dir=c.data_dir, task_file=c.task_file, question_field=c.question_field,
+            answer_field=c.answer_field, limit=c.limit, seed=c.seed)
+        ident = identity(c, self.problems)
+        name = run_name(c, self.problems)
+        self.run_dir = Path(c.output_dir).expanduser() / name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        from vase import __version__
+
+        meta = {
+            "name": name,
+            "hash": identity_hash(ident),
+            "identity": ident,
+            "methods": {label: s.describe() for label, s in self.specs.items()},
+            "config": c.to_dict(),
+            "seeds": "sample_seed(seed, problem_index, sample): sha256-based, the same for every method",
+            "vase_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        write_run_config(self.run_dir, meta)
+        return self.run_dir
+
+    def _ensure_model(self) -> None:
+        if self.model is not None and self.tokenizer is not None:
+            return
+        if self.model is not None or self.tokenizer is not None:
+            raise ValueError("pass both model and tokenizer, or neither (then config.model is loaded)")
+        from vase.models import load_model
+
+        device = self.config.device
+        if self.world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
+            device = f"cuda:{self.local_rank % torch.cuda.device_count()}"
+        self.model, self.tokenizer = load_model(self.config.model, dtype=self.config.dtype, device=device,
+                                                attn_implementation=self.config.attn_implementation)
+
+    @property
+    def bytes_per_token(self) -> int:
+        if self._bpt is None:
+            self._bpt = kv_bytes_per_token(self.model)
+        return self._bpt
+
+    # -- main loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        c = self.config
+        mine = [i for i in range(len(self.problems)) if i % self.world == self.rank]
+        samples_path = rank_path(self.run_dir, SAMPLES, self.rank)
+        fidelity_path = rank_path(self.run_dir, FIDELITY, self.rank)
+        with ExitStack() as stack:
+            samples = stack.enter_context(JsonlStore(samples_path, SAMPLE_KEY))
+            # Work finished by any rank (the world size may have changed since) counts as done.
+            all_samples = read_all(self.run_dir, SAMPLES)
+            done = {record_key(r, SAMPLE_KEY) for r in all_samples} | samples.keys
+            self.references = {r["problem_id"]: r for r in all_samples
+                               if r.get("method") == FULL and r.get("sample") == 0}
+            del all_samples  # whole completions: keep only keys and the reference trajectories
+            fid_store = fid_done = None
+            if c.fidelity:
+                fid_store = stack.enter_context(JsonlStore(fidelity_path, FIDELITY_KEY))
+                fid_done = {record_key(r, FIDELITY_KEY) for r in read_all(self.run_dir, FIDELITY)} | fid_store.keys
+
+            def pending_of(i: int, u: _Unit) -> list[int]:
+                pid = self.problems[i].id
+                return [s for s in range(c.samples) if (u.label, u.budget, pid, s) not in done]
+
+            total = len(mine) * len(self.units) * c.samples
+            todo = sum(len(pending_of(i, u)) for i in mine for u in self.units)
+            fid_total = len(mine) * len(self.units) if c.fidelity else 0
+            fid_todo = 0
+            if c.fidelity:
+                fid_todo = sum((u.label, u.budget, self.problems[i].id) not in fid_done
+                               for i in mine for u in self.units)
+            self._append_start(total - todo, total)
+            if todo == 0 and fid_todo == 0:
+                return
+            self._ensure_model()
+
+            bar = self._progress(stack)
+            task = fid_task = None
+            if bar is not None:
+                task = bar.add_task(f"rank {self.rank}: samples", total=total, completed=total - todo)
+                if c.fidelity:
+                    fid_task = bar.add_task(f"rank {self.rank}: fidelity", total=fid_total,
+                                            completed=fid_total - fid_todo)
+
+            per_batch = max(1, c.batch_size // c.samples)
+            for g in range(0, len(mine), per_batch):
+                group = mine[g:g + per_batch]
+                for u in self.units:
+                    work = [(i, s) for i in group for s in pending_of(i, u)]
+                    for b in range(0, len(work), c.batch_size):
+                        batch = work[b:b + c.batch_size]
+                        if bar is not None:
+                            bar.update(task, description=f"rank {self.rank}: {u.label}"
+                                       + (f" B={u.budget}" if u.budget is not None else ""))
+                        for rec in self._generate(u, batch):
+                            samples.append(rec)
+                            done.add(record_key(rec, SAMPLE_KEY))
+                            if rec["method"] == FULL and rec["sample"] == 0:
+                                self.references[rec["problem_id"]] = rec
+                        if bar is not None:
+                            bar.advance(task, len(batch))
+                if c.fidelity:
+                    for i in group:
+                        n = self._fidelity(i, fid_store, fid_done)
+                        if bar is not None and n:
+                            bar.advance(fid_task, n)
+
+    def _progress(self, stack: ExitStack):
+        if not self.show_progress or self.rank != 0:
+            return None
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        return stack.enter_context(Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()))
+
+    def _append_start(self, done: int, total: int) -> None:
+        c = self.config
+        _append_line(self.run_dir / "starts.jsonl", {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "pid": os.getpid(),
+            "rank": self.rank, "world_size": self.world, "samples_done": done, "samples_total": total,
+            "batch_size": c.batch_size, "fidelity": c.fidelity, "device": c.device, "dtype": c.dtype,
+            "model_given": self.model is not None,
+        })
+
+    # -- one batch -------------------------------------------------------------------------------
+    def _generate(self, u: _Unit, batch: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+        c = self.config
+        spec = self.specs[u.label]
+        prompts = [build_user_message(self.problems[i]) for i, _ in batch]
+        seeds = [sample_seed(c.seed, i, s) for i, s in batch]
+        # The full cache ignores the budget; give it one the cache accepts.
+        budget = u.budget if u.budget is not None else max(c.budgets, default=max(512, c.window + 8))
+        out = self.generate_fn(
+            self.model, self.tokenizer, prompts, method=spec.method, budget=budget, window=c.window,
+            max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+            greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.params)
+        if len(out.texts) != len(batch):
+            raise RuntimeError(f"generate returned {len(out.texts)} completions for {len(batch)} prompts")
+        seconds = _finite(out.seconds)
+        prefill = _finite(getattr(out, "prefill_seconds", None))
+        tps = _finite(getattr(out, "tokens_per_second", None))
+        stats = dict(getattr(out, "stats", None) or {})
+        per_row = stats.get("rows") if isinstance(stats.get("rows"), list) else None
+        records = []
+        for r, (i, s) in enumerate(batch):
+            p = self.problems[i]
+            text = out.texts[r]
+            ids = list(out.token_ids[r])
+            finished = bool(out.finished[r])
+            cache = self._row_stats(spec, u.budget, int(out.prompt_lengths[r]), len(ids), finished, stats,
+                                    len(batch), per_row[r] if per_row and r < len(per_row) else None)
+            rec: dict[str, Any] = {
+                "problem_id": p.id,
+                "problem_index": i,
+                "sample": s,
+                "method": u.label,
+                "budget": u.budget,
+                "seed": seeds[r],
+                "gold": p.answer,
+                "answer": extract_answer(text, numeric_fallback=c.numeric_fallback),
+                "correct": bool(is_correct(text, p.answer, numeric_fallback=c.numeric_fallback)),
+                "length": len(ids),
+                "prompt_length": int(out.prompt_lengths[r]),
+                "finished": finished,
+                "failure": classify_failure(text, hit_length_cap=not finished, end_marker=c.end_marker),
+                "text": text,
+                **cache,
+                "seconds": seconds,
+                "prefill_seconds": prefill,
+                "tokens_per_s": tps,
+                "batch_rows": len(batch),
+                "rank": self.rank,
+            }
+            if u.label == FULL and s == 0:
+                rec["token_ids"] = [int(t) for t in ids]  # the fidelity reference trajectory
+            records.append(rec)
+        return records
+
+    def _row_stats(self, spec: MethodSpec, budget: int | None, prompt_length: int, n_generated: int,
+                   finished: bool, stats: dict, batch_rows: int, row: dict | None) -> dict[str, int]:
+        keys = ("kv_bytes", "kv_bytes_peak", "kv_bytes_full", "evictions")
+        if row is not None and all(k in row for k in ("kv_bytes", "kv_bytes_full", "evictions")):
+            return {k: int(row[k]) for k in keys if k in row}  # generate reports per-row stats
+        est = row_cache_stats(prompt_length, n_generated, finished, budget=budget, window=self.config.window,
+                              evicts=spec.evicts, bytes_per_token=self.bytes_per_token)
+        if batch_rows == 1 and "kv_bytes" in stats and "evictions" in stats:
+            got = {k: int(stats[k]) for k in ("kv_bytes", "kv_bytes_full", "evictions")}
+            want = {k: est[k] for k in got}
+            if got != want:
+                if not self._warned_stats:
+                    warnings.warn(f"per-sequence cache stats derived from the eviction schedule {want} differ from "
+                                  f"the cache's own {got}; using the cache's for one-row batches", stacklevel=2)
+                    self._warned_stats = True
+                est.update(got)
+        return {k: est[k] for k in keys}
+
+    # -- fidelity --------------------------------------------------------------------------------
+    def _fidelity(self, i: int, store: JsonlStore, done: set) -> int:
+        """Teacher-force problem i's reference trajectory through every pending method; records written."""
+        c = self.config
+        p = self.problems[i]
+        pending = [u for u in self.units if (u.label, u.budget, p.id) not in done]
+        if not pending:
+            return 0
+        ref = self.references.get(p.id)
+        if ref is None or "token_ids" not in ref:
+            warnings.warn(f"fidelity: no full-cache reference trajectory for {p.id}; skipped", stacklevel=2)
+            return 0
+        targets = list(ref["token_ids"])
+        seed0 = sample_seed(c.seed, i, 0)
+        base = {"problem_id": p.id, "problem_index": i, "seed": seed0, "rank": self.rank}
+        written = 0
+        if not targets:  # the reference stopped at once: nothing to compare
+            for u in pending:
+                store.append({**base, "method": u.label, "budget": u.budget, "n_tokens": 0, "kl_mean": None,
+                              "top1_agree": None, "top1_disagree_share": None, "dnll_mean": None, "seconds": 0.0})
+                done.add((u.label, u.budget, p.id))
+                written += 1
+            return written
+        from vase.generation import encode_prompts
+
+        ids, _ = encode_prompts(self.tokenizer, [build_user_message(p)], c.chat_template)
+        prompt_ids = ids[0].tolist()
+        if "prompt_length" in ref and len(prompt_ids) != int(ref["prompt_length"]):
+            raise RuntimeError(f"fidelity: prompt of {p.id} encodes to {len(prompt_ids)} tokens, but generation "
+                               f"saw {ref['prompt_length']}")
+        target_t = torch.tensor(targets, dtype=torch.long)
+        full_budget = max(c.budgets, default=max(512, c.window + 8))
+        t0 = time.perf_counter()
+        full_lp = self.forced_fn(self.model, prompt_ids, targets, method=FULL, budget=full_budget,
+                                 window=c.window, seed=seed0)
+        full_seconds = time.perf_counter() - t0
+        for u in pending:
+            spec = self.specs[u.label]
+            t0 = time.perf_counter()
+            if u.label == FULL:
+                comp = full_lp  # the reference against itself: zero by definition
+            else:
+                comp = self.forced_fn(self.model, prompt_ids, targets, method=spec.method, budget=u.budget,
+                                      window=c.window, seed=seed0, **spec.params)
+            m = _chunked_fidelity(full_lp, comp, target_t)
+            del comp
+            store.append({**base, "method": u.label, "budget": u.budget, "n_tokens": int(m["n_tokens"]),
+                          "kl_mean": m["kl_mean"], "top1_agree": m["top1_agree"],
+                          "top1_disagree_share": m["top1_disagree_share"], "dnll_mean": m["dnll_mean"],
+                          "seconds": time.perf_counter() - t0 + (full_seconds if u.label == FULL else 0.0)})
+            done.add((u.label, u.budget, p.id))
+            written += 1
+        return written
+
+
+def _chunked_fidelity(full_lp: torch.Tensor, comp_lp: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    """fidelity_metrics over row chunks, pooled (bounds the float64 copies to a chunk)."""
+    T = full_lp.shape[0]
+    targets = targets.to(full_lp.device)
+    parts = [fidelity_metrics(full_lp[a:a + _FIDELITY_CHUNK], comp_lp[a:a + _FIDELITY_CHUNK],
+                              targets[a:a + _FIDELITY_CHUNK]) for a in range(0, T, _FIDELITY_CHUNK)]
+    return parts[0] if len(parts) == 1 else aggregate_fidelity(parts)
+
+
+def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callable | None = None,
+             progress: bool = True, *, forced_fn: Callable | None = None, summarize: bool = True) -> Path:
+    """Run (or resume) an evaluation; returns the run directory.
+
+    Args:
+        config: what to run (see :class:`EvalConfig`).
+        model, tokenizer: an already-loaded model; otherwise ``config.model`` is loaded with
+            :func:`vase.models.load_model`, only if something is left to do. When passing a model,
+            set ``config.model`` to a label that identifies it: it is part of the run's identity.
+        generate_fn: ``vase.generate`` or anything with its signature and output.
+        forced_fn: ``vase.forced_log_probs`` or a stand-in (fidelity only).
+        progress: show a progress bar with ETA (rank 0) and print the summary table.
+        summarize: write summary.csv/md and plots when done (rank 0, after every rank finished).
+
+    Raises:
+        ConfigError / RunConflictError: bad settings, or the run dir holds a different run.
+        TaskError: the task cannot be loaded.
+    """
+    if generate_fn is None:
+        from vase.generation import generate as generate_fn
+    if forced_fn is None:
+        from vase.generation import forced_log_probs as forced_fn
+    if model is not None and config.model is None:
+        warnings.warn("a model object was passed but config.model is None: the run is labelled as the default "
+                      "model; set config.model to a label that identifies the model", stacklevel=2)
+    runner = _Runner(config, model, tokenizer, generate_fn, forced_fn, progress)
+    dist = _Dist(runner.world, runner.rank)
+    try:
+        run_dir = runner.prepare()
+        runner.run()
+        dist.barrier()
+        if summarize and runner.rank == 0:
+            from vase.eval.report import summarize as _summarize
+
+            try:
+                _summarize(run_dir, print_table=progress)
+            except Exception:  # noqa: BLE001 - results are safe on disk; `vase summarize` redoes this
+                log.exception("writing the summary of %s failed; rerun `vase summarize %s`", run_dir, run_dir)
+    finally:
+        dist.close()
+    return run_dir

@@ -1,0 +1,236 @@
+"""Append-only JSONL stores of finished work, safe against kills, one file per process rank.
+
+Each finished record is written as one line, flushed and fsync'ed before the next one starts,
+so a run killed at any moment loses at most the record being written. On open, a torn final
+line (no newline, or not valid JSON) is dropped and cut off the file before anything is
+appended. Rank ``R`` of a multi-process run writes only ``<kind>.rank{R}.jsonl``;
+:func:`read_all` merges every rank's file, keeping the first record of each key.
+
+    with JsonlStore(run_dir / "samples.rank0.jsonl", SAMPLE_KEY) as store:
+        if key not in store:
+            store.append(record)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+try:  # advisory lock so two processes never append to the same rank file
+    import fcntl
+except ImportError:  # pragma: no cover - non-POSIX
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "SAMPLE_KEY",
+    "FIDELITY_KEY",
+    "SAMPLES",
+    "FIDELITY",
+    "StoreError",
+    "JsonlStore",
+    "record_key",
+    "read_jsonl",
+    "read_all",
+    "rank_path",
+    "rank_files",
+]
+
+log = logging.getLogger(__name__)
+
+#: A finished sample: one completion of one problem by one method at one budget.
+SAMPLE_KEY: tuple[str, ...] = ("method", "budget", "problem_id", "sample")
+#: A finished fidelity measurement: one problem's reference trajectory through one method/budget.
+FIDELITY_KEY: tuple[str, ...] = ("method", "budget", "problem_id")
+SAMPLES = "samples"
+FIDELITY = "fidelity"
+_KEYS = {SAMPLES: SAMPLE_KEY, FIDELITY: FIDELITY_KEY}
+_RANK_RE = re.compile(r"\.rank(\d+)\.jsonl$")
+
+
+class StoreError(RuntimeError):
+    """A results file that cannot be used as it is (corrupt line, locked by another process)."""
+
+
+def record_key(record: dict[str, Any], key_fields: Sequence[str]) -> tuple:
+    return tuple(record.get(k) for k in key_fields)
+
+
+def rank_path(run_dir: str | Path, kind: str, rank: int) -> Path:
+    return Path(run_dir) / f"{kind}.rank{int(rank)}.jsonl"
+
+
+def rank_files(run_dir: str | Path, kind: str) -> list[Path]:
+    """Every ``<kind>.rank<R>.jsonl`` in ``run_dir``, by rank."""
+    found = []
+    for p in Path(run_dir).glob(f"{kind}.rank*.jsonl"):
+        m = _RANK_RE.search(p.name)
+        if m and p.name == f"{kind}.rank{m.group(1)}.jsonl":
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf are not JSON: store them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _parse(data: bytes, path: Path) -> tuple[list[dict[str, Any]], int]:
+    """Records of a JSONL file's bytes and how many leading bytes are intact.
+
+    The last line is torn when it has no newline or is not valid JSON: it is left out and the
+    intact length stops before it. A bad line anywhere else is corruption and raises.
+    """
+    records: list[dict[str, Any]] = []
+    pos = 0
+    n = len(data)
+    lineno = 0
+    while pos < n:
+        nl = data.find(b"\n", pos)
+        lineno += 1
+        if nl < 0:  # no newline: the write of this line never finished
+            log.warning("%s: ignoring a torn last line (%d bytes)", path, n - pos)
+            return records, pos
+        line = data[pos:nl]
+        if line.strip():
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                if data[nl + 1:].strip():
+                    raise StoreError(f"{path}: line {lineno} is not a valid record ({e}); the file is corrupt: "
+                                     f"remove that line to resume") from e
+                log.warning("%s: ignoring a torn last line %d", path, lineno)
+                return records, pos
+            records.append(rec)
+        pos = nl + 1
+    return records, pos
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every intact record of a JSONL file (a torn last line is ignored, the file is not changed)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    records, _ = _parse(p.read_bytes(), p)
+    return records
+
+
+def read_all(run_dir: str | Path, kind: str = SAMPLES, key_fields: Sequence[str] | None = None
+             ) -> list[dict[str, Any]]:
+    """Records of every rank file of ``kind`` (``samples`` or ``fidelity``), first of each key kept.
+
+    Files are read in rank order, records in file order. Reading never modifies a file, so it is
+    safe while other processes are still appending.
+    """
+    fields = tuple(key_fields) if key_fields is not None else _KEYS[kind]
+    seen: set[tuple] = set()
+    out: list[dict[str, Any]] = []
+    for path in rank_files(run_dir, kind):
+        for rec in read_jsonl(path):
+            k = record_key(rec, fields)
+            if k not in seen:
+                seen.add(k)
+                out.append(rec)
+    return out
+
+
+class JsonlStore:
+    """One process's append-only JSONL file of finished records, keyed by ``key_fields``.
+
+    Opening locks the file (exclusively, non-blocking: a second writer fails loudly), reads the
+    keys of what is there, cuts off a torn last line, and positions at the end. ``append`` writes
+    one record and makes it durable (flush + fsync) before returning; records are not kept in
+    memory (use :func:`read_jsonl` / :func:`read_all`).
+    """
+
+    def __init__(self, path: str | Path, key_fields: Sequence[str] = SAMPLE_KEY, *, fsync: bool = True):
+        self.path = Path(path)
+        self.key_fields = tuple(key_fields)
+        self.fsync = fsync
+        self.keys: set[tuple] = set()
+        self.n_read = 0  # records found in the file when it was opened
+        self._f = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def open(self) -> "JsonlStore":
+        if self._f is not None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+b")  # noqa: SIM115 - closed in close()
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    raise StoreError(f"{self.path} is being written by another process (same rank twice?)") from e
+            f.seek(0)
+            data = f.read()
+            records, intact = _parse(data, self.path)
+            if intact < len(data):
+                f.truncate(intact)
+                f.flush()
+                os.fsync(f.fileno())
+            f.seek(0, os.SEEK_END)
+        except BaseException:
+            f.close()
+            raise
+        self._f = f
+        # Only the keys stay in memory (records hold whole completions; read_jsonl gives them back).
+        self.keys = {record_key(rec, self.key_fields) for rec in records}
+        self.n_read = len(records)
+        return self
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.flush()
+            finally:
+                self._f.close()  # closing releases the lock
+                self._f = None
+
+    def __enter__(self) -> "JsonlStore":
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- use -------------------------------------------------------------------------------------
+    def key(self, record: dict[str, Any]) -> tuple:
+        return record_key(record, self.key_fields)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def append(self, record: dict[str, Any]) -> bool:
+        """Write ``record`` durably; False (and nothing written) if its key is already stored."""
+        if self._f is None:
+            raise StoreError(f"{self.path}: store is not open")
+        k = self.key(record)
+        if k in self.keys:
+            return False
+        line = json.dumps(_clean(record), ensure_ascii=False, allow_nan=False) + "\n"
+        self._f.write(line.encode("utf-8"))
+        self._f.flush()
+        if self.fsync:
+            os.fsync(self._f.fileno())
+        self.keys.add(k)
+        return True
+
+    def extend(self, records: Iterable[dict[str, Any]]) -> int:
+        return sum(self.append(r) for r in records)
