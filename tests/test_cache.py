@@ -49,7 +49,7 @@ class _ByteTokenizer:
     chat_template = None
     padding_side = "left"
 
-    def __call__(self, texts, return_tensors, padding, add_special_tokens):
+    def __call__(self, texts, return_tensors, padding, add_special_tokens, padding_side="left"):
         width = max(len(t) for t in texts)
         ids = torch.tensor([[0] * (width - len(t)) + list(t) for t in texts])
         mask = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t in texts])
@@ -287,3 +287,18 @@ def test_other_caches_still_work_with_vase_attention(qwen3, tokenizer):
     out = qwen3.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id)
     assert torch.equal(out, reference)
+
+
+def test_per_row_stats_follow_each_rows_schedule(tokenizer):
+    """Per-sequence stats, including rows that finished early and left the batch."""
+    model = tiny_model()
+    prompts = ["a", "a much longer prompt here"]
+    out = vase.generate(model, tokenizer, prompts, method="snapkv", budget=20, window=5, max_new_tokens=40,
+                        greedy=True, chat_template=False, ignore_eos=True)
+    for r, prompt in enumerate(prompts):
+        alone = vase.generate(model, tokenizer, [prompt], method="snapkv", budget=20, window=5,
+                              max_new_tokens=40, greedy=True, chat_template=False, ignore_eos=True)
+        row = out.stats["rows"][r]
+        assert row == alone.stats["rows"][0]
+        assert row["evictions"] == alone.stats["evictions"] > 0
+        assert row["kv_bytes"] == alone.stats["kv_bytes"] and row["kv_bytes_full"] == alone.stats["kv_bytes_full"]

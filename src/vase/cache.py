@@ -73,6 +73,9 @@ class EvictionLayer(CacheLayerMixin):
         self.layer_state: dict[str, torch.Tensor] = {}
         self.evictions = 0
         self.tokens_evicted = 0
+        self.row_evictions: list[int] = []  # per row, for per-sequence stats
+        self.row_peak: list[int] = []  # per row: most real tokens ever stored
+        self.row_pad0: list[int] = []  # per row: padding of the prompt (seen - pad0 = real tokens seen)
         self.awaiting_attention = False
 
     # -- storage -------------------------------------------------------------------------------
@@ -182,6 +185,9 @@ class EvictionLayer(CacheLayerMixin):
             self.positions[:, :, : self.length].masked_fill_(~mask[:, None, : self.length].to(self.device), -1)
         w, B = self.cfg.window, self.cfg.budget
         self.limit = [max(n, B) + w for n in self.real_lengths()]
+        self.row_evictions = [0] * b
+        self.row_peak = [0] * b
+        self.row_pad0 = list(self.pad)
         self._reschedule()
 
     def record_queries(self, query: torch.Tensor) -> None:
@@ -234,6 +240,8 @@ class EvictionLayer(CacheLayerMixin):
         self.pad = [new_len - n for n in new_reals]
         for r in due:
             self.tokens_evicted += (reals[r] - B) * h
+            self.row_evictions[r] += 1
+            self.row_peak[r] = max(self.row_peak[r], reals[r])
             self.positions[r, :, : self.pad[r]] = -1
             self.limit[r] = B + w
         self.length = new_len
@@ -311,7 +319,8 @@ class EvictionLayer(CacheLayerMixin):
             self.queries = self.queries[rows]
         if self.pad is not None:
             self.pad = [self.pad[r] for r in rows]
-            self.limit = [self.limit[r] for r in rows]
+            for name in ("limit", "row_evictions", "row_peak", "row_pad0"):
+                setattr(self, name, [getattr(self, name)[r] for r in rows])
             shift = min(self.pad)
             if shift:  # the longest row left: drop the padding columns every remaining row has
                 index = torch.arange(shift, self.length, device=self.device).expand(*self.keys.shape[:2], -1)
@@ -401,6 +410,24 @@ class EvictionCache(Cache):
             mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
         self._mask_memo = (key, mask)
         return mask
+
+    def row_stats(self) -> list[dict]:
+        """Per batch row (current rows): evictions and the K/V bytes it holds now, at its peak, and in full."""
+        layers = [l for l in self.layers if l.is_initialized and l.pad is not None]
+        if not layers:
+            return []
+        rows = []
+        for r in range(len(layers[0].pad)):
+            now = peak = full = 0
+            for l in layers:
+                per_token = 2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
+                real = l.length - l.pad[r]
+                now += real * per_token
+                peak += max(real, l.row_peak[r]) * per_token
+                full += (l.seen - l.row_pad0[r]) * per_token
+            rows.append({"evictions": layers[0].row_evictions[r], "kv_bytes": now, "kv_bytes_peak": peak,
+                         "kv_bytes_full": full})
+        return rows
 
     def stats(self) -> dict:
         """Counters that prove what happened: evictions, evicted tokens, lengths and bytes."""

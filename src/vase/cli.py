@@ -201,6 +201,76 @@ def print_summary(method: str, out) -> None:
         f"vs {human_bytes(s.get('kv_bytes_full', 0))} full[/]", highlight=False)
 
 
+# -- vase eval / summarize ------------------------------------------------------------------------------------
+@app.command("eval")
+def evaluate(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="A YAML or TOML config; flags override it.")] = None,
+    task: Annotated[Optional[str], typer.Option(help="gsm8k, math500, aime24, aime25, amc23, arith, arith-N "
+                                                "(default: arith, the embedded task).")] = None,
+    task_file: Annotated[Optional[Path], typer.Option(help="Any JSONL file of problems.")] = None,
+    question_field: Annotated[Optional[str], typer.Option(help="Question field of --task-file.")] = None,
+    answer_field: Annotated[Optional[str], typer.Option(help="Answer field of --task-file.")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Folder with <task>_test.jsonl files "
+                                                     "(or set VASE_DATA_DIR).")] = None,
+    methods: Annotated[Optional[str], typer.Option(help="Comma-separated methods; full always runs as the "
+                                                   "reference.")] = None,
+    budgets: Annotated[Optional[str], typer.Option(help="Comma-separated budgets.")] = None,
+    window: Annotated[Optional[int], typer.Option(help="Recent tokens never evicted.")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="Samples per problem (pass@1 = mean accuracy).")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Use the first N problems.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Length cap per completion.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (paper: 0.6).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling (paper: 0.95).")] = None,
+    greedy: Annotated[Optional[bool], typer.Option("--greedy/--sample", help="Greedy decoding.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Base seed.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per generate call.")] = None,
+    fidelity: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Teacher-force the full "
+                                                     "cache's trajectory through each method: KL, top-1 agreement.")] = None,
+    param: ParamOpt = None,
+    output_dir: Annotated[Optional[Path], typer.Option(help="Where run folders go (default: runs).")] = None,
+    model: ModelOpt = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu, cuda or auto.")] = None,
+    attn: Annotated[Optional[str], typer.Option("--attn", help="sdpa, eager or flash_attention_2.")] = None,
+) -> None:
+    """Compare methods on a reasoning task: accuracy, agreement with full, failures, fidelity.
+
+    Every finished sample is saved at once; run the same command again to resume.
+    """
+    from .eval.config import load_config
+    from .eval.runner import run_eval
+
+    params = parse_params(param)
+    method_list = split_list(methods) if methods else None
+    overrides = dict(
+        task=task, task_file=str(task_file) if task_file else None, question_field=question_field,
+        answer_field=answer_field, data_dir=str(data_dir) if data_dir else None, methods=method_list,
+        budgets=split_list(budgets, int) if budgets else None, window=window, samples=samples, limit=limit,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=seed,
+        batch_size=batch_size, fidelity=fidelity, output_dir=str(output_dir) if output_dir else None, model=model,
+        dtype=dtype, device=device, attn_implementation=attn,
+        method_params={m: params for m in (method_list or [])} if params else None,
+    )
+    cfg = load_config(config, overrides)
+    if cfg.task is None and cfg.task_file is None:
+        cfg = load_config(config, {**overrides, "task": "arith"})
+    run_dir = run_eval(cfg)
+    console.print(f"results: {run_dir}")
+
+
+@app.command()
+def summarize(run_dir: Annotated[Path, typer.Argument(help="A run folder written by `vase eval`.")]) -> None:
+    """Rebuild the table, CSV, Markdown and plots of a run from its JSONL files alone."""
+    from .eval.report import summarize as build
+
+    if not run_dir.is_dir():
+        raise UserError(f"no such run folder: {run_dir}")
+    rows = build(run_dir)
+    if not rows:
+        raise UserError(f"no finished samples in {run_dir}")
+    console.print(f"wrote {run_dir / 'summary.csv'}, {run_dir / 'summary.md'} and plots")
+
+
 # -- entry point -------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     """Console entry: one-line errors unless --debug."""

@@ -89,26 +89,30 @@ def row_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
 def encode_prompts(tokenizer, prompts: Sequence[str], chat_template: bool = True,
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded input ids and attention mask, [b, P] each; applies the chat template when asked and present."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    templated = bool(chat_template and getattr(tokenizer, "chat_template", None))
+    if templated:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True) for p in prompts]
     else:
         texts = list(prompts)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is None:  # padding needs some id; pad slots are masked anyway
         tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat_template)
+    # The template already holds the special tokens; without it the tokenizer adds its own (BOS).
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                    add_special_tokens=not templated)
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
 @torch.inference_mode()
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, *, max_new_tokens: int,
            sampler: Sampler, seeds: Sequence[int], eos_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-           on_token: Callable[[int, int], None] | None = None) -> tuple[list[list[int]], list[bool], float]:
+           on_token: Callable[[int, int], None] | None = None,
+           row_stats: list[dict] | None = None) -> tuple[list[list[int]], list[bool], float]:
     """Prefill left-padded `input_ids` [b, P] and decode up to `max_new_tokens` per row.
 
     Works with an EvictionCache or any transformers Cache. Finished rows leave the batch.
-    Returns (generated ids per row, finished-on-EOS per row, prefill seconds).
+    Returns (generated ids per row, finished-on-EOS per row, prefill seconds); with an
+    EvictionCache, `row_stats` (if given) is filled with each row's final cache stats.
     """
     b = input_ids.shape[0]
     device = input_ids.device
@@ -140,6 +144,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
         if not keep or len(generated[active[keep[0]]]) >= max_new_tokens:
             break
         if len(keep) < len(active):  # drop finished rows from the batch and the cache
+            _save_row_stats(cache, active, row_stats)
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
             tokens, next_pos = tokens[index], next_pos[index]
@@ -147,7 +152,16 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
         out = model(input_ids=tokens[:, None], position_ids=next_pos, cache=cache, use_cache=True)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
+    _save_row_stats(cache, active, row_stats)
     return generated, finished, prefill_seconds
+
+
+def _save_row_stats(cache, active: list[int], row_stats: list[dict] | None) -> None:
+    """Record the per-row stats of the rows still in the cache (before some leave it)."""
+    if row_stats is None or not isinstance(cache, EvictionCache):
+        return
+    for r, stats in zip(active, cache.row_stats()):
+        row_stats[r] = stats
 
 
 def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Policy = "vase-attnv",
@@ -189,9 +203,10 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
                 printed[row] = len(text)
 
     start = time.perf_counter()
+    rows: list[dict] = [{} for _ in prompt_list]
     ids, finished, prefill_seconds = decode(
         model, input_ids, attention_mask, cache, max_new_tokens=max_new_tokens, sampler=sampler, seeds=seeds,
-        eos_token_ids=eos_ids(model, tokenizer), ignore_eos=ignore_eos, on_token=on_token)
+        eos_token_ids=eos_ids(model, tokenizer), ignore_eos=ignore_eos, on_token=on_token, row_stats=rows)
     seconds = time.perf_counter() - start
     return GenerationOutput(
         texts=[tokenizer.decode(t, skip_special_tokens=True) for t in ids],
@@ -200,7 +215,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
         finished=finished,
         seconds=seconds,
         prefill_seconds=prefill_seconds,
-        stats=cache.stats(),
+        stats={**cache.stats(), "rows": rows},
     )
 
 
