@@ -56,11 +56,8 @@ def split_list(text: str, kind=str) -> list:
 
 
 def load(model: str | None, dtype: str, device: str, attn: str):
-    from transformers.utils import logging as hf_logging
-
     from .models import load_model
 
-    hf_logging.disable_progress_bar()  # our own status line is enough
     with err_console.status(f"loading {model or 'the default model'}..."):
         return load_model(model, dtype=dtype, device=device, attn_implementation=attn)
 
@@ -271,12 +268,57 @@ def summarize(run_dir: Annotated[Path, typer.Argument(help="A run folder written
     console.print(f"wrote {run_dir / 'summary.csv'}, {run_dir / 'summary.md'} and plots")
 
 
+# -- vase inspect ----------------------------------------------------------------------------------------------
+@app.command()
+def inspect(
+    prompt: Annotated[str, typer.Argument(help="The prompt.")],
+    method: Annotated[str, typer.Option(help="Eviction method.")] = "vase-attnv",
+    budget: Annotated[int, typer.Option(help="KV pairs kept per layer and KV head.")] = 128,
+    window: WindowOpt = 64,
+    param: ParamOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 512,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Take the argmax instead of sampling.")] = False,
+    seed: SeedOpt = 0,
+    out: Annotated[Path, typer.Option(help="Folder for kept.png and inspect.json.")] = Path("inspect-out"),
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    attn: AttnOpt = "sdpa",
+) -> None:
+    """Look inside one generation: kept tokens per head, value magnitudes, loop onset."""
+    from .analysis.inspect import inspect_generation
+    from .policies import get_policy
+
+    params = parse_params(param)
+    get_policy(method, **params)
+    mdl, tok = load(model, dtype, device, attn)
+    report = inspect_generation(mdl, tok, prompt, out, method=method, budget=budget, window=window,
+                                max_new_tokens=max_new_tokens, greedy=greedy, seed=seed, **params)
+    console.rule(f"[bold]{method}[/] B={budget}")
+    console.out(report["text"], highlight=False)
+    s = report["stats"]
+    onset = report["loop_onset_token"]
+    console.print(f"{report['generated_tokens']} tokens, {s['evictions']} evictions; "
+                  + (f"phrase loop from token {onset}" if onset is not None else "no phrase loop"))
+    table = Table(title="value magnitude (range) per layer: max / per-head median")
+    for col in ("layer", "max/median", "share > 5x", "kept share", "top positions"):
+        table.add_column(col)
+    for v, share in zip(report["values"], report["kept_share_per_layer"]):
+        table.add_row(str(v["layer"]), f"{v['max_over_median']:.2f}", f"{v['share_over_threshold']:.2%}",
+                      f"{share:.2%}", ", ".join(map(str, v["top_positions"])))
+    console.print(table)
+    console.print(f"wrote {out / 'kept.png'} and {out / 'inspect.json'}")
+
+
 # -- entry point -------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     """Console entry: one-line errors unless --debug."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("VASE_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars; vase shows its own progress
     try:
         result = app(args=args, prog_name="vase", standalone_mode=False)
         if isinstance(result, int) and result:  # --help and friends return their exit code

@@ -1,0 +1,59 @@
+"""One generation, looked at from inside: kept-token map, value magnitudes, loop onset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from ..cache import EvictionCache
+from ..generation import Sampler, decode, encode_prompts, eos_ids
+from .kept import kept_map, plot_kept_map
+from .loops import loop_onset
+from .values import value_statistics
+
+
+@torch.inference_mode()
+def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, method: str = "vase-attnv",
+                       budget: int = 512, window: int = 64, max_new_tokens: int = 512, greedy: bool = False,
+                       temperature: float = 0.6, top_p: float = 0.95, seed: int = 0, chat_template: bool = True,
+                       **method_params) -> dict:
+    """Generate once under `method`, then write `kept.png` and `inspect.json` into `out_dir`.
+
+    Returns the report: the text, cache stats, the loop onset (token index or None), the share
+    of positions each layer kept, and the value statistics of the full sequence's values.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    ids, mask = encode_prompts(tokenizer, [prompt], chat_template, device)
+    cache = EvictionCache(model, method, budget, window, seed=[seed], max_length=ids.shape[1] + max_new_tokens,
+                          **method_params)
+    generated, _, _ = decode(model, ids, mask, cache, max_new_tokens=max_new_tokens, seeds=[seed],
+                             sampler=Sampler(greedy=greedy, temperature=temperature, top_p=top_p),
+                             eos_token_ids=eos_ids(model, tokenizer))
+    tokens = generated[0]
+    kept = kept_map(cache)
+    plot_kept_map(kept, out_dir / "kept.png", title=f"{method}, B={budget}: kept positions per layer and KV head")
+
+    # Values of the whole sequence as the full cache holds them (the eviction run's are partly gone).
+    full = DynamicCache(config=model.config)
+    sequence = torch.cat([ids, torch.tensor([tokens], device=device, dtype=ids.dtype)], dim=1)
+    model(input_ids=sequence, cache=full, use_cache=True, logits_to_keep=1)
+    values = [layer.values for layer in full.layers]
+    report = {
+        "method": repr(cache.policy),
+        "budget": budget,
+        "window": window,
+        "prompt_tokens": int(ids.shape[1]),
+        "text": tokenizer.decode(tokens, skip_special_tokens=True),
+        "generated_tokens": len(tokens),
+        "stats": cache.stats(),
+        "loop_onset_token": loop_onset(tokens, lambda t: tokenizer.decode(t, skip_special_tokens=True)),
+        "kept_share_per_layer": [round(float(x), 4) for x in kept.float().mean(dim=(1, 2))],
+        "values": value_statistics(values),
+    }
+    (out_dir / "inspect.json").write_text(json.dumps(report, indent=2))
+    return report
