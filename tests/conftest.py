@@ -9,6 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 VOCAB = 96
 
+# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP threads
+# that wait for each other make small matmuls many times slower.
+torch.set_num_threads(1)
+
 
 def tiny_model(arch: str = "qwen3", attn: str = "sdpa", seed: int = 0, layers: int = 2):
     """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 16) with random weights."""
