@@ -1,0 +1,476 @@
+"""Decode throughput and memory of the eviction methods against the full cache.
+
+    rows = run_bench(model, ["vase-attnv", "vase-dkv"], budgets=[512], output_lengths=[1024, 4096],
+                     batch_sizes=[1])
+
+Every configuration decodes `output_length` new tokens (greedy, EOS ignored) after a random
+prompt of `prompt_length` tokens, through `vase.generation.decode`, with one of
+
+- an evicting method at budget B (an `EvictionCache`),
+- `full`: the same owned cache without eviction (preallocated to prompt + output), and
+- `dynamic`: transformers' `DynamicCache` on the stock attention kernel (the full cache as
+  users run it today; vase's attention function is uninstalled for these runs).
+
+What is measured (per run; a row reports the median over `repeats` runs after `warmup` runs):
+
+- Step clock: `decode`'s `on_token` callback stamps the time when each step's first token
+  is known (after a `torch.cuda.synchronize()` on CUDA). The N tokens of a run need N - 1
+  decode forwards; the gap between consecutive stamps is one step (forward + sampling +
+  loop). Prefill is excluded.
+- tok_s = (N - 1) x batch / (last stamp - first stamp); `segments` splits the N - 1 steps into
+  equal parts and reports the rate of each (`seg_tok_s`, ';'-joined, first to last).
+- Evictions: `cache.stats()["evictions"]` (events per layer; every layer evicts at the same
+  step). `expected_evictions` is what the schedule (ALGORITHMS.md section 1) predicts;
+  `eviction_fired` is False for an evicting method that never evicted (prompt + output too
+  short for its budget): such a row gets a `flag` and NO speed-up ratios.
+- Time per eviction event (all layers), two ways:
+  `evict_ms`: `EvictionLayer.evict` of every layer wrapped (instance attribute, the class is
+  untouched) with perf_counter on CPU, CUDA events on GPU (no extra synchronisation),
+  summed over layers, divided by the events; `evict_step_ms`: median over eviction steps of
+  (that step's time - median of the non-evicting steps within 8 steps of it): what an eviction
+  adds to the step it lands on, Python overhead included.
+- kv_bytes: K/V bytes held at the end (`stats()["kv_bytes"]`; for DynamicCache the bytes of
+  its tensors); kv_bytes_alloc: bytes allocated for K/V (the owned cache preallocates).
+- Peak memory: on CUDA `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`
+  (`peak_mem_bytes`, weights included; `peak_mem_delta_bytes` = peak - allocated before the
+  run). On CPU the process's resident-set high-water mark: before each run the garbage
+  collector runs, glibc's `malloc_trim(0)` returns freed heap pages to the OS, and writing
+  "5" to /proc/self/clear_refs resets VmHWM to the current RSS; after the run VmHWM is read
+  (`mem_method = "vmhwm"`). Where clear_refs is not writable, a thread samples VmRSS every
+  millisecond instead (`mem_method = "rss-sampled"`, may miss short spikes). CPU torch has no
+  caching allocator, so freed tensors do not hide in the process between configurations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import itertools
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from ..cache import EvictionCache
+from ..generation import Sampler, decode
+
+__all__ = ["BASELINES", "add_ratios", "expected_evictions", "run_bench", "run_one"]
+
+#: the two full-cache references every benchmark can include
+BASELINES = ("full", "dynamic")
+
+
+# -- memory ----------------------------------------------------------------------------------------
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _PeakMemory:
+    """Peak memory of one run: see the module docstring."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.method = ""
+        self.base = 0
+        self.peak = 0
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _PeakMemory:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            self.method = "cuda-max-allocated"
+            return self
+        _malloc_trim()
+        if _reset_hwm() and _status_kb("VmHWM") is not None:
+            self.method = "vmhwm"
+            self.base = _status_kb("VmRSS") or 0
+            return self
+        self.base = _status_kb("VmRSS") or 0
+        if not self.base:
+            self.method = "unavailable"
+            return self
+        self.method = "rss-sampled"
+        self.peak = self.base
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.001):
+                self.peak = max(self.peak, _status_kb("VmRSS") or 0)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.method == "cuda-max-allocated":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        elif self.method == "vmhwm":
+            self.peak = _status_kb("VmHWM") or 0
+        elif self.method == "rss-sampled":
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, _status_kb("VmRSS") or 0)
+
+    @property
+    def delta(self) -> int:
+        return max(0, self.peak - self.base)
+
+
+# -- caches ----------------------------------------------------------------------------------------
+def _dynamic_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def _dynamic_kv_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window: int) -> int:
+    """Eviction events the schedule predicts for one unpadded row (ALGORITHMS.md section 1).
+
+    After prefill the cache holds P tokens; the N new tokens need N - 1 more forwards (the
+    last token is never fed back). The first eviction runs before the token that would pass
+    max(P, B) + w, then one every w tokens.
+    """
+    fed = new_tokens - 1
+    first = max(prompt_length, budget) + window - prompt_length  # tokens that fit before the first eviction
+    if fed <= first:
+        return 0
+    return 1 + (fed - first - 1) // window
+
+
+class _EvictTimer:
+    """Wraps `evict` of every layer of an EvictionCache (instance attributes; the class is untouched)."""
+
+    def __init__(self, cache: EvictionCache, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self.events: list[tuple] = []
+        for layer in cache.layers:
+            layer.evict = self._wrap(layer.evict)
+
+    def _wrap(self, evict: Callable) -> Callable:
+        def timed(due):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                evict(due)
+                end.record()
+                self.events.append((start, end))
+            else:
+                t = time.perf_counter()
+                evict(due)
+                self.seconds += time.perf_counter() - t
+
+        return timed
+
+    def total_seconds(self) -> float:
+        if self.cuda and self.events:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self.events) / 1000.0
+        return self.seconds
+
+
+# -- one run -------------------------------------------------------------------------------------
+def _random_prompt(vocab: int, batch: int, length: int, seed: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
+
+
+def _set_attention(model, method: str) -> None:
+    from ..attention import uninstall
+
+    if method == "dynamic":
+        uninstall(model)  # the stock kernel and transformers' own masks, as users run it today
+
+
+def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int, prompt_length: int = 128,
+            window: int = 64, segments: int = 4, seed: int = 0, **method_params) -> dict:
+    """Decode `new_tokens` tokens once and return the raw measurements of that run."""
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    input_ids = _random_prompt(vocab, batch, prompt_length, seed, device)
+    attention_mask = torch.ones_like(input_ids)
+    cuda = device.type == "cuda"
+
+    _set_attention(model, method)
+    memory = _PeakMemory(device)
+    with memory:
+        timer = None
+        if method == "dynamic":
+            cache = _dynamic_cache(model)
+        else:
+            params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
+            cache = EvictionCache(model, method, budget if budget is not None else prompt_length + new_tokens,
+                                  window, seed=seed, max_length=prompt_length + new_tokens, **params)
+            timer = _EvictTimer(cache, device)
+        stamps: list[float] = []
+        evict_marks: list[int] = []
+        calls = 0
+        first_layer = cache.layers[0] if timer is not None else None
+
+        def on_token(row: int, token: int) -> None:
+            nonlocal calls
+            if calls % batch == 0:  # the first row of a step: every row's token of this step is known
+                if cuda:
+                    torch.cuda.synchronize(device)
+                stamps.append(time.perf_counter())
+                evict_marks.append(first_layer.evictions if first_layer is not None else 0)
+            calls += 1
+
+        ids, _, prefill_s = decode(model, input_ids, attention_mask, cache, max_new_tokens=new_tokens,
+                                   sampler=Sampler(greedy=True), seeds=[seed + r for r in range(batch)],
+                                   ignore_eos=True, on_token=on_token)
+        if cuda:
+            torch.cuda.synchronize(device)
+    if any(len(r) != new_tokens for r in ids):
+        raise RuntimeError(f"{method}: expected {new_tokens} tokens per row, got {[len(r) for r in ids]}")
+
+    steps = [b - a for a, b in itertools.pairwise(stamps)]
+    evicted = [b > a for a, b in itertools.pairwise(evict_marks)]
+    decode_s = sum(steps)
+    out = {
+        "decode_s": decode_s,
+        "prefill_s": prefill_s,
+        "tok_s": len(steps) * batch / decode_s if decode_s > 0 else math.nan,
+        "seg_tok_s": _segment_rates(steps, batch, segments),
+        "step_ms": 1000 * statistics.median(steps) if steps else math.nan,
+        "evict_step_ms": _evict_step_cost(steps, evicted),
+    }
+    if timer is not None:
+        stats = cache.stats()
+        out.update(evictions=stats["evictions"], kv_bytes=stats["kv_bytes"], kv_bytes_alloc=stats["kv_bytes_capacity"],
+                   kv_bytes_full=stats["kv_bytes_full"], stored_length=stats["stored_length"],
+                   evict_ms=1000 * timer.total_seconds() / stats["evictions"] if stats["evictions"] else math.nan)
+    else:
+        kv = _dynamic_kv_bytes(cache)
+        out.update(evictions=0, kv_bytes=kv, kv_bytes_alloc=kv, kv_bytes_full=kv,
+                   stored_length=cache.get_seq_length(), evict_ms=math.nan)
+    out.update(peak_mem_bytes=memory.peak, peak_mem_delta_bytes=memory.delta, mem_method=memory.method)
+    del cache
+    return out
+
+
+def _segment_rates(steps: list[float], batch: int, segments: int) -> list[float]:
+    n = len(steps)
+    k = max(1, min(segments, n))
+    rates = []
+    for i in range(k):
+        part = steps[i * n // k:(i + 1) * n // k]
+        rates.append(len(part) * batch / sum(part) if part and sum(part) > 0 else math.nan)
+    return rates
+
+
+def _evict_step_cost(steps: list[float], evicted: list[bool], radius: int = 8) -> float:
+    costs = []
+    for i, ev in enumerate(evicted):
+        if not ev:
+            continue
+        near = [steps[j] for j in range(max(0, i - radius), min(len(steps), i + radius + 1)) if not evicted[j]]
+        if near:
+            costs.append(steps[i] - statistics.median(near))
+    return 1000 * statistics.median(costs) if costs else math.nan
+
+
+# -- the grid ------------------------------------------------------------------------------------
+def _median(values: Sequence[float]) -> float:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(vals) if vals else math.nan
+
+
+def _model_label(model) -> str:
+    label = getattr(model, "vase_shape", None) or getattr(model.config, "name_or_path", "") or ""
+    return str(label) or type(model).__name__
+
+
+def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_lengths: Sequence[int],
+              batch_sizes: Sequence[int], prompt_length: int = 128, window: int = 64, warmup: int = 1,
+              repeats: int = 3, segments: int = 4, include_dynamic: bool = True, seed: int = 0,
+              include_full: bool = True, warmup_tokens: int | None = None,
+              progress: Callable[[dict], None] | None = None, **method_params) -> list[dict]:
+    """Benchmark decode throughput and memory; one row per (batch, method, budget, output length).
+
+    `methods` are eviction methods (run at every budget); `full` (owned cache, no eviction) and,
+    with `include_dynamic`, `dynamic` (transformers' DynamicCache) are added once per batch size
+    and length as references. Each configuration first gets `warmup` untimed runs of
+    `warmup_tokens` new tokens (default: the first output length), once per batch size; then,
+    for each output length, the `repeats` timed runs go round-robin over the configurations
+    (so a change in machine load during the benchmark hits every method alike); rows report
+    medians.
+    `progress(row)` is called as each row completes. See the module docstring for what each
+    column means. Speed-up ratios (`vs_full`, `vs_dynamic`) compare with the references at the
+    same batch and output length; they are left empty for a row whose eviction never fired.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if not output_lengths or min(output_lengths) < 2:
+        raise ValueError("output lengths must be >= 2 tokens (one decode step needs two tokens)")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError("batch sizes must be >= 1")
+    if prompt_length < 1:
+        raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
+    evicting = [m for m in dict.fromkeys(methods) if m not in BASELINES]
+    if evicting and not budgets:
+        raise ValueError("give at least one budget for the evicting methods")
+    configs: list[tuple[str, int | None]] = []
+    if include_full or "full" in methods:
+        configs.append(("full", None))
+    if include_dynamic or "dynamic" in methods:
+        configs.append(("dynamic", None))
+    configs += [(m, b) for m in evicting for b in budgets]
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    was_training = model.training
+    original_attn = model.config._attn_implementation
+    model.eval()
+    rows: list[dict] = []
+    warmed: set[tuple] = set()
+    try:
+        for batch in batch_sizes:
+            for length in output_lengths:
+                for method, budget in configs:
+                    if (batch, method, budget) not in warmed:
+                        for _ in range(warmup):
+                            run_one(model, method, budget, warmup_tokens or length, batch, prompt_length, window,
+                                    segments, seed, **method_params)
+                        warmed.add((batch, method, budget))
+                runs: dict[tuple, list[dict]] = {cfg: [] for cfg in configs}
+                for rep in range(repeats):  # round-robin, so drifting machine load hits every method alike
+                    for method, budget in configs:
+                        runs[(method, budget)].append(run_one(model, method, budget, length, batch, prompt_length,
+                                                              window, segments, seed, **method_params))
+                        if rep == repeats - 1:  # this configuration is done: report it now
+                            row = _summarise(runs[(method, budget)], model, device, dtype, method, budget, length,
+                                             batch, prompt_length, window, repeats)
+                            rows.append(row)
+                            if progress is not None:
+                                progress(dict(row))
+    finally:
+        if model.config._attn_implementation != original_attn:  # as we found it
+            model.set_attn_implementation(original_attn)
+        model.train(was_training)
+    return add_ratios(rows)
+
+
+def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int | None, length: int, batch: int,
+               prompt_length: int, window: int, repeats: int) -> dict:
+    evicts = method not in BASELINES
+    evictions = runs[0]["evictions"]
+    expected = expected_evictions(prompt_length, length, budget, window) if evicts else 0
+    fired = evictions > 0 if evicts else None
+    flag = ""
+    if evicts and not fired:
+        flag = (f"eviction never fired: prompt {prompt_length} + {length} new tokens <= budget {budget} + window "
+                f"{window}; not a speed-up")
+    elif evicts and evictions != expected:
+        flag = f"{evictions} evictions, schedule predicts {expected}"
+    segs = [_median([r["seg_tok_s"][i] for r in runs]) for i in range(len(runs[0]["seg_tok_s"]))]
+    return {
+        "model": _model_label(model),
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "attn": _base_attention(model),
+        "batch": batch,
+        "method": method,
+        "budget": budget if evicts else None,
+        "window": window if evicts else None,
+        "prompt_length": prompt_length,
+        "new_tokens": length,
+        "repeats": repeats,
+        "tok_s": _median([r["tok_s"] for r in runs]),
+        "seg_tok_s": ";".join(f"{s:.2f}" for s in segs),
+        "step_ms": _median([r["step_ms"] for r in runs]),
+        "decode_s": _median([r["decode_s"] for r in runs]),
+        "prefill_s": _median([r["prefill_s"] for r in runs]),
+        "evictions": evictions,
+        "expected_evictions": expected if evicts else None,
+        "eviction_fired": fired,
+        "evict_ms": _median([r["evict_ms"] for r in runs]),
+        "evict_step_ms": _median([r["evict_step_ms"] for r in runs]),
+        "kv_bytes": runs[0]["kv_bytes"],
+        "kv_bytes_alloc": runs[0]["kv_bytes_alloc"],
+        "kv_bytes_full": runs[0]["kv_bytes_full"],
+        "stored_length": runs[0]["stored_length"],
+        "peak_mem_bytes": int(_median([r["peak_mem_bytes"] for r in runs])),
+        "peak_mem_delta_bytes": int(_median([r["peak_mem_delta_bytes"] for r in runs])),
+        "mem_method": runs[0]["mem_method"],
+        "vs_full": None,
+        "vs_dynamic": None,
+        "kv_vs_full": None,
+        "flag": flag,
+    }
+
+
+def _base_attention(model) -> str:
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    return impl.removeprefix("vase_")
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Fill `vs_full`, `vs_dynamic` and `kv_vs_full` of `rows` in place (also for partial results); returns rows."""
+    refs: dict[tuple, dict] = {}
+    for row in rows:
+        if row["method"] in BASELINES:
+            refs[(row["method"], row["batch"], row["new_tokens"])] = row
+    for row in rows:
+        if row["eviction_fired"] is False:
+            continue  # never report a configuration that did not evict as a speed-up
+        full = refs.get(("full", row["batch"], row["new_tokens"]))
+        dyn = refs.get(("dynamic", row["batch"], row["new_tokens"]))
+        if full and full["tok_s"] > 0:
+            row["vs_full"] = row["tok_s"] / full["tok_s"]
+            if full["kv_bytes"]:
+                row["kv_vs_full"] = row["kv_bytes"] / full["kv_bytes"]
+        if dyn and dyn["tok_s"] > 0:
+            row["vs_dynamic"] = row["tok_s"] / dyn["tok_s"]
+    return rows
+
+
+def default_out_dir() -> Path:
+    return Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")

@@ -1,0 +1,157 @@
+"""Random-weight models with the shapes of real architectures, for throughput and memory benchmarks.
+
+Decode speed and memory depend on the shapes (layers, heads, head_dim, hidden and MLP sizes,
+vocabulary), not on the weights, so a benchmark can run a Qwen3-14B-shaped model without
+downloading anything:
+
+    model = build_random_model("qwen3-4b", dtype=torch.bfloat16, device="cuda")
+    model = build_random_model("path/to/config.json", num_layers=4)
+
+Weights are allocated uninitialised (transformers' `no_init_weights`, directly on the target
+device) and then filled with N(0, initializer_range) (norm weights with 1) from a seeded
+generator: one pass, no CPU round trip, and no uninitialised memory (NaN or denormal floats
+would distort timings).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, Qwen3Config
+
+__all__ = ["SHAPES", "build_random_model", "resolve_shape", "shape_names"]
+
+_QWEN3_COMMON: dict[str, Any] = dict(
+    vocab_size=151936, head_dim=128, num_key_value_heads=8, max_position_embeddings=40960,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6,
+    hidden_act="silu", use_sliding_window=False, attention_bias=False,
+    bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
+)
+
+#: name -> (config class, keyword arguments). Values from the models' published config.json files.
+SHAPES: dict[str, tuple[type[PreTrainedConfig], dict[str, Any]]] = {
+    "qwen3-0.6b": (Qwen3Config, dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                     num_attention_heads=16, tie_word_embeddings=True)),
+    "qwen3-4b": (Qwen3Config, dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                   num_attention_heads=32, tie_word_embeddings=True)),
+    "qwen3-14b": (Qwen3Config, dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                                    num_attention_heads=40, tie_word_embeddings=False)),
+    # SmolLM2-135M-Instruct: the shapes of vase's embedded default model.
+    "smollm2-135m": (LlamaConfig, dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                       head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 100_000.0},
+                                       rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=1, eos_token_id=2,
+                                       pad_token_id=2)),
+    # For tests: a 2-layer GQA Qwen3 (4 query heads, 2 KV heads, head_dim 16) that decodes in microseconds.
+    "tiny": (Qwen3Config, dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=32768, tie_word_embeddings=True, use_sliding_window=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+                               bos_token_id=253, eos_token_id=255, pad_token_id=254)),
+}
+
+
+def shape_names() -> list[str]:
+    return list(SHAPES)
+
+
+def resolve_shape(name_or_config_json: str | Path | PreTrainedConfig,
+                  num_layers: int | None = None) -> PreTrainedConfig:
+    """The config for a shape name, a config.json file (or a directory holding one), or a config object.
+
+    `num_layers` overrides the number of decoder layers (a shorter model with the same per-layer cost).
+    """
+    if isinstance(name_or_config_json, PreTrainedConfig):
+        config = type(name_or_config_json).from_dict(name_or_config_json.to_dict())
+    else:
+        key = str(name_or_config_json).strip()
+        if key.lower() in SHAPES:
+            cls, kwargs = SHAPES[key.lower()]
+            config = cls(**kwargs)
+            config.name_or_path = f"random:{key.lower()}"
+        else:
+            path = Path(key).expanduser()
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ValueError(f"unknown model shape {key!r}: use one of {', '.join(SHAPES)}, or a path to a "
+                                 "config.json")
+            data = json.loads(path.read_text())
+            if "model_type" not in data:
+                raise ValueError(f"{path} has no model_type: not a transformers config.json")
+            data.pop("quantization_config", None)  # random weights are dense
+            config = AutoConfig.for_model(data.pop("model_type"), **data)
+            config.name_or_path = f"random:{path}"
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        text = config.get_text_config()
+        text.num_hidden_layers = num_layers
+        if getattr(text, "layer_types", None):
+            text.layer_types = list(text.layer_types)[:num_layers]
+    return config
+
+
+_POOL = 1_000_003  # a prime: consecutive rows of a weight matrix get different slices of the pool
+_SHIFTS = 65_536
+
+
+@torch.no_grad()
+def _fill_random(model: torch.nn.Module, std: float, seed: int) -> None:
+    """N(0, std) weights, norm scales 1, biases 0.
+
+    One pool of ~1M normal draws is tiled over every weight (drawing 600M normals on a CPU
+    takes ~10 s; copying takes well under one): the values are Gaussian with the right
+    scale, which is all a throughput benchmark needs.
+    """
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        return
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pools: dict[torch.dtype, torch.Tensor] = {}
+    for i, (name, param) in enumerate(model.named_parameters()):
+        if param.dim() == 1:
+            param.fill_(1.0 if "norm" in name else 0.0)
+            continue
+        if param.dtype not in pools:
+            pools[param.dtype] = torch.randn(_POOL + _SHIFTS, generator=gen, device=device,
+                                             dtype=torch.float32).mul_(std).to(param.dtype)
+        shift = (i * 7919) % _SHIFTS  # each tensor starts at its own place in the pool
+        pool, flat = pools[param.dtype][shift:shift + _POOL], param.view(-1)
+        rows = flat.numel() // _POOL
+        if rows:  # one strided copy: small copies in a Python loop are several times slower
+            flat[:rows * _POOL].view(rows, _POOL).copy_(pool.expand(rows, _POOL))
+        rest = flat.numel() - rows * _POOL
+        if rest:
+            flat[rows * _POOL:].copy_(pool[:rest])
+
+
+def build_random_model(name_or_config_json: str | Path | PreTrainedConfig = "tiny",
+                       dtype: torch.dtype | str = torch.float32,
+                       device: torch.device | str = "cpu", attn_implementation: str = "sdpa",
+                       num_layers: int | None = None, seed: int = 0):
+    """A causal LM with the shapes of `name_or_config_json` and random weights, in eval mode.
+
+    name_or_config_json: a name from `SHAPES` (qwen3-0.6b, qwen3-4b, qwen3-14b, smollm2-135m,
+    tiny), a path to a config.json (or its directory), or a config object.
+    """
+    from transformers.initialization import no_init_weights
+
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                 "float16": torch.float16, "fp16": torch.float16}[dtype.lower()]
+    config = resolve_shape(name_or_config_json, num_layers)
+    device = torch.device(device)
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device)
+    model.tie_weights()  # no_init_weights also skips the tying that init_weights does
+    _fill_random(model, float(getattr(config.get_text_config(), "initializer_range", 0.02)), seed)
+    model.requires_grad_(False)
+    model.eval()
+    model.vase_shape = str(getattr(config, "name_or_path", "") or type(config).__name__)
+    return model
