@@ -19,6 +19,17 @@ from rich.table import Table
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Decode-time KV cache eviction for reasoning models (VaSE and baselines).")
 console = Console()
+
+
+@app.callback()
+def _options(threads: Annotated[Optional[int], typer.Option(help="CPU threads for torch (default: torch's "
+                                                            "choice). On a busy machine 1 is often faster.")] = None
+             ) -> None:
+    """Decode-time KV cache eviction for reasoning models (VaSE and baselines)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, threads))
 err_console = Console(stderr=True)
 
 # -- options shared by several subcommands ---------------------------------------------------------------------
@@ -266,6 +277,53 @@ def summarize(run_dir: Annotated[Path, typer.Argument(help="A run folder written
     if not rows:
         raise UserError(f"no finished samples in {run_dir}")
     console.print(f"wrote {run_dir / 'summary.csv'}, {run_dir / 'summary.md'} and plots")
+
+
+# -- vase bench ------------------------------------------------------------------------------------------------
+@app.command()
+def bench(
+    methods: Annotated[str, typer.Option(help="Comma-separated eviction methods (full and dynamic are added).")]
+    = "vase-attnv,vase-dkv",
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "512",
+    lengths: Annotated[str, typer.Option(help="Comma-separated numbers of new tokens.")] = "1024,4096",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1",
+    window: WindowOpt = 64,
+    prompt_length: Annotated[int, typer.Option(help="Random prompt tokens before decoding.")] = 128,
+    warmup: Annotated[int, typer.Option(help="Untimed runs per configuration.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 1,
+    no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
+    random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
+                                                       "qwen3-4b, qwen3-14b, smollm2-135m, or a config.json.")] = None,
+    param: ParamOpt = None,
+    out: Annotated[Path, typer.Option(help="Folder for bench.csv, bench.md and the plots.")] = Path("bench-out"),
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    attn: AttnOpt = "sdpa",
+) -> None:
+    """Decode throughput and memory of each method against the full cache, per output length."""
+    from .bench.report import write_report
+    from .bench.runner import run_bench
+    from .policies import get_policy
+
+    params = parse_params(param)
+    method_list = split_list(methods)
+    for name in method_list:
+        get_policy(name, **params)
+    if random_init:
+
+        from .bench.shapes import build_random_model
+        from .models import resolve_device, resolve_dtype
+
+        dev = resolve_device(device)
+        mdl = build_random_model(random_init, resolve_dtype(dtype, dev), dev, attn)
+    else:
+        mdl, _ = load(model, dtype, device, attn)
+    rows = run_bench(mdl, method_list, split_list(budgets, int), split_list(lengths, int),
+                     split_list(batch_sizes, int), prompt_length=prompt_length, window=window, warmup=warmup,
+                     repeats=repeats, include_dynamic=not no_dynamic, **params)
+    paths = write_report(rows, out, console=console)
+    console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
 # -- vase inspect ----------------------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def default_model_path() -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
     name = str(device)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -250,7 +250,7 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = str(dtype).lower().removeprefix("torch.")
@@ -740,8 +740,8 @@ def load_model(
         UnsupportedModelError: it loads, but vase cannot evict its cache (see
             :func:`check_model_supported`).
     """
-    resolved_device = _resolve_device(device)
-    resolved_dtype = _resolve_dtype(dtype, resolved_device)
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
     _check_attn_implementation(attn_implementation, resolved_device)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
     options = {"dtype": resolved_dtype, "device": resolved_device, "attn_implementation": attn_implementation}
