@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 eval: $(STAMP)
-	$(BIN)/vase eval --limit 6 --samples 1 --methods full,streamingllm,snapkv,rkv,vase-attnv,vase-dkv --budgets 96 --max-new-tokens 160
+	$(BIN)/vase eval --limit 6 --samples 1 --methods streamingllm,snapkv,rkv,vase-attnv,vase-dkv --budgets 64 --window 32 --max-new-tokens 192 --fidelity
 
 bench: $(STAMP)
 	$(BIN)/vase bench

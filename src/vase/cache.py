@@ -273,12 +273,16 @@ class EvictionLayer(CacheLayerMixin):
 
     def _compact(self, index: torch.Tensor) -> None:
         """Move the slots `index` [b, h, n] to the front of every per-slot buffer, in place."""
-        n = index.shape[-1]
+        b, h, n = index.shape
+        cap = self.capacity
+        # Whole rows of head_dim through a flat view of the (contiguous) buffers: index_select
+        # copies rows, much faster than gather with an index expanded over head_dim.
+        flat = (index + torch.arange(b * h, device=index.device).view(b, h, 1) * cap).view(-1)
         for buf in (self.keys, self.values):
-            gathered = buf[:, :, : self.length].gather(2, index.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1]))
-            buf[:, :, :n] = gathered
+            rows = buf.view(b * h * cap, -1).index_select(0, flat)
+            buf[:, :, :n] = rows.view(b, h, n, -1)
         for buf in (self.positions, *self.slot_state.values()):
-            buf[:, :, :n] = buf[:, :, : self.length].gather(2, index)
+            buf[:, :, :n] = buf.view(-1).index_select(0, flat).view(b, h, n)
 
     # -- the transformers Cache layer interface --------------------------------------------------------
     def get_seq_length(self) -> int:
