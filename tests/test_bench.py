@@ -29,16 +29,7 @@ P, B, W = 8, 24, 8  # prompt, budget, window: the first eviction comes 25 tokens
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread: on a shared 2-core machine, two OpenMP threads make timings (and tests) crawl."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny(one_thread):
+def tiny():
     return build_random_model("tiny")
 
 
@@ -162,7 +153,7 @@ def test_shapes_match_the_real_models():
         resolve_shape("qwen9-1t")
 
 
-def test_build_random_model_from_config_json(tmp_path, one_thread):
+def test_build_random_model_from_config_json(tmp_path):
     config = resolve_shape("tiny")
     config.to_json_file(tmp_path / "config.json")
     model = build_random_model(tmp_path / "config.json", num_layers=1, dtype="bfloat16")

@@ -15,7 +15,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 import vase
 from tests.helpers_tiny import tiny_model_and_tokenizer
@@ -46,15 +45,6 @@ BASE = dict(task="arith", limit=3, methods=["snapkv", "vase-attnv"], budgets=[24
             max_new_tokens=24, batch_size=2, model="tiny")
 N_UNITS = 3 * 3  # problems x (full + 2 methods)
 N_SAMPLES = N_UNITS * 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Subprocesses run with one thread too: the same kernels, bit-identical results.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,16 @@ def parse_params(items: list[str] | None) -> dict:
     return params
 
 
+def checked_params(methods: list[str], items: list[str] | None) -> dict:
+    """Parse `--param` items and check every method takes them, before any slow model load."""
+    from .policies import get_policy
+
+    params = parse_params(items)
+    for name in methods:
+        get_policy(name, **params)
+    return params
+
+
 def split_list(text: str, kind=str) -> list:
     try:
         return [kind(x.strip()) for x in text.split(",") if x.strip()]
@@ -153,13 +163,11 @@ def generate(
 ) -> None:
     """Generate with a bounded KV cache, streaming the answer, then print a summary."""
     from .generation import generate as run
-    from .policies import get_policy
 
     prompts = read_prompts(prompt, file)
-    params = parse_params(param)
-    get_policy(method, **params)  # fail on a bad method before the slow model load
+    params = checked_params([method], param)
     if compare:
-        get_policy(compare)
+        checked_params([compare], None)
     if batch_size < 1:
         raise UserError("--batch-size must be >= 1")
     mdl, tok = load(model, dtype, device, attn)
@@ -304,12 +312,9 @@ def bench(
     """Decode throughput and memory of each method against the full cache, per output length."""
     from .bench.report import write_report
     from .bench.runner import run_bench
-    from .policies import get_policy
 
-    params = parse_params(param)
     method_list = split_list(methods)
-    for name in method_list:
-        get_policy(name, **params)
+    params = checked_params(method_list, param)
     if random_init:
 
         from .bench.shapes import build_random_model
@@ -345,10 +350,8 @@ def inspect(
 ) -> None:
     """Look inside one generation: kept tokens per head, value magnitudes, loop onset."""
     from .analysis.inspect import inspect_generation
-    from .policies import get_policy
 
-    params = parse_params(param)
-    get_policy(method, **params)
+    params = checked_params([method], param)
     mdl, tok = load(model, dtype, device, attn)
     report = inspect_generation(mdl, tok, prompt, out, method=method, budget=budget, window=window,
                                 max_new_tokens=max_new_tokens, greedy=greedy, seed=seed, **params)

@@ -262,6 +262,16 @@ def _figure(width: float = 7.0, height: float = 4.5):
     return fig
 
 
+def _budget_axis(ax, budgets: list[int]) -> None:
+    """Ticks at the measured budgets, on a log2 scale when they span 4x or more."""
+    if not budgets:
+        return
+    if len(budgets) > 1 and budgets[-1] / budgets[0] >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets)
+    ax.set_xticklabels([str(b) for b in budgets])
+
+
 def write_plots(rows: Sequence[Mapping[str, Any]], run_dir: str | Path) -> list[Path]:
     """accuracy_vs_budget.png, failures.png and (with fidelity) fidelity_kl_vs_budget.png."""
     run_dir = Path(run_dir)
@@ -290,11 +300,7 @@ def write_plots(rows: Sequence[Mapping[str, Any]], run_dir: str | Path) -> list[
         if se:
             ax.axhspan(y - se, y + se, color="black", alpha=0.08)
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
-    if budgets:
-        if len(budgets) > 1 and budgets[-1] / budgets[0] >= 4:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets)
-        ax.set_xticklabels([str(b) for b in budgets])
+    _budget_axis(ax, budgets)
     ax.set_xlabel("KV budget B (tokens per layer and KV head)")
     ax.set_ylabel("pass@1 (%)")
     ax.set_ylim(0, 102)
@@ -313,11 +319,7 @@ def write_plots(rows: Sequence[Mapping[str, Any]], run_dir: str | Path) -> list[
         ax = fig.add_subplot(111)
         for m, rs in fid.items():
             ax.plot([r["budget"] for r in rs], [r["kl_mean"] for r in rs], marker="o", label=m)
-        if budgets:
-            if len(budgets) > 1 and budgets[-1] / budgets[0] >= 4:
-                ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets)
-            ax.set_xticklabels([str(b) for b in budgets])
+        _budget_axis(ax, budgets)
         ax.set_xlabel("KV budget B")
         ax.set_ylabel("KL(full || method) per token (nats)")
         ax.set_title("Fidelity to the full cache (teacher-forced)")
