@@ -21,8 +21,9 @@ def window_attention(keys: torch.Tensor, queries: torch.Tensor, temperature: flo
     b, h_kv, n, d = keys.shape
     h_q, w = queries.shape[1], queries.shape[2]
     group = h_q // h_kv
-    q = queries.float().reshape(b, h_kv, group * w, d)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) / (math.sqrt(d) * temperature)
+    # Scale the (few) queries rather than the (many) logits.
+    q = queries.float().reshape(b, h_kv, group * w, d) / (math.sqrt(d) * temperature)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2))
     attn = logits.softmax(-1).view(b, h_kv, group, w, n).mean(3)  # [b, h_kv, group, n]
     if smooth_kernel > 1:
         attn = F.avg_pool1d(attn.reshape(-1, 1, n), smooth_kernel, stride=1, padding=smooth_kernel // 2,
