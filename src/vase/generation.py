@@ -131,16 +131,16 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
     logits = out.logits[:, -1]
     for _ in range(max_new_tokens):
         tokens = sampler(logits, [generators[r] for r in active])
-        done = torch.isin(tokens, eos) if not ignore_eos else torch.zeros_like(tokens, dtype=torch.bool)
+        done = torch.isin(tokens, eos).tolist() if not ignore_eos else [False] * len(active)
         keep = []
-        for i, r in enumerate(active):
+        for i, (r, token) in enumerate(zip(active, tokens.tolist())):  # one device sync per step
             if done[i]:
                 finished[r] = True
             else:
-                generated[r].append(int(tokens[i]))
+                generated[r].append(token)
                 keep.append(i)
                 if on_token is not None:
-                    on_token(r, int(tokens[i]))
+                    on_token(r, token)
         if not keep or len(generated[active[keep[0]]]) >= max_new_tokens:
             break
         if len(keep) < len(active):  # drop finished rows from the batch and the cache
