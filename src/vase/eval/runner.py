@@ -292,7 +292,6 @@ class _Runner:
         self.units = [_Unit(FULL, None)] + [
             _Unit(label, b) for label, s in self.specs.items() if label != FULL for b in config.budgets]
         self._bpt: int | None = None
-        self._warned_stats = False
 
     # -- setup -----------------------------------------------------------------------------------
     def prepare(self) -> Path:
@@ -448,8 +447,8 @@ class _Runner:
             text = out.texts[r]
             ids = list(out.token_ids[r])
             finished = bool(out.finished[r])
-            cache = self._row_stats(spec, u.budget, int(out.prompt_lengths[r]), len(ids), finished, stats,
-                                    len(batch), per_row[r] if per_row and r < len(per_row) else None)
+            cache = self._row_stats(spec, u.budget, int(out.prompt_lengths[r]), len(ids), finished,
+                                    per_row[r] if per_row and r < len(per_row) else None)
             rec: dict[str, Any] = {
                 "problem_id": p.id,
                 "problem_index": i,
@@ -478,21 +477,14 @@ class _Runner:
         return records
 
     def _row_stats(self, spec: MethodSpec, budget: int | None, prompt_length: int, n_generated: int,
-                   finished: bool, stats: dict, batch_rows: int, row: dict | None) -> dict[str, int]:
+                   finished: bool, row: dict | None) -> dict[str, int]:
+        """The sequence's cache stats as `generate` reported them, else derived from the eviction schedule
+        (for a custom generate_fn without per-row stats)."""
         keys = ("kv_bytes", "kv_bytes_peak", "kv_bytes_full", "evictions")
-        if row is not None and all(k in row for k in ("kv_bytes", "kv_bytes_full", "evictions")):
-            return {k: int(row[k]) for k in keys if k in row}  # generate reports per-row stats
+        if row is not None and all(k in row for k in keys):
+            return {k: int(row[k]) for k in keys}
         est = row_cache_stats(prompt_length, n_generated, finished, budget=budget, window=self.config.window,
                               evicts=spec.evicts, bytes_per_token=self.bytes_per_token)
-        if batch_rows == 1 and "kv_bytes" in stats and "evictions" in stats:
-            got = {k: int(stats[k]) for k in ("kv_bytes", "kv_bytes_full", "evictions")}
-            want = {k: est[k] for k in got}
-            if got != want:
-                if not self._warned_stats:
-                    warnings.warn(f"per-sequence cache stats derived from the eviction schedule {want} differ from "
-                                  f"the cache's own {got}; using the cache's for one-row batches", stacklevel=2)
-                    self._warned_stats = True
-                est.update(got)
         return {k: est[k] for k in keys}
 
     # -- fidelity --------------------------------------------------------------------------------
