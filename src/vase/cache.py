@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .policies import Policy, get_policy
+from .schedule import first_limit, must_evict, room, steady_limit
 
 #: The layer whose `update` ran last and whose attention call is pending. Set by
 #: `EvictionLayer.update`, consumed by the attention function registered in `vase.attention`.
@@ -117,7 +118,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def _reschedule(self) -> None:
         reals = self.real_lengths()
-        self.until_evict = min(lim - n for lim, n in zip(self.limit, reals))
+        self.until_evict = min(room(n, lim) for lim, n in zip(self.limit, reals))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append `key_states`/`value_states` [b, kv_heads, q, d]; return what is stored [b, kv_heads, L, d].
@@ -136,7 +137,7 @@ class EvictionLayer(CacheLayerMixin):
         cfg = self.cfg
         if cfg.policy.evicts and q > self.until_evict:
             reals = self.real_lengths()
-            due = [r for r, n in enumerate(reals) if n + q > self.limit[r] and n > cfg.budget]
+            due = [r for r, n in enumerate(reals) if must_evict(n, q, self.limit[r], cfg.budget)]
             if due:
                 self.evict(due)
         end = self.length + q
@@ -184,7 +185,7 @@ class EvictionLayer(CacheLayerMixin):
             self.pad = pads.tolist()
             self.positions[:, :, : self.length].masked_fill_(~mask[:, None, : self.length].to(self.device), -1)
         w, B = self.cfg.window, self.cfg.budget
-        self.limit = [max(n, B) + w for n in self.real_lengths()]
+        self.limit = [first_limit(n, B, w) for n in self.real_lengths()]
         self.row_evictions = [0] * b
         self.row_peak = [0] * b
         self.row_pad0 = list(self.pad)
@@ -211,6 +212,25 @@ class EvictionLayer(CacheLayerMixin):
         n = min(self.queries_seen, w)
         order = (self.queries_seen - n + torch.arange(n, device=self.queries.device)) % w
         return self.queries[:, :, order]
+
+    def selection_mask(self, query: torch.Tensor) -> torch.Tensor | None:
+        """What a selection policy (Quest) lets the `q` new queries [b, q_heads, q, d] attend:
+        bool [b, q_heads, q, L] over the stored slots, or None (other policies, and the dense prefill)."""
+        policy = self.cfg.policy
+        q = query.shape[2]
+        if not getattr(policy, "selects", False) or self.seen == q:  # the first forward is the prefill
+            return None
+        b, h_q = query.shape[:2]
+        L, h_kv = self.length, self.keys.shape[1]
+        pads = self.pad or [0] * b
+        if L - min(pads) <= self.cfg.budget:  # every row sees at most B tokens: nothing to restrict
+            return None
+        mask = torch.zeros(b, h_kv, q, L, dtype=torch.bool, device=query.device)
+        for p in sorted(set(pads)):  # rows with the same left padding share page alignment
+            rows = [r for r in range(b) if pads[r] == p]
+            mask[rows, :, :, p:] = policy.attend_mask(self.keys[rows, :, p:L], query[rows], L - p - q,
+                                                      self.cfg.budget, self.cfg.window)
+        return mask.repeat_interleave(h_q // h_kv, dim=1)
 
     # -- eviction ---------------------------------------------------------------------------------
     def evict(self, due: list[int]) -> None:
@@ -243,7 +263,7 @@ class EvictionLayer(CacheLayerMixin):
             self.row_evictions[r] += 1
             self.row_peak[r] = max(self.row_peak[r], reals[r])
             self.positions[r, :, : self.pad[r]] = -1
-            self.limit[r] = B + w
+            self.limit[r] = steady_limit(B, w)
         self.length = new_len
         self._reschedule()
         self.evictions += 1
@@ -361,6 +381,8 @@ class EvictionCache(Cache):
         if policy.evicts and budget <= window + sinks:
             raise ValueError(f"budget ({budget}) must be larger than window + protected sinks ({window} + {sinks}): "
                              f"raise --budget or lower --window")
+        if hasattr(policy, "check"):  # selection policies (Quest) validate budget and window themselves
+            policy.check(budget, window)
         if model is not None:
             from .attention import install  # the cache needs vase's attention function to mask and score
 

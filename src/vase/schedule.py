@@ -1,0 +1,101 @@
+"""The eviction schedule as pure functions: when a sequence evicts and how much it stores.
+
+Shared by every integration (the transformers `EvictionCache`, the vLLM plugin), so each one
+can compute where it stands from three numbers and a count instead of feeding counts back.
+No torch here.
+
+Terms, per sequence (one batch row; padding is not counted):
+
+- `prefill_len` P: prompt tokens written by the prefill.
+- `budget` B: tokens kept per layer and KV head after an eviction.
+- `window` w: recent tokens never evicted; also the eviction interval.
+- `n_generated` n: tokens written to the cache after the prompt, i.e. decode steps fed back
+  (the last sampled token, never fed back, is not counted).
+- limit: a sequence evicts before a write would take its stored length past the limit.
+  The first limit is `max(P, B) + w` (a long prompt is kept whole until then); after an
+  eviction, which brings the stored length to B, the limit is `B + w`.
+
+With one token written per step, evictions run before the writes of generated tokens
+e1 + 1, e1 + 1 + w, e1 + 1 + 2w, ... where e1 = max(P, B) + w - P; we call e1, e1 + w, ...
+the eviction steps (the count of generated tokens stored when the eviction runs).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "eviction_steps", "first_eviction_step", "first_limit", "is_eviction_step", "must_evict", "num_evictions",
+    "peak_length", "physical_length", "room", "steady_limit",
+]
+
+
+def _check(prefill_len: int, budget: int, window: int, n_generated: int = 0) -> None:
+    if prefill_len < 0 or n_generated < 0:
+        raise ValueError(f"prefill_len ({prefill_len}) and n_generated ({n_generated}) must be >= 0")
+    if window < 1:
+        raise ValueError(f"window must be a positive number of tokens, got {window}")
+    if budget < 1:
+        raise ValueError(f"budget must be a positive number of tokens, got {budget}")
+
+
+def first_limit(prefill_len: int, budget: int, window: int) -> int:
+    """Stored length a sequence may reach before its first eviction: max(P, B) + w."""
+    _check(prefill_len, budget, window)
+    return max(prefill_len, budget) + window
+
+
+def steady_limit(budget: int, window: int) -> int:
+    """Stored length a sequence may reach between later evictions: B + w."""
+    return budget + window
+
+
+def first_eviction_step(prefill_len: int, budget: int, window: int) -> int:
+    """Generated tokens stored when the first eviction runs: max(P, B) + w - P."""
+    return first_limit(prefill_len, budget, window) - prefill_len
+
+
+def is_eviction_step(prefill_len: int, budget: int, window: int, n_generated: int) -> bool:
+    """Whether the cache evicts before writing generated token `n_generated + 1` (one token per step)."""
+    _check(prefill_len, budget, window, n_generated)
+    first = first_eviction_step(prefill_len, budget, window)
+    return n_generated >= first and (n_generated - first) % window == 0
+
+
+def num_evictions(prefill_len: int, budget: int, window: int, n_generated: int) -> int:
+    """Evictions that ran while `n_generated` tokens were written after the prompt."""
+    _check(prefill_len, budget, window, n_generated)
+    first = first_eviction_step(prefill_len, budget, window)
+    return 0 if n_generated <= first else 1 + (n_generated - first - 1) // window
+
+
+def eviction_steps(prefill_len: int, budget: int, window: int, n_generated: int) -> list[int]:
+    """The eviction steps (generated tokens stored when each eviction ran) while writing `n_generated` tokens."""
+    first = first_eviction_step(prefill_len, budget, window)
+    return [first + k * window for k in range(num_evictions(prefill_len, budget, window, n_generated))]
+
+
+def physical_length(prefill_len: int, budget: int, window: int, n_generated: int) -> int:
+    """Tokens stored (per layer and KV head) after `n_generated` tokens were written after the prompt."""
+    _check(prefill_len, budget, window, n_generated)
+    first = first_eviction_step(prefill_len, budget, window)
+    if n_generated <= first:
+        return prefill_len + n_generated
+    return budget + (n_generated - first - 1) % window + 1
+
+
+def peak_length(prefill_len: int, budget: int, window: int, n_generated: int) -> int:
+    """Most tokens ever stored up to `n_generated`: the first limit once reached, else what is stored."""
+    _check(prefill_len, budget, window, n_generated)
+    return min(prefill_len + n_generated, first_limit(prefill_len, budget, window))
+
+
+def must_evict(stored: int, incoming: int, limit: int, budget: int) -> bool:
+    """Whether a sequence storing `stored` tokens evicts before writing `incoming` more.
+
+    It does when the write would pass its `limit` (first_limit, then steady_limit) and it
+    holds more than B (a sequence at B has nothing to evict)."""
+    return stored + incoming > limit and stored > budget
+
+
+def room(stored: int, limit: int) -> int:
+    """Tokens a sequence can write before it must evict (0: the next write evicts first)."""
+    return max(limit - stored, 0)

@@ -1,0 +1,102 @@
+"""The eviction schedule (vase.schedule): hand-computed cases, a step-by-step simulation, and the cache's behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vase.cache import EvictionCache
+from vase.schedule import (eviction_steps, first_eviction_step, first_limit, is_eviction_step, must_evict,
+                           num_evictions, peak_length, physical_length, room, steady_limit)
+
+from .conftest import tiny_model
+
+
+def test_hand_computed_short_prompt():
+    P, B, w = 10, 20, 6
+    assert first_limit(P, B, w) == 26 and steady_limit(B, w) == 26
+    assert first_eviction_step(P, B, w) == 16
+    assert [physical_length(P, B, w, n) for n in (0, 1, 16, 17, 22, 23, 28, 29)] == [10, 11, 26, 21, 26, 21, 26, 21]
+    assert eviction_steps(P, B, w, 45) == [16, 22, 28, 34, 40]
+    assert eviction_steps(P, B, w, 16) == [] and eviction_steps(P, B, w, 17) == [16]
+    assert [n for n in range(45) if is_eviction_step(P, B, w, n)] == [16, 22, 28, 34, 40]
+    assert num_evictions(P, B, w, 45) == 5 and num_evictions(P, B, w, 40) == 4
+    assert peak_length(P, B, w, 5) == 15 and peak_length(P, B, w, 100) == 26
+
+
+def test_hand_computed_long_prompt():
+    # The prompt (30) is longer than B (16): it is kept whole up to P + w, then cut to B.
+    P, B, w = 30, 16, 4
+    assert first_limit(P, B, w) == 34 and steady_limit(B, w) == 20
+    assert [physical_length(P, B, w, n) for n in range(1, 7)] == [31, 32, 33, 34, 17, 18]
+    assert eviction_steps(P, B, w, 13) == [4, 8, 12]
+    assert peak_length(P, B, w, 13) == 34
+
+
+def test_must_evict_and_room():
+    assert must_evict(26, 1, 26, 20) and not must_evict(25, 1, 26, 20)
+    assert must_evict(24, 3, 26, 20) and not must_evict(24, 2, 26, 20)
+    assert not must_evict(20, 30, 26, 20)  # a sequence at B has nothing to evict
+    assert room(20, 26) == 6 and room(26, 26) == 0
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="window must be a positive"):
+        first_limit(10, 20, 0)
+    with pytest.raises(ValueError, match="budget must be a positive"):
+        physical_length(10, 0, 4, 3)
+    with pytest.raises(ValueError, match=r"n_generated \(-1\)"):
+        num_evictions(10, 20, 4, -1)
+
+
+def _simulate(P: int, B: int, w: int, n: int) -> tuple[list[int], list[int]]:
+    """One token per step with must_evict and the two limits: stored length after each write, eviction steps."""
+    stored, limit, lengths, steps = P, first_limit(P, B, w), [], []
+    for k in range(n):
+        if must_evict(stored, 1, limit, B):
+            steps.append(k)
+            stored, limit = B, steady_limit(B, w)
+        stored += 1
+        lengths.append(stored)
+    return lengths, steps
+
+
+@pytest.mark.parametrize("P", [1, 5, 19, 20, 21, 40])
+@pytest.mark.parametrize("B,w", [(20, 1), (20, 6), (9, 8)])
+def test_closed_forms_match_step_by_step_simulation(P, B, w):
+    n = 70
+    lengths, steps = _simulate(P, B, w, n)
+    for k in range(1, n + 1):
+        assert physical_length(P, B, w, k) == lengths[k - 1]
+        assert eviction_steps(P, B, w, k) == [s for s in steps if s < k]
+        assert num_evictions(P, B, w, k) == len([s for s in steps if s < k])
+        assert peak_length(P, B, w, k) == max([P] + lengths[:k])
+    assert [k for k in range(n) if is_eviction_step(P, B, w, k)] == steps
+
+
+@pytest.mark.parametrize("method", ["snapkv", "vase-dkv"])
+def test_cache_follows_the_schedule_per_row(method):
+    """A left-padded batch decoding token by token: each row's stored length and evictions follow the schedule."""
+    model = tiny_model()
+    B, w = 16, 5
+    torch.manual_seed(4)
+    prompts = torch.randint(0, 90, (3, 22))
+    mask = torch.ones_like(prompts)
+    mask[0, :19] = 0  # P = 3
+    mask[1, :6] = 0  # P = 16 = B
+    prefill = mask.sum(-1).tolist()  # row 2: P = 22 > B
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = EvictionCache(model, method, B, w, seed=0)
+    with torch.no_grad():
+        out = model(input_ids=prompts, attention_mask=mask, position_ids=positions, cache=cache)
+        pos = positions[:, -1:]
+        for n in range(1, 60):
+            before = [layer.row_evictions[:] for layer in cache.layers]
+            pos = pos + 1
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), position_ids=pos, cache=cache)
+            for layer, was in zip(cache.layers, before):
+                assert layer.real_lengths() == [physical_length(p, B, w, n) for p in prefill]
+                assert layer.row_evictions == [num_evictions(p, B, w, n) for p in prefill]
+                evicted_now = [a != b for a, b in zip(layer.row_evictions, was)]
+                assert evicted_now == [is_eviction_step(p, B, w, n - 1) for p in prefill]
+    assert min(cache.layers[0].row_evictions) >= 5
