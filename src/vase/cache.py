@@ -146,8 +146,7 @@ class EvictionLayer(CacheLayerMixin):
                 raise ValueError(f"cannot append {q} tokens at once after prefill: at most the window "
                                  f"({cfg.window}) fits between evictions; feed fewer tokens per call")
             self._grow(end)
-        self.keys[:, :, self.length:end] = key_states
-        self.values[:, :, self.length:end] = value_states
+        self._write(key_states, value_states, self.length, end)
         if q == 1:  # the decode hot path: a scalar fill instead of a new arange
             self.positions[:, :, self.length].fill_(self.seen)
         else:
@@ -158,7 +157,35 @@ class EvictionLayer(CacheLayerMixin):
         self.until_evict -= q
         self.awaiting_attention = True
         PENDING_LAYER.set(self)
+        return self._stored(end)
+
+    # The storage seam (vase.quant_cache.QuantLayer keeps K/V in packed low-bit codes instead).
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
+        """Store new K/V [b, kv_heads, q, d] in slots start..end-1 (their positions are written after)."""
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+
+    def _stored(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention reads: K/V of slots 0..end-1, [b, kv_heads, end, d] each."""
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _candidates(self, sel, pad: int, n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of slots pad..n_cand-1 of the rows `sel` (a list or a full slice), for the policy."""
+        return self.keys[sel, :, pad:n_cand], self.values[sel, :, pad:n_cand]
+
+    def _take_rows(self, rows: list[int]) -> None:
+        """Keep only the K/V storage of batch rows `rows`."""
+        self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def held_bytes(self, row: int | None = None) -> int:
+        """K/V bytes held now: one row's real tokens, or every stored slot of every row."""
+        b, h, _, d = self.keys.shape
+        per_token = h * (d + self.values.shape[-1]) * self.keys.element_size()
+        return (self.length - self.pad[row]) * per_token if row is not None else b * self.length * per_token
+
+    def capacity_bytes(self) -> int:
+        """K/V bytes allocated."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def room(self) -> int:
         """How many tokens one update can take, evicting exactly as token-by-token decoding would (batch of 1)."""
@@ -274,8 +301,7 @@ class EvictionLayer(CacheLayerMixin):
         Padding never reaches the policy: it sees real tokens only, sinks first."""
         cfg, policy = self.cfg, self.cfg.policy
         sel = rows if len(rows) < self.keys.shape[0] else slice(None)
-        keys = self.keys[sel, :, pad:n_cand]
-        values = self.values[sel, :, pad:n_cand]
+        keys, values = self._candidates(sel, pad, n_cand)
         queries = self.query_window()[sel] if policy.needs_queries else None
         generators = [self.cache.generators[r] for r in rows] if policy.stochastic else None
         extra = {name: state[sel, :, pad:n_cand] for name, state in self.slot_state.items()}
@@ -335,7 +361,7 @@ class EvictionLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         rows = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-        self.keys, self.values = self.keys[rows], self.values[rows]
+        self._take_rows(rows)
         self.positions = self.positions[rows]
         self.slot_state = {k: v[rows] for k, v in self.slot_state.items()}
         self.layer_state = {k: v[rows] for k, v in self.layer_state.items()}
@@ -373,7 +399,8 @@ class EvictionCache(Cache):
 
     def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int = 512, window: int = 64, *,
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
-                 num_layers: int | None = None, **method_params):
+                 num_layers: int | None = None, kv_bits: int = 16, quant_guard: int | None = None,
+                 quant_group: int | None = None, quant_select: str = "value", flush_every: int = 16, **method_params):
         policy = get_policy(method, **method_params)
         if window <= 0:
             raise ValueError(f"window must be a positive number of tokens, got {window}")
@@ -395,7 +422,15 @@ class EvictionCache(Cache):
         self.seed = seed
         self.generators: list[torch.Generator] | None = None
         self._mask_memo: tuple | None = None
-        super().__init__(layers=[EvictionLayer(self, i) for i in range(num_layers)])
+        layer_cls = EvictionLayer
+        self.quant = None
+        if kv_bits != 16 or quant_guard is not None:  # quantized storage (vase.quant_cache)
+            from .quant_cache import QuantLayer, quant_config
+
+            self.quant = quant_config(policy, budget, window, kv_bits, quant_guard, quant_group, quant_select,
+                                      flush_every, seed)
+            layer_cls = QuantLayer if self.quant is not None else EvictionLayer
+        super().__init__(layers=[layer_cls(self, i) for i in range(num_layers)])
 
     @property
     def policy(self) -> Policy:
@@ -448,8 +483,9 @@ class EvictionCache(Cache):
             for l in layers:
                 per_token = 2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
                 real = l.length - l.pad[r]
-                now += real * per_token
-                peak += max(real, l.row_peak[r]) * per_token
+                held = l.held_bytes(r)
+                now += held
+                peak += held + max(0, l.row_peak[r] - real) * per_token  # the tokens above B were the window's
                 full += (l.seen - l.row_pad0[r]) * per_token
             rows.append({"evictions": layers[0].row_evictions[r], "kv_bytes": now, "kv_bytes_peak": peak,
                          "kv_bytes_full": full})
@@ -478,7 +514,7 @@ class EvictionCache(Cache):
             "stored_length": first.length,
             "seen_length": first.seen,
             "capacity": first.capacity,
-            "kv_bytes": sum(kv_bytes(l, l.length) for l in layers),
-            "kv_bytes_capacity": sum(kv_bytes(l, l.capacity) for l in layers),
+            "kv_bytes": sum(l.held_bytes() for l in layers),
+            "kv_bytes_capacity": sum(l.capacity_bytes() for l in layers),
             "kv_bytes_full": sum(kv_bytes(l, l.seen) for l in layers),
         }

@@ -1,0 +1,104 @@
+"""Group quantization with real packed storage: 8, 4 or 2 bits per element.
+
+Asymmetric min/max quantization in groups of `group` consecutive elements along the last
+axis, codes packed `8 // bits` to a byte, one float16 scale and zero point per group:
+
+    x ~ zero + scale * q,   q in 0 .. 2**bits - 1,   |x - x_hat| <= scale / 2
+
+The zero point is rounded down and the scale up to float16, so every element of a group
+lies inside the representable range and the half-step bound holds exactly (up to float32
+arithmetic in the reconstruction). Used by `vase.quant_cache` per token (each stored
+K/V vector is its own set of groups along head_dim), which keeps quantized tokens
+independent of each other, so eviction can drop and compact them without requantizing.
+
+Bytes of one quantized vector of `d` elements: `d * bits / 8` (codes) + `4 * d / group`
+(float16 scale and zero per group); see `packed_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = (8, 4, 2)
+SCALE_DTYPE = torch.float16
+
+
+def check_format(bits: int, group: int, dim: int) -> None:
+    """Raise a one-line ValueError unless `bits`/`group` can quantize vectors of `dim` elements."""
+    if bits not in BITS:
+        raise ValueError(f"kv_bits must be one of 16 (no quantization), {', '.join(map(str, BITS))}; got {bits}")
+    if group < 1 or dim % group:
+        raise ValueError(f"quant_group ({group}) must divide head_dim ({dim}): use e.g. {dim} or a divisor of it")
+    if group % (8 // bits):
+        raise ValueError(f"quant_group ({group}) must be a multiple of {8 // bits} to pack {bits}-bit codes")
+
+
+def packed_bytes(n_vectors: int, dim: int, bits: int, group: int) -> int:
+    """Bytes that `n_vectors` quantized vectors of `dim` elements hold (codes + scales + zeros)."""
+    return n_vectors * (dim * bits // 8 + 2 * (dim // group) * torch.finfo(SCALE_DTYPE).bits // 8)
+
+
+@dataclass
+class Packed:
+    """Quantized vectors: codes uint8 [..., d * bits / 8]; scale, zero float16 [..., d / group]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def _round_down(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the largest float16 <= x."""
+    h = x.to(SCALE_DTYPE)
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
+
+
+def _round_up(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the smallest float16 >= x."""
+    h = x.to(SCALE_DTYPE)
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes [..., n] (each < 2**bits) into uint8 [..., n * bits / 8], lowest bits first."""
+    per = 8 // bits
+    if per == 1:
+        return codes.to(torch.uint8)
+    c = codes.to(torch.uint8).view(*codes.shape[:-1], -1, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (c << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: uint8 [..., m] -> uint8 codes [..., m * 8 / bits]."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).view(*packed.shape[:-1], -1)
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> Packed:
+    """Quantize `x` [..., d] in groups of `group` elements along the last axis."""
+    check_format(bits, group, x.shape[-1])
+    levels = (1 << bits) - 1
+    g = x.float().view(*x.shape[:-1], -1, group)
+    zero = _round_down(g.amin(-1))
+    scale = _round_up((g.amax(-1) - zero.float()) / levels)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    q = ((g - zero.float()[..., None]) / safe[..., None]).round_().clamp_(0, levels)
+    return Packed(pack(q.view(x.shape), bits), scale, zero, bits, group)
+
+
+def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed vectors -> [..., d] in `dtype`."""
+    q = unpack(p.codes, p.bits).view(*p.codes.shape[:-1], -1, p.group).float()
+    x = p.zero.float()[..., None] + q * p.scale.float()[..., None]
+    return x.flatten(-2).to(dtype)

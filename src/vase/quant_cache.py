@@ -1,0 +1,367 @@
+"""Quantized storage for the evicting cache, with one outlier reserve shared with eviction.
+
+`EvictionCache(model, method, budget, kv_bits=8|4|2, quant_guard=R)` builds `QuantLayer`s:
+each layer keeps the same slot bookkeeping as `EvictionLayer` (positions, padding, eviction
+schedule), but holds K/V in two stores instead of one full-precision buffer:
+
+- full precision: the recent window (the last `w` slots, plus up to `flush_every` tokens that
+  left it since the last flush) and the reserve: per KV head, the `R` old tokens ranked first
+  by the value guard's ranking (sinks first, then `value_magnitude` with the method's metric);
+- packed low-bit codes (`vase.quant`, per token, groups along head_dim): every other token,
+  quantized once when it leaves the window (or loses its reserve place to a larger one).
+
+Stores are rectangular per (row, KV head) with a slot number per entry (-1 = empty) and are
+left-packed after each compaction. Attention and the policy read `_materialize()`: a fresh
+[b, h, L, d] tensor with dequantized codes and exact reserve/window rows, built per call and
+never kept, so between steps only the packed codes and the full-precision reserve are held.
+
+Keys are quantized per token like values. KIVI groups keys per channel across tokens; such a
+group would be broken up by eviction (survivors of one group end up scattered, and requantizing
+them adds error at every eviction), so each token carries its own scales here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import EvictionLayer
+from .policies import Policy, value_magnitude
+from .quant import BITS, Packed, check_format, dequantize, packed_bytes, quantize
+
+SELECT = ("value", "random")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """kv_bits, group size, and the full-precision reserve of old tokens per KV head."""
+
+    bits: int
+    group: int | None  # None: min(32, head_dim)
+    guard: int  # R: old tokens per KV head kept in full precision (sinks first)
+    select: str  # "value": the value guard's ranking; "random": a control with R random tokens
+    metric: str
+    sinks: int
+    flush_every: int
+    seed: int
+
+
+def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_guard: int | None,
+                 quant_group: int | None, quant_select: str, flush_every: int, seed: int) -> QuantConfig | None:
+    """Validate the quantization options; None when kv_bits is 16 (no quantization).
+
+    quant_guard None = the method's own reserve (sinks + value guard slots, at least the sinks).
+    """
+    if kv_bits == 16:
+        if quant_guard is not None or quant_select != "value":
+            raise ValueError("quant_guard/quant_select only apply to a quantized cache: pass kv_bits=8, 4 or 2")
+        return None
+    if getattr(policy, "selects", False):
+        raise ValueError(f"{policy.name} selects from a full cache at every step; kv_bits applies to the owned "
+                         "cache of an eviction method or 'full'")
+    if kv_bits not in BITS:
+        raise ValueError(f"kv_bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {kv_bits}")
+    if quant_select not in SELECT:
+        raise ValueError(f"quant_select must be one of {', '.join(SELECT)}; got {quant_select!r}")
+    if flush_every < 1:
+        raise ValueError(f"flush_every must be >= 1, got {flush_every}")
+    if quant_guard is None:
+        quant_guard = max(policy.reserve_size(max(budget - window, 1), budget), policy.sinks) if policy.evicts \
+            else policy.sinks
+    if quant_guard < 0:
+        raise ValueError(f"quant_guard is a number of tokens per KV head (0 = quantize every old token); got "
+                         f"{quant_guard}")
+    if quant_group is not None:  # head_dim is checked when the first K/V arrive
+        check_format(kv_bits, quant_group, quant_group * (8 // kv_bits))
+    return QuantConfig(bits=kv_bits, group=quant_group, guard=int(quant_guard), select=quant_select,
+                       metric=policy.metric, sinks=policy.sinks, flush_every=flush_every,
+                       seed=seed if isinstance(seed, int) else int(seed[0]))
+
+
+def _gather(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """t [b, h, n, ...] reordered along n by order [b, h, m] -> [b, h, m, ...]."""
+    if t.dim() == 3:
+        return t.gather(2, order)
+    return t.gather(2, order[..., None].expand(*order.shape, t.shape[-1]))
+
+
+def _left_pack(mask: torch.Tensor, m: int) -> torch.Tensor:
+    """Indices [b, h, m] of the entries of mask [b, h, n] that are True, first, in their order."""
+    return torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :m]
+
+
+class QuantLayer(EvictionLayer):
+    """An EvictionLayer whose K/V live in packed low-bit codes plus a full-precision reserve.
+
+    `keys` / `values` are zero-stride carriers of shape [b, h, capacity, d] holding one element
+    (the base class reads shapes and dtypes from them); the data is in the stores below.
+    """
+
+    def __init__(self, cache, layer_idx: int):
+        super().__init__(cache, layer_idx)
+        self.qcfg: QuantConfig = cache.quant
+        self.fk = self.fv = self.fslot = self.frank = self.fn = None  # full-precision entries
+        self.qk: Packed | None = None
+        self.qv: Packed | None = None
+        self.qslot = self.qn = None
+        self.q_hi = 0  # an upper bound on the live quantized entries of any (row, head)
+        self.pending: tuple | None = None
+        self.unflushed = 0
+        self.rank_gen: torch.Generator | None = None
+
+    # -- allocation --------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)  # sizes, positions, slot state
+        b, h, cap, d = self.keys.shape
+        self.group = self.qcfg.group or min(32, d)
+        check_format(self.qcfg.bits, self.group, d)
+        self.keys = key_states.new_zeros(()).expand(b, h, cap, d)
+        self.values = value_states.new_zeros(()).expand(b, h, cap, value_states.shape[-1])
+        n_fp = self.qcfg.guard + self.cfg.window + self.qcfg.flush_every
+        self.fk = key_states.new_zeros(b, h, n_fp, d)
+        self.fv = value_states.new_zeros(b, h, n_fp, value_states.shape[-1])
+        self.fslot = torch.full((b, h, n_fp), -1, dtype=torch.long, device=self.device)
+        self.frank = torch.zeros(b, h, n_fp, dtype=torch.float32, device=self.device)
+        self.fn = torch.zeros(b, h, dtype=torch.long, device=self.device)
+        self._alloc_quantized(cap)
+        self.rank_gen = torch.Generator(device=self.device).manual_seed(
+            self.qcfg.seed * 1_000_003 + 7919 * self.layer_idx + 1)
+
+    def _alloc_quantized(self, cap: int) -> None:
+        """Packed stores of `cap` entries plus one trash entry (cap) that absorbs masked writes."""
+        b, h, _, d = self.keys.shape
+        dv = self.values.shape[-1]
+        bits, g = self.qcfg.bits, self.group
+
+        def store(dim):
+            return Packed(torch.zeros(b, h, cap + 1, dim * bits // 8, dtype=torch.uint8, device=self.device),
+                          torch.zeros(b, h, cap + 1, dim // g, dtype=torch.float16, device=self.device),
+                          torch.zeros(b, h, cap + 1, dim // g, dtype=torch.float16, device=self.device), bits, g)
+
+        old = (self.qk, self.qv, self.qslot)
+        self.qk, self.qv = store(d), store(dv)
+        self.qslot = torch.full((b, h, cap + 1), -1, dtype=torch.long, device=self.device)
+        if old[0] is not None:  # growing (the full cache without max_length): keep what is stored
+            n = old[2].shape[2] - 1
+            for new, prev in ((self.qk, old[0]), (self.qv, old[1])):
+                for name in ("codes", "scale", "zero"):
+                    getattr(new, name)[:, :, :n] = getattr(prev, name)[:, :, :n]
+            self.qslot[:, :, :n] = old[2][:, :, :n]
+        else:
+            self.qn = torch.zeros(b, h, dtype=torch.long, device=self.device)
+
+    def _grow(self, needed: int) -> None:
+        new_cap = max(needed, 2 * self.capacity)
+        pos = torch.full((*self.positions.shape[:2], new_cap), -1, dtype=torch.long, device=self.device)
+        pos[..., : self.length] = self.positions[..., : self.length]
+        self.positions = pos
+        b, h, _, d = self.keys.shape
+        self.keys = self.keys[:, :, :1].expand(b, h, new_cap, d)
+        self.values = self.values[:, :, :1].expand(b, h, new_cap, self.values.shape[-1])
+        self._alloc_quantized(new_cap)
+
+    # -- the storage seam of EvictionLayer ------------------------------------------------------
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
+        # Stored in `_stored` (after the positions of the new slots are written), or, on the
+        # first forward, once the attention function has told us the padding.
+        self.pending = (key_states, value_states, start, end)
+
+    def _stored(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pad is not None:
+            self._ingest(flush=False)
+        return self._materialize(end)
+
+    def _candidates(self, sel, pad: int, n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._materialize(self.length)
+        return keys[sel, :, pad:n_cand], values[sel, :, pad:n_cand]
+
+    def _take_rows(self, rows: list[int]) -> None:
+        b = len(rows)
+        _, h, cap, d = self.keys.shape
+        self.keys = self.keys[:1].expand(b, h, cap, d)
+        self.values = self.values[:1].expand(b, h, cap, self.values.shape[-1])
+        for name in ("fk", "fv", "fslot", "frank", "fn", "qslot", "qn"):
+            setattr(self, name, getattr(self, name)[rows])
+        for p in (self.qk, self.qv):
+            p.codes, p.scale, p.zero = p.codes[rows], p.scale[rows], p.zero[rows]
+
+    def observe_padding(self, attention_mask: torch.Tensor | None) -> None:
+        first = self.pad is None
+        super().observe_padding(attention_mask)
+        if first and self.pending is not None:
+            self._ingest(flush=True)  # the prompt: quantize all but the window and the reserve
+
+    # -- storing new tokens ------------------------------------------------------------------------
+    def _rank(self, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Reserve ranking of new tokens [b, h, q]: sinks +inf, padding -inf, else magnitude (or random)."""
+        if self.qcfg.select == "value":
+            rank = value_magnitude(values, self.qcfg.metric)
+        else:
+            rank = torch.rand(positions.shape, generator=self.rank_gen, device=self.device)
+        pad0 = torch.tensor(self.row_pad0, device=self.device).view(-1, 1, 1)
+        rank = rank.masked_fill((positions >= 0) & (positions - pad0 < self.qcfg.sinks), float("inf"))
+        return rank.masked_fill(positions < 0, float("-inf"))
+
+    def _ingest(self, flush: bool) -> None:
+        """Move the pending new tokens into the stores; quantize what left the window when due."""
+        k, v, start, end = self.pending
+        self.pending = None
+        b, h, q, _ = k.shape
+        positions = self.positions[:, :, start:end]
+        slots = torch.arange(start, end, device=self.device).expand(b, h, q).masked_fill(positions < 0, -1)
+        rank = self._rank(v, positions)
+        self.unflushed += q
+        if flush or q > 1 or self.unflushed >= self.qcfg.flush_every:
+            self._flush(k, v, slots, rank)
+            self.unflushed = 0
+            return
+        # One decode token: append it after each head's live full-precision entries.
+        at = self.fn[..., None]
+        self.fk.scatter_(2, at[..., None].expand(b, h, 1, k.shape[-1]), k)
+        self.fv.scatter_(2, at[..., None].expand(b, h, 1, v.shape[-1]), v)
+        self.fslot.scatter_(2, at, slots)
+        self.frank.scatter_(2, at, rank)
+        self.fn += 1
+
+    def _flush(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rank: torch.Tensor) -> None:
+        """Keep the window and the top-R old tokens in full precision, quantize the other old ones."""
+        b, h = k.shape[:2]
+        n_fp = self.fk.shape[2]
+        ck, cv = torch.cat([self.fk, k], 2), torch.cat([self.fv, v], 2)
+        cs, cr = torch.cat([self.fslot, slots], 2), torch.cat([self.frank, rank], 2)
+        valid = cs >= 0
+        old = valid & (cs < self.length - self.cfg.window)
+        win = torch.zeros_like(old)
+        if self.qcfg.guard:
+            top = cr.masked_fill(~old, float("-inf")).topk(min(self.qcfg.guard, cs.shape[2]), dim=-1).indices
+            win.scatter_(-1, top, True)
+            win &= old
+        keep = valid & ~(old & ~win)
+        quant = old & ~win
+        # The new full-precision store: the kept entries, left-packed.
+        fn = keep.sum(-1)
+        n_keep = int(fn.max())
+        if n_keep > n_fp:
+            raise RuntimeError(f"full-precision store overflow ({n_keep} > {n_fp}): the window holds more tokens "
+                               "than expected")
+        order = _left_pack(keep, n_fp)
+        kept = keep.gather(-1, order)
+        self.fk, self.fv = _gather(ck, order), _gather(cv, order)
+        self.fslot = _gather(cs, order).masked_fill(~kept, -1)
+        self.frank = _gather(cr, order)
+        self.fn = fn
+        # Quantize the rest into the packed store, after each head's live entries.
+        m = quant.sum(-1)
+        n_q = int(m.max())
+        if n_q == 0:
+            return
+        order = _left_pack(quant, n_q)
+        chosen = quant.gather(-1, order)
+        trash = self.qslot.shape[2] - 1
+        dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=self.device), trash)
+        if int((self.qn + m).max()) > trash:
+            raise RuntimeError("quantized store overflow: more old tokens than the cache capacity")
+        for store, src in ((self.qk, ck), (self.qv, cv)):
+            p = quantize(_gather(src, order), self.qcfg.bits, self.group)
+            for name in ("codes", "scale", "zero"):
+                buf = getattr(store, name)
+                buf.scatter_(2, dest[..., None].expand(b, h, n_q, buf.shape[-1]), getattr(p, name))
+        self.qslot.scatter_(2, dest, _gather(cs, order).masked_fill(~chosen, -1))
+        self.qn += m
+        self.q_hi = min(self.q_hi + n_q, trash)
+
+    # -- reading -------------------------------------------------------------------------------------
+    def _materialize(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the layer holds as K/V [b, h, length, d]: dequantized codes and exact full-precision rows.
+
+        A new tensor per call (the caller drops it after attention); empty and padding slots are zero."""
+        b, h, _, d = self.keys.shape
+        dv = self.values.shape[-1]
+        rows = length + 1  # one spare row per head takes every write aimed at no slot
+        out_k = torch.zeros(b, h, rows, d, dtype=self.keys.dtype, device=self.device)
+        out_v = torch.zeros(b, h, rows, dv, dtype=self.values.dtype, device=self.device)
+        base = torch.arange(b * h, device=self.device).view(b, h, 1) * rows
+
+        def place(slot: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+            idx = (base + torch.where((slot >= 0) & (slot < length), slot, length)).view(-1)
+            out_k.view(-1, d).index_copy_(0, idx, k_rows.reshape(-1, d).to(out_k.dtype))
+            out_v.view(-1, dv).index_copy_(0, idx, v_rows.reshape(-1, dv).to(out_v.dtype))
+
+        if self.q_hi:
+            n = self.q_hi
+
+            def head(p: Packed) -> Packed:
+                return Packed(p.codes[:, :, :n], p.scale[:, :, :n], p.zero[:, :, :n], p.bits, p.group)
+
+            place(self.qslot[:, :, :n], dequantize(head(self.qk)), dequantize(head(self.qv)))
+        place(self.fslot, self.fk, self.fv)
+        if self.pending is not None:
+            k, v, start, end = self.pending
+            place(torch.arange(start, end, device=self.device).expand(b, h, end - start), k, v)
+        return out_k[:, :, :length], out_v[:, :, :length]
+
+    # -- compaction ----------------------------------------------------------------------------------
+    def _compact(self, index: torch.Tensor) -> None:
+        """Slots `index` [b, h, n] move to the front: renumber the store entries, drop the evicted ones."""
+        b, h, n = index.shape
+        cap = self.capacity
+        new_slot = torch.full((b, h, cap + 1), -1, dtype=torch.long, device=self.device)
+        new_slot.scatter_(-1, index, torch.arange(n, device=self.device).expand(b, h, n))
+
+        def renumber(slot: torch.Tensor) -> torch.Tensor:
+            return new_slot.gather(-1, torch.where(slot >= 0, slot, cap))
+
+        fslot = renumber(self.fslot)
+        live = fslot >= 0
+        order = _left_pack(live, fslot.shape[2])
+        self.fk, self.fv, self.frank = _gather(self.fk, order), _gather(self.fv, order), _gather(self.frank, order)
+        self.fslot, self.fn = _gather(fslot, order), live.sum(-1)
+
+        trash = self.qslot.shape[2] - 1
+        qslot = renumber(self.qslot[:, :, :trash])
+        live = qslot >= 0
+        self.qn = live.sum(-1)
+        self.q_hi = int(self.qn.max())
+        order = _left_pack(live, trash)
+        self.qslot[:, :, :trash] = _gather(qslot, order)
+        for p in (self.qk, self.qv):
+            for name in ("codes", "scale", "zero"):
+                buf = getattr(p, name)
+                buf[:, :, :trash] = _gather(buf[:, :, :trash], order)
+
+        flat = (index + torch.arange(b * h, device=index.device).view(b, h, 1) * cap).view(-1)
+        for buf in (self.positions, *self.slot_state.values()):
+            buf[:, :, :n] = buf.view(-1).index_select(0, flat).view(b, h, n)
+
+    # -- bytes -----------------------------------------------------------------------------------------
+    def _entry_bytes(self) -> tuple[int, int]:
+        """Bytes of one (token, KV head) entry: (quantized K+V, full-precision K+V)."""
+        d, dv = self.keys.shape[-1], self.values.shape[-1]
+        quant = packed_bytes(1, d, self.qcfg.bits, self.group) + packed_bytes(1, dv, self.qcfg.bits, self.group)
+        return quant, (d + dv) * self.keys.element_size()
+
+    def held_bytes(self, row: int | None = None) -> int:
+        """K/V bytes held now (one batch row, or all): live quantized entries + live full-precision entries."""
+        quant, full = self._entry_bytes()
+        qn, fn = (self.qn, self.fn) if row is None else (self.qn[row], self.fn[row])
+        return int(qn.sum()) * quant + int(fn.sum()) * full
+
+    def capacity_bytes(self) -> int:
+        """K/V bytes allocated: the packed stores (trash entry included) and the full-precision store."""
+        return (self.qk.nbytes() + self.qv.nbytes() + self.fk.numel() * self.fk.element_size()
+                + self.fv.numel() * self.fv.element_size())
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every K/V tensor this layer keeps between steps (for memory checks)."""
+        return [self.qk.codes, self.qk.scale, self.qk.zero, self.qv.codes, self.qv.scale, self.qv.zero,
+                self.fk, self.fv]
+
+    def precision_map(self) -> torch.Tensor:
+        """Per stored slot: 1 = held in full precision, 0 = quantized, -1 = not held: [b, h, length]."""
+        b, h = self.keys.shape[:2]
+        out = torch.full((b, h, self.length + 1), -1, dtype=torch.long, device=self.device)
+        for slot, val in ((self.qslot, 0), (self.fslot, 1)):
+            idx = torch.where((slot >= 0) & (slot < self.length), slot, self.length)
+            out.scatter_(-1, idx, torch.full_like(idx, val))
+        return out[:, :, : self.length]
