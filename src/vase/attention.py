@@ -57,6 +57,22 @@ def _mask_from_2d(mask_2d: torch.Tensor | None, q_len: int, kv_len: int, additiv
     return mask
 
 
+def _and_mask(mask: torch.Tensor | None, selected: torch.Tensor, kernel: str, dtype: torch.dtype) -> torch.Tensor:
+    """AND a selection `selected` (bool [b, q_heads, q, L]) into the cache's mask (None, bool or additive)."""
+    if kernel.startswith("flash"):
+        raise ValueError("selection methods (quest) need a per-head mask, which flash_attention_2 does not take: "
+                         "load the model with attn_implementation='sdpa' or 'eager'")
+    if mask is None:
+        mask = selected
+    elif mask.dtype == torch.bool:
+        return mask & selected
+    else:
+        return mask.masked_fill(~selected, torch.finfo(dtype).min)
+    if kernel == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask
+
+
 def _make_attention(kernel: str) -> Callable:
     def vase_attention(module, query, key, value, attention_mask, **kwargs):
         layer = PENDING_LAYER.get()
@@ -77,6 +93,9 @@ def _make_attention(kernel: str) -> Callable:
                     mask = (slots[None, :] >= torch.tensor(layer.pad, device=query.device)[:, None]).int()
             else:
                 mask = layer.cache.attention_mask(layer, q_len, query.dtype, additive)
+            selected = layer.selection_mask(query)  # Quest: per-step page selection, else None
+            if selected is not None:
+                mask = _and_mask(mask, selected, kernel, query.dtype)
         elif kernel.startswith("flash"):
             mask = attention_mask
         else:

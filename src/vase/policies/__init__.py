@@ -21,6 +21,7 @@ from .evict_large_v import EvictLargeV
 from .full import Full
 from .h2o import H2O
 from .knorm import KNorm
+from .quest import Quest
 from .random import RandomKeep
 from .rkv import RKV
 from .scores import key_redundancy, window_attention
@@ -30,7 +31,7 @@ from .tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
     Full, StreamingLLM, RandomKeep, KNorm, SnapKV, RKV, H2O, TOVA, CurDKV, VaseDKV, VaseAttnV,
-    EvictLargeV, SnapKVSample, SnapKVValueReserve,
+    EvictLargeV, SnapKVSample, SnapKVValueReserve, Quest,
 )}
 
 
