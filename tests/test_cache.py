@@ -302,3 +302,70 @@ def test_per_row_stats_follow_each_rows_schedule(tokenizer):
         assert row == alone.stats["rows"][0]
         assert row["evictions"] == alone.stats["evictions"] > 0
         assert row["kv_bytes"] == alone.stats["kv_bytes"] and row["kv_bytes_full"] == alone.stats["kv_bytes_full"]
+
+
+# -- the policy state hooks, driven generically -------------------------------------------------------------
+
+from dataclasses import dataclass  # noqa: E402
+from typing import ClassVar  # noqa: E402
+
+from vase.policies import Policy  # noqa: E402
+
+
+@dataclass(frozen=True)
+class _StatefulProbe(Policy):
+    """Declares one per-slot and one per-layer state and records what the cache hands it."""
+
+    name = "probe"
+    slot_state = ("mark",)
+    calls: ClassVar[list] = []
+
+    def init_layer_state(self, batch, kv_heads, head_dim, generators, device):
+        draws = torch.stack([torch.rand(3, generator=g) for g in generators])  # [batch, 3]
+        self.calls.append(("init", draws.clone()))
+        return {"token": draws}
+
+    def score(self, keys, values, queries, generator=None, mark=None, token=None, **extra):
+        self.calls.append(("select", token.clone()))
+        mark.copy_(keys[..., 0].float())  # in place: each candidate's slot remembers its own key
+        return keys[..., 1].float()
+
+
+def test_policy_state_hooks_are_kept_aligned_and_per_row():
+    """Slot state moves with its slot through compaction and comes back from `select` (rows evicting alone
+    included); layer state is drawn once per layer and row, from that row's generator, before its first eviction."""
+    model = tiny_model()
+    _StatefulProbe.calls.clear()
+    B, w = 12, 4
+    torch.manual_seed(7)
+    prompts = torch.randint(0, 90, (2, 15))
+    mask = torch.ones_like(prompts)
+    mask[0, :10] = 0  # rows of 5 and 15 prompt tokens evict at different steps
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = EvictionCache(model, _StatefulProbe(), B, w, seed=[21, 22])
+    with torch.no_grad():
+        out = model(input_ids=prompts, attention_mask=mask, position_ids=positions, cache=cache)
+        pos = positions[:, -1:]
+        for _ in range(30):
+            pos = pos + 1
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), position_ids=pos, cache=cache)
+    layer = cache.layers[0]
+    assert min(layer.row_evictions) >= 4
+    for layer in cache.layers:
+        stored = slice(None, layer.length)
+        mark, key0 = layer.slot_state["mark"][:, :, stored], layer.keys[:, :, stored, 0]
+        # A slot that was a candidate at its row's last eviction holds its own key; newer slots hold 0.
+        for r in range(2):
+            real = slice(layer.pad[r], None)
+            n = (mark[r, :, real] != 0).sum(-1)
+            assert (n == B - w).all()  # the kept candidates; the w recent and the new ones were never scored
+            torch.testing.assert_close(mark[r, :, real][:, : B - w], key0[r, :, real][:, : B - w].float())
+    inits = [c[1] for c in _StatefulProbe.calls if c[0] == "init"]
+    assert [x.shape[0] for x in inits] == [1, 1, 1, 1]  # per layer and row, each row at its own first eviction
+    for r, seed in enumerate([21, 22]):  # layer i's state of row r: the i-th draw of row r's own generator
+        g = torch.Generator().manual_seed(seed)
+        for layer in cache.layers:
+            assert torch.equal(layer.layer_state["token"][r], torch.rand(3, generator=g))
+    selects = [token for kind, token in _StatefulProbe.calls if kind == "select"]
+    assert len(selects) == sum(sum(layer.row_evictions) for layer in cache.layers)  # rows evict alone here
+    assert all(any(torch.equal(t[0], x[0]) for x in inits) for t in selects)  # each select got its row's state

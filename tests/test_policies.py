@@ -338,6 +338,17 @@ def test_vase_dkv_projection_shared_by_heads_and_redrawn():
     assert abs(float(G.var()) - 1 / 20) < 0.003
 
 
+def test_layer_state_hook_declares_curdkv_projection_only():
+    gens = [gen(3), gen(4)]
+    state = get_policy("curdkv").init_layer_state(2, HKV, D, gens, torch.device("cpu"))
+    expected = get_policy("curdkv").draw_projection(2, D, [gen(3), gen(4)], torch.device("cpu"))
+    assert list(state) == ["projection"] and torch.equal(state["projection"], expected)
+    stateless = [name for name, cls in POLICIES.items()
+                 if name != "curdkv" and cls().init_layer_state(2, HKV, D, gens, torch.device("cpu"))]
+    assert stateless == []
+    assert {name for name, cls in POLICIES.items() if cls.slot_state} == {"h2o"}
+
+
 # ---------------------------------------------------------------------------------------------
 # VaSE-AttnV structure and the value guard
 # ---------------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ class EvictionLayer(CacheLayerMixin):
         self.queries: torch.Tensor | None = None  # [b, q_heads, w, d] ring buffer of post-RoPE queries
         self.queries_seen = 0
         self.slot_state: dict[str, torch.Tensor] = {}
-        self.layer_state: dict[str, torch.Tensor] = {}
+        self.layer_state: dict[str, torch.Tensor] = {}  # the policy's per-layer state, batch on dim 0
+        self.state_ready: list[bool] = []  # per row: layer_state holds its rows (drawn before its first eviction)
         self.evictions = 0
         self.tokens_evicted = 0
         self.row_evictions: list[int] = []  # per row, for per-sequence stats
@@ -216,6 +217,7 @@ class EvictionLayer(CacheLayerMixin):
         self.row_evictions = [0] * b
         self.row_peak = [0] * b
         self.row_pad0 = list(self.pad)
+        self.state_ready = [False] * b
         self._reschedule()
 
     def record_queries(self, query: torch.Tensor) -> None:
@@ -305,17 +307,29 @@ class EvictionLayer(CacheLayerMixin):
         queries = self.query_window()[sel] if policy.needs_queries else None
         generators = [self.cache.generators[r] for r in rows] if policy.stochastic else None
         extra = {name: state[sel, :, pad:n_cand] for name, state in self.slot_state.items()}
-        for name in policy.layer_state:  # CurDKV: one projection per layer and row, drawn once
-            if name not in self.layer_state:
-                self.layer_state[name] = policy.draw_projection(
-                    self.keys.shape[0], self.keys.shape[-1], self.cache.generators, self.device)
-            extra[name] = self.layer_state[name][sel]
+        self._init_layer_state(rows)
+        extra.update({name: state[sel] for name, state in self.layer_state.items()})
         keep = policy.select(keys, values, queries, cfg.budget - cfg.window, generator=generators,
                              budget=cfg.budget, **extra)
         if isinstance(sel, list):  # advanced indexing copied the state: write updates back
             for name, state in self.slot_state.items():
                 state[rows, :, pad:n_cand] = extra[name]
         return keep
+
+    def _init_layer_state(self, rows: list[int]) -> None:
+        """Draw the policy's per-layer state for the rows of `rows` evicting for the first time (hook 2 of Policy)."""
+        fresh = [r for r in rows if not self.state_ready[r]]
+        if not fresh:
+            return
+        b, h, _, d = self.keys.shape
+        state = self.cfg.policy.init_layer_state(len(fresh), h, d, [self.cache.generators[r] for r in fresh],
+                                                 self.device)
+        for name, value in state.items():
+            if name not in self.layer_state:
+                self.layer_state[name] = value.new_zeros(b, *value.shape[1:])
+            self.layer_state[name][fresh] = value
+        for r in fresh:
+            self.state_ready[r] = True
 
     def _compact(self, index: torch.Tensor) -> None:
         """Move the slots `index` [b, h, n] to the front of every per-slot buffer, in place."""
@@ -369,7 +383,7 @@ class EvictionLayer(CacheLayerMixin):
             self.queries = self.queries[rows]
         if self.pad is not None:
             self.pad = [self.pad[r] for r in rows]
-            for name in ("limit", "row_evictions", "row_peak", "row_pad0"):
+            for name in ("limit", "row_evictions", "row_peak", "row_pad0", "state_ready"):
                 setattr(self, name, [getattr(self, name)[r] for r in rows])
             shift = min(self.pad)
             if shift:  # the longest row left: drop the padding columns every remaining row has

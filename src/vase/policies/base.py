@@ -81,6 +81,29 @@ def sample_without_replacement(weights: torch.Tensor, k: int, generator) -> torc
 class Policy:
     """Base of every eviction policy; subclasses implement `score`.
 
+    `select` is the single entry point for every integration (the transformers cache, the
+    vLLM plugin): `select(keys, values, queries, n_keep, generator=..., budget=..., **state)`.
+
+    State hooks: a policy that keeps state across evictions declares it; an integration
+    drives the two hooks below the same way for every policy and has no policy-specific code.
+
+    1. Per-slot state, `slot_state` (a tuple of names): for each name the integration keeps a
+       float32 tensor [batch, kv_heads, slots] aligned with the stored K/V slots: zero for a
+       newly written token, moved with its slot when survivors are compacted, dropped with an
+       evicted slot. At an eviction it passes each one sliced to the candidates,
+       [batch, kv_heads, n_candidates], as the keyword argument of that name; `select` may
+       update it in place, and the integration then writes it back to the candidates' slots
+       (the slice may be a copy). H2O accumulates attention mass this way.
+    2. Per-layer state, `init_layer_state(batch, kv_heads, head_dim, generators, device)`:
+       called once per layer and sequence, right before that sequence's first eviction in the
+       layer, with the sequences' own generators (one per sequence); returns named tensors with
+       the batch on dim 0. The integration keeps each sequence's rows for the life of the
+       sequence and passes them (rows of the evicting sequences) as keyword arguments of those
+       names at every eviction. CurDKV draws its projection this way.
+
+    `generator` is passed to `select` only when `stochastic` is true (one per sequence), and
+    `queries` only when `needs_queries` is true (the last `w` post-RoPE queries), else None.
+
     sinks:          how many first tokens are attention sinks.
     protect_sinks:  always keep the sinks (first in the kept order).
     n_large:        value guard: reserve this many slots (sinks included) for the candidates
@@ -102,10 +125,8 @@ class Policy:
     needs_queries: ClassVar[bool] = False
     #: scores are non-negative weights (attention mass); others are shifted before sampling
     nonnegative_scores: ClassVar[bool] = True
-    #: per-slot state the cache keeps aligned with the stored tokens (e.g. H2O's accumulator)
+    #: names of per-slot state (hook 1 in the class docstring), e.g. H2O's ("accumulated",)
     slot_state: ClassVar[tuple[str, ...]] = ()
-    #: per-layer state the cache keeps across evictions (e.g. CurDKV's projection)
-    layer_state: ClassVar[tuple[str, ...]] = ()
     evicts: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -137,6 +158,13 @@ class Policy:
         else:
             reserve = 0
         return min(max(reserve, sinks), n_keep)
+
+    def init_layer_state(self, batch: int, kv_heads: int, head_dim: int, generators,
+                         device: torch.device) -> dict[str, torch.Tensor]:
+        """Per-layer state of `batch` sequences before their first eviction (hook 2): name -> [batch, ...].
+
+        `generators`: one torch.Generator per sequence (or None). Default: no state."""
+        return {}
 
     def params(self) -> dict:
         """Every parameter with its value: the method's identity in saved results."""

@@ -18,7 +18,6 @@ class CurDKV(Policy):
     rank: int = 20
     name = "curdkv"
     summary = "Keep the top-k by ||kG||^2 ||vG||^2 with one random projection G per layer."
-    layer_state = ("projection",)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -28,6 +27,10 @@ class CurDKV(Policy):
     def draw_projection(self, batch: int, head_dim: int, generator, device) -> torch.Tensor:
         """A fresh G: [batch, head_dim, rank] with N(0, 1/rank) entries, one per row generator."""
         return normal_noise((batch, head_dim, self.rank), generator, device) / self.rank ** 0.5
+
+    def init_layer_state(self, batch, kv_heads, head_dim, generators, device):
+        """Hook 2: one projection per layer and sequence, drawn once, shared by the KV heads."""
+        return {"projection": self.draw_projection(batch, head_dim, generators, device)}
 
     def score(self, keys, values, queries, generator=None, projection=None, **extra):
         b, h, n, d = keys.shape
@@ -45,7 +48,9 @@ class CurDKV(Policy):
 class VaseDKV(CurDKV):
     name = "vase-dkv"
     summary = "VaSE-DKV: CurDKV with G redrawn at every eviction (query-free)."
-    layer_state = ()
+
+    def init_layer_state(self, batch, kv_heads, head_dim, generators, device):
+        return {}  # no kept projection: `score` draws a fresh one at every eviction
 
     @property
     def stochastic(self) -> bool:
