@@ -194,3 +194,16 @@ def test_registered_with_parameters_and_clear_errors():
         EvictionCache(model, "quest", budget=20, window=16)
     with pytest.raises(ValueError, match="page_size must be"):
         get_policy("quest", page_size=0)
+
+
+def test_bench_reports_quest_as_selection_not_eviction():
+    from vase.bench import run_bench
+
+    model = tiny_model("qwen3", "sdpa")
+    rows = run_bench(model, ["quest"], [40], [60], [1], prompt_length=20, window=16, warmup=0, repeats=1,
+                     include_dynamic=False, page_size=8)
+    quest = next(r for r in rows if r["method"] == "quest")
+    full = next(r for r in rows if r["method"] == "full")
+    assert quest["evictions"] == 0 and quest["eviction_fired"] is None and quest["budget"] == 40
+    assert quest["kv_bytes"] == full["kv_bytes"]  # no memory saved: the whole cache stays
+    assert "selection" in quest["flag"]

@@ -57,6 +57,7 @@ import torch
 
 from ..cache import EvictionCache
 from ..generation import Sampler, decode
+from ..policies import get_policy
 
 __all__ = ["BASELINES", "add_ratios", "expected_evictions", "run_bench", "run_one"]
 
@@ -400,7 +401,9 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
 
 def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int | None, length: int, batch: int,
                prompt_length: int, window: int, repeats: int) -> dict:
-    evicts = method not in BASELINES
+    # Selection (Quest) attends B tokens per step but holds the full cache and evicts nothing.
+    selects = method not in BASELINES and not get_policy(method).evicts
+    evicts = method not in BASELINES and not selects
     evictions = runs[0]["evictions"]
     expected = expected_evictions(prompt_length, length, budget, window) if evicts else 0
     fired = evictions > 0 if evicts else None
@@ -410,6 +413,8 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
                 f"{window}; not a speed-up")
     elif evicts and evictions != expected:
         flag = f"{evictions} evictions, schedule predicts {expected}"
+    elif selects:
+        flag = "selection: holds the full cache; a dense kernel still reads all of it"
     segs = [_median([r["seg_tok_s"][i] for r in runs]) for i in range(len(runs[0]["seg_tok_s"]))]
     return {
         "model": _model_label(model),
@@ -418,8 +423,8 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
         "attn": _base_attention(model),
         "batch": batch,
         "method": method,
-        "budget": budget if evicts else None,
-        "window": window if evicts else None,
+        "budget": budget if evicts or selects else None,
+        "window": window if evicts or selects else None,
         "prompt_length": prompt_length,
         "new_tokens": length,
         "repeats": repeats,
