@@ -685,3 +685,15 @@ def test_select_valid_for_every_policy(name, k):
 def test_full_never_evicts():
     assert not POLICIES["full"].evicts
     assert "full" in P.method_names()
+
+
+def test_policies_and_schedule_import_without_transformers():
+    """An engine can use the policy layer with torch alone: nothing on this path imports transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import vase.policies, vase.schedule; from vase.policies import get_policy; "
+            "get_policy('vase-attnv'); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'); "
+            "assert not bad, bad; import vase; vase.EvictionCache; assert 'transformers' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -5,16 +5,41 @@
     cache = vase.EvictionCache(model, method="snapkv", budget=512)   # for model.generate
 
 Importing vase changes nothing global; building an EvictionCache installs vase's attention
-function on that model.
+function on that model. The transformers parts load on first use, so that `vase.policies`
+and `vase.schedule` (pure torch / pure Python) import without transformers, e.g. in an engine.
 """
 
-from .cache import EvictedStateError, EvictionCache
-from .generation import GenerationOutput, Sampler, forced_log_probs, generate
-from .policies import UnknownMethodError, get_policy, method_names
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "EvictedStateError", "EvictionCache", "GenerationOutput", "Sampler", "UnknownMethodError", "forced_log_probs",
-    "generate", "get_policy", "method_names", "__version__",
-]
+#: public name -> submodule that defines it (imported on first access)
+_LAZY = {
+    "EvictedStateError": "cache", "EvictionCache": "cache",
+    "GenerationOutput": "generation", "Sampler": "generation", "forced_log_probs": "generation",
+    "generate": "generation",
+    "UnknownMethodError": "policies", "get_policy": "policies", "method_names": "policies",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+if TYPE_CHECKING:
+    from .cache import EvictedStateError, EvictionCache
+    from .generation import GenerationOutput, Sampler, forced_log_probs, generate
+    from .policies import UnknownMethodError, get_policy, method_names
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vase' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
