@@ -1,0 +1,50 @@
+"""The plugin's config and per-request stats: pure code, no vLLM needed."""
+
+import pytest
+
+from vase import schedule
+from vase.vllm import VaseConfigError, VaseVllmConfig, additional_config, max_blocks, request_stats
+
+
+def test_additional_config_round_trips_and_keeps_method_params():
+    extra = additional_config("vase-attnv", 128, 32, n_large=16, seed=3)
+    cfg = VaseVllmConfig.from_additional_config(extra)
+    assert (cfg.method, cfg.budget, cfg.window, cfg.seed, cfg.params) == ("vase-attnv", 128, 32, 3, {"n_large": 16})
+    assert cfg.policy.n_large == 16 and cfg.policy.sample
+    assert VaseVllmConfig.from_additional_config({}) is None
+    assert VaseVllmConfig.from_additional_config({"other": 1}) is None
+
+
+@pytest.mark.parametrize("section, fragment", [
+    ({"method": "snapkvv", "budget": 128}, "unknown method 'snapkvv'"),
+    ({"method": "snapkv", "budget": 128, "bogus": 1}, "no parameter 'bogus'"),
+    ({"method": "vase-attnv", "budget": 36, "window": 32}, "budget (36) must be larger than window + protected sinks"),
+    ({"method": "snapkv", "budget": "128"}, '["budget"] must be an integer'),
+    ({"method": "snapkv", "budget": 128, "window": 0}, "window must be a positive"),
+    ({"method": "full", "budget": 128}, "does not evict"),
+    ({"budget": 128}, 'needs "method" and "budget"'),
+    ("snapkv", "must be a mapping"),
+])
+def test_bad_config_is_one_line_naming_the_value(section, fragment):
+    with pytest.raises(VaseConfigError) as info:
+        VaseVllmConfig.from_additional_config({"vase": section})
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_request_stats_follow_the_schedule():
+    cfg = VaseVllmConfig("snapkv", budget=128, window=32)
+    bs = 32
+    # Before the first eviction: everything is stored, blocks as stock vLLM.
+    s = request_stats(cfg, prompt_len=50, n_generated=100, block_size=bs, kv_bytes_per_token=10)
+    assert (s.evictions, s.stored_tokens, s.seen_tokens, s.blocks, s.blocks_full) == (0, 149, 149, 5, 5)
+    assert s.kv_bytes == s.kv_bytes_full == 1490
+    for n in range(2, 1200, 7):  # after it: at most ceil((B + w) / bs) blocks, stored = schedule's physical length
+        s = request_stats(cfg, 50, n, bs)
+        assert s.stored_tokens == schedule.physical_length(50, 128, 32, n - 1)
+        assert s.evictions == schedule.num_evictions(50, 128, 32, n - 1)
+        assert s.tokens_evicted == s.seen_tokens - s.stored_tokens
+        assert s.blocks <= (max_blocks(cfg, bs) if s.evictions else s.blocks_full)
+    assert max_blocks(cfg, bs) == 5
+    # A prompt longer than B is kept whole until the first eviction.
+    assert request_stats(cfg, 300, 20, bs).stored_tokens == 319
+    assert request_stats(cfg, 300, 34, bs).stored_tokens == 129
