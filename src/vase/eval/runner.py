@@ -55,6 +55,8 @@ from vase.eval.store import (
     SAMPLE_KEY,
     SAMPLES,
     JsonlStore,
+    create_once,
+    fsync_dir,
     rank_path,
     read_all,
     record_key,
@@ -187,21 +189,7 @@ def write_run_config(run_dir: Path, meta: dict[str, Any]) -> None:
     """
     path = run_dir / "config.json"
     text = json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    if not path.exists():
-        tmp = run_dir / f".config.json.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        try:
-            os.link(tmp, path)  # atomic; fails if another process won the race
-        except FileExistsError:
-            pass
-        except OSError:  # filesystems without hard links
-            try:
-                with open(path, "x", encoding="utf-8") as f:
-                    f.write(text)
-            except FileExistsError:
-                pass
-        finally:
-            tmp.unlink(missing_ok=True)
+    create_once(path, text)  # temp + fsync + link: appears whole, never overwritten
     for _ in range(50):  # the file appears whole (link / exclusive create); retry a read that races a writer
         try:
             existing = json.loads(path.read_text(encoding="utf-8"))
@@ -210,6 +198,9 @@ def write_run_config(run_dir: Path, meta: dict[str, Any]) -> None:
             time.sleep(0.1)
     else:
         raise RunConflictError(f"{path} is not valid JSON: move it away or use another --output-dir")
+    if not isinstance(existing, dict):
+        raise RunConflictError(f"{path} is not a vase run config (a JSON {type(existing).__name__}, not an "
+                               f"object): move it away or use another --output-dir")
     old, new = existing.get("identity"), _json_roundtrip(meta["identity"])
     if old != new:
         if isinstance(old, dict):
@@ -303,6 +294,7 @@ class _Runner:
         name = run_name(c, self.problems)
         self.run_dir = Path(c.output_dir).expanduser() / name
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        fsync_dir(self.run_dir.parent)  # the new run folder survives a crash
         from vase import __version__
 
         meta = {
@@ -587,8 +579,12 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
 
             try:
                 _summarize(run_dir, print_table=progress)
-            except Exception:  # noqa: BLE001 - results are safe on disk; `vase summarize` redoes this
-                log.exception("writing the summary of %s failed; rerun `vase summarize %s`", run_dir, run_dir)
+            except Exception as e:
+                # Results are safe on disk, but an old summary must not pass for this one.
+                for stale in ("summary.csv", "summary.md"):
+                    (run_dir / stale).unlink(missing_ok=True)
+                raise RuntimeError(f"writing the summary of {run_dir} failed ({type(e).__name__}: {e}); the "
+                                   f"results are safe: fix the cause and run `vase summarize {run_dir}`") from e
     finally:
         dist.close()
     return run_dir

@@ -39,6 +39,9 @@ __all__ = [
     "read_all",
     "rank_path",
     "rank_files",
+    "fsync_dir",
+    "atomic_write_text",
+    "create_once",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,82 @@ _RANK_RE = re.compile(r"\.rank(\d+)\.jsonl$")
 
 
 class StoreError(RuntimeError):
-    """A results file that cannot be used as it is (corrupt line, locked by another process)."""
+    """A results file that cannot be used as it is (corrupt line, locked by another process, deleted)."""
+
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory, so that files created or renamed in it survive a power cut."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _temp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+
+
+def _write_temp(path: Path, data: bytes) -> Path:
+    """``data`` in a fresh, fsync'ed hidden file next to ``path`` (umask permissions); returns its path."""
+    tmp = _temp_sibling(path)
+    with open(tmp, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Replace ``path`` with ``text`` atomically: readers see the old file or the new one, never a mix.
+
+    Written to a temp file in the same folder, fsync'ed, renamed over ``path``, then the folder fsync'ed.
+    """
+    p = Path(path)
+    tmp = _write_temp(p, text.encode("utf-8"))
+    try:
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(p.parent)
+    return p
+
+
+def create_once(path: str | Path, text: str) -> bool:
+    """Create ``path`` holding ``text`` atomically unless it exists; True if this call created it.
+
+    Temp file + fsync + hard link (fails if another process won the race), so the file only ever
+    appears whole; never overwrites.
+    """
+    p = Path(path)
+    if p.exists():
+        return False
+    tmp = _write_temp(p, text.encode("utf-8"))
+    try:
+        os.link(tmp, p)
+        created = True
+    except FileExistsError:
+        created = False
+    except OSError:  # filesystems without hard links: an exclusive create (not atomic, still no overwrite)
+        try:
+            with open(p, "x", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            created = True
+        except FileExistsError:
+            created = False
+    finally:
+        tmp.unlink(missing_ok=True)
+    if created:
+        fsync_dir(p.parent)
+    return created
 
 
 def record_key(record: dict[str, Any], key_fields: Sequence[str]) -> tuple:
@@ -139,7 +217,11 @@ def read_all(run_dir: str | Path, kind: str = SAMPLES, key_fields: Sequence[str]
     seen: set[tuple] = set()
     out: list[dict[str, Any]] = []
     for path in rank_files(run_dir, kind):
-        for rec in read_jsonl(path):
+        for n, rec in enumerate(read_jsonl(path), start=1):
+            missing = [f for f in fields if f not in rec]
+            if missing:
+                raise StoreError(f"{path}: record {n} lacks the field(s) {', '.join(map(repr, missing))}: it was not "
+                                 f"written by `vase eval`; remove that line (or the file)")
             k = record_key(rec, fields)
             if k not in seen:
                 seen.add(k)
@@ -163,14 +245,18 @@ class JsonlStore:
         self.keys: set[tuple] = set()
         self.n_read = 0  # records found in the file when it was opened
         self._f = None
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the open file
 
     # -- lifecycle -------------------------------------------------------------------------------
     def open(self) -> "JsonlStore":
         if self._f is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
         f = open(self.path, "a+b")  # noqa: SIM115 - closed in close()
         try:
+            if created:  # the new directory entry must survive a crash too
+                fsync_dir(self.path.parent)
             if fcntl is not None:
                 try:
                     fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -187,6 +273,8 @@ class JsonlStore:
         except BaseException:
             f.close()
             raise
+        st = os.fstat(f.fileno())
+        self._identity = (st.st_dev, st.st_ino)
         self._f = f
         # Only the keys stay in memory (records hold whole completions; read_jsonl gives them back).
         self.keys = {record_key(rec, self.key_fields) for rec in records}
@@ -204,8 +292,12 @@ class JsonlStore:
     def __enter__(self) -> "JsonlStore":
         return self.open()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc: object) -> None:
+        try:
+            if exc_type is None and self._f is not None:
+                self.check_still_there()  # records appended last must not vanish silently either
+        finally:
+            self.close()
 
     # -- use -------------------------------------------------------------------------------------
     def key(self, record: dict[str, Any]) -> tuple:
@@ -224,13 +316,34 @@ class JsonlStore:
         k = self.key(record)
         if k in self.keys:
             return False
+        self.check_still_there()
         line = json.dumps(_clean(record), ensure_ascii=False, allow_nan=False) + "\n"
-        self._f.write(line.encode("utf-8"))
-        self._f.flush()
-        if self.fsync:
-            os.fsync(self._f.fileno())
+        try:
+            self._f.write(line.encode("utf-8"))
+            self._f.flush()
+            if self.fsync:
+                os.fsync(self._f.fileno())
+        except OSError as e:  # disk full, file too large, I/O error: name the file (a torn line is cut on resume)
+            raise StoreError(f"cannot write to {self.path}: {e.strerror or e}; free space or move --output-dir, "
+                             f"then rerun the same command to resume") from e
         self.keys.add(k)
         return True
+
+    def check_still_there(self) -> None:
+        """Raise StoreError if the file at ``path`` is no longer the file this store holds open.
+
+        A run folder deleted or moved while a run writes would otherwise swallow every later record
+        into an unlinked file (lost, with exit 0).
+        """
+        try:
+            st = os.stat(self.path)
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        if now != self._identity:
+            what = "was deleted or moved" if now is None else "was replaced by another file"
+            raise StoreError(f"{self.path} {what} while this run was writing to it: stopped so that no result "
+                             f"goes to a file that is gone; rerun the same command to redo what is missing")
 
     def extend(self, records: Iterable[dict[str, Any]]) -> int:
         return sum(self.append(r) for r in records)
