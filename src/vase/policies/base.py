@@ -21,6 +21,8 @@ from typing import ClassVar
 
 import torch
 
+from .params import check_parameter_types
+
 VALUE_METRICS = ("range", "l2", "var")
 
 
@@ -130,6 +132,7 @@ class Policy:
     evicts: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        check_parameter_types(self)  # types first (from the field annotations), so the range checks below can compare
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.n_large is not None and self.n_large < 0:
