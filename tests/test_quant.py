@@ -1,0 +1,220 @@
+"""Quantized KV storage: packing, round-trip bounds, bytes held, the shared outlier reserve, equivalences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vase
+from vase.cache import EvictionCache
+from vase.generation import forced_log_probs
+from vase.policies import value_magnitude
+from vase.quant import dequantize, pack, packed_bytes, quantize, unpack
+from vase.quant_cache import QuantLayer
+
+from .conftest import tiny_model, tiny_tokenizer
+
+
+# -- the packed format ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_pack_unpack_is_exact_for_every_code(bits):
+    codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 64 * bits // 8)
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("group", [16, 64])
+def test_round_trip_error_is_within_half_a_step(bits, group):
+    torch.manual_seed(bits + group)
+    x = torch.randn(4, 3, 50, 64) * torch.rand(4, 3, 50, 1) * 3
+    x[0, 0, 7, 5] = 40.0  # an outlier widens its group's step, nowhere else
+    p = quantize(x, bits, group)
+    err = (dequantize(p) - x).abs().view(4, 3, 50, -1, group)
+    step = p.scale.float()[..., None]
+    ratio = (err / step).amax()
+    assert ratio <= 0.5 + 1e-4  # the theoretical bound: half a quantization step
+    assert ratio > 0.4  # and the bound is what is measured (rounding really happens)
+    # the step is the group's range over 2**bits - 1, widened by the float16 rounding of zero and scale
+    g = x.view(4, 3, 50, -1, group)
+    levels = (1 << bits) - 1
+    exact_step = (g.amax(-1) - g.amin(-1)) / levels
+    # (float16 ulps: 2**-10 relative, 2**-24 absolute below the normal range)
+    widest = (g.amax(-1) - g.amin(-1) + g.amin(-1).abs() * 2 ** -10 + 2 ** -24) / levels * (1 + 2 ** -10) + 2 ** -24
+    assert torch.all(p.scale.float() >= exact_step) and torch.all(p.scale.float() <= widest)
+
+
+def test_packed_bytes_formula_matches_the_tensors():
+    for bits in (8, 4, 2):
+        p = quantize(torch.randn(2, 3, 10, 64), bits, 32)
+        assert p.nbytes() == packed_bytes(60, 64, bits, 32) == 60 * (64 * bits // 8 + 2 * 2 * 2)
+
+
+def test_constant_group_round_trips_exactly():
+    x = torch.full((1, 1, 2, 32), 1.25)
+    assert torch.equal(dequantize(quantize(x, 2, 32)), x)
+
+
+def test_bad_formats_are_rejected_with_the_fix():
+    with pytest.raises(ValueError, match="kv_bits must be"):
+        quantize(torch.randn(1, 1, 1, 32), 3, 32)
+    with pytest.raises(ValueError, match="must divide head_dim"):
+        quantize(torch.randn(1, 1, 1, 48), 4, 32)
+
+
+# -- a layer fed by hand (no model): what is held, and in which precision ------------------------------------------
+def feed(cache: EvictionCache, keys: torch.Tensor, values: torch.Tensor, chunks: list[int]) -> None:
+    """Push K/V [b, h, T, d] through layer 0 in `chunks`, standing in for the attention function."""
+    layer = cache.layers[0]
+    at = 0
+    for n in chunks:
+        cache.update(keys[:, :, at:at + n], values[:, :, at:at + n], 0)
+        layer.awaiting_attention = False
+        if layer.pad is None:
+            layer.observe_padding(None)
+        at += n
+
+
+def held(layer: QuantLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer._materialize(layer.length)
+
+
+def test_full_method_keeps_exactly_the_top_values_in_full_precision_and_quantizes_the_rest():
+    torch.manual_seed(0)
+    b, h, T, d, w, R = 1, 2, 150, 32, 16, 10
+    keys, values = torch.randn(b, h, T, d), torch.randn(b, h, T, d)
+    big = torch.tensor([20, 33, 77, 90, 101])
+    values[:, :, big] *= 8  # planted large-magnitude values
+    cache = EvictionCache(None, "full", window=w, num_layers=1, kv_bits=4, quant_guard=R, quant_group=32)
+    feed(cache, keys, values, [40] + [1] * (T - 40))
+    layer = cache.layers[0]
+    assert isinstance(layer, QuantLayer)
+    k, v = held(layer)
+    fp = layer.precision_map()  # [b, h, L]
+    L = layer.length
+    old = torch.arange(L) < L - w - layer.unflushed
+    # the reserve: sinks, then the largest value ranges among the old tokens, per head
+    mag = value_magnitude(values[:, :, :L]).masked_fill(~old, float("-inf"))
+    mag[..., :4] = float("inf")
+    expected = torch.zeros_like(fp, dtype=torch.bool).scatter_(-1, mag.topk(R, -1).indices, True)
+    assert torch.equal((fp == 1) & old, expected)
+    assert torch.all(fp[..., ~old] == 1) and torch.all(fp[..., old][~expected[..., old]] == 0)
+    assert set(big.tolist()) <= set(torch.nonzero(expected[0, 0]).view(-1).tolist())
+    # full-precision slots are bit-exact, quantized ones within half a step of their group
+    exact = fp == 1
+    assert torch.equal(k[exact], keys[:, :, :L][exact]) and torch.equal(v[exact], values[:, :, :L][exact])
+    quant = fp == 0
+    for got, ref in ((k, keys), (v, values)):
+        g = ref[:, :, :L][quant].view(-1, 1, 32)
+        step = (g.amax(-1) - g.amin(-1)) / 15
+        assert torch.all((got[quant].view(-1, 1, 32) - g).abs() <= step[..., None] * 0.5005 + 1e-6)
+
+
+def test_held_bytes_equal_the_formula():
+    torch.manual_seed(1)
+    b, h, T, d, w = 2, 3, 100, 64, 16
+    for bits in (8, 4, 2):
+        cache = EvictionCache(None, "full", window=w, num_layers=1, kv_bits=bits, quant_guard=0, quant_group=32,
+                              flush_every=8)
+        feed(cache, torch.randn(b, h, T, d), torch.randn(b, h, T, d), [30] + [1] * (T - 30))
+        layer = cache.layers[0]
+        # 70 decode tokens after a flush at 30: flushes at 38, 46, ..., 94; 6 unflushed
+        n_fp = w + 6
+        n_q = T - n_fp
+        per_q = 2 * (d * bits // 8 + 2 * 2 * (d // 32))  # K and V: codes + float16 scale and zero per group
+        per_fp = 2 * d * 4
+        assert layer.unflushed == 6
+        assert cache.stats()["kv_bytes"] == b * h * (n_q * per_q + n_fp * per_fp)
+        assert cache.row_stats()[1]["kv_bytes"] == h * (n_q * per_q + n_fp * per_fp)
+        counts = layer.precision_map()
+        assert int((counts == 0).sum()) == b * h * n_q and int((counts == 1).sum()) == b * h * n_fp
+
+
+def test_held_buffers_are_the_packed_ones():
+    """Between steps the layer keeps no full-precision copy of what it quantized."""
+    torch.manual_seed(2)
+    b, h, T, d, w = 1, 2, 300, 64, 16
+    cache = EvictionCache(None, "full", window=w, num_layers=1, kv_bits=2, quant_guard=8, max_length=T)
+    feed(cache, torch.randn(b, h, T, d), torch.randn(b, h, T, d), [20] + [1] * (T - 20))
+    layer = cache.layers[0]
+    assert layer.keys.stride() == (0, 0, 0, 0) and layer.values.stride() == (0, 0, 0, 0)  # shape carriers only
+    held_storage = sum(t.untyped_storage().nbytes() for t in vars(layer).values() if isinstance(t, torch.Tensor))
+    held_storage += sum(t.untyped_storage().nbytes() for t in layer.held_tensors()[:6])
+    full_kv = 2 * b * h * T * d * 4
+    assert held_storage < 0.3 * full_kv  # 2-bit codes + scales + the full-precision reserve and window
+    assert layer.capacity_bytes() < 0.3 * full_kv
+
+
+def test_random_control_keeps_as_many_tokens_in_full_precision_but_not_the_largest():
+    torch.manual_seed(3)
+    b, h, T, d, w, R = 1, 2, 200, 32, 16, 12
+    values = torch.randn(b, h, T, d)
+    values[:, :, 50:58] *= 10
+    counts = {}
+    for select in ("value", "random"):
+        cache = EvictionCache(None, "full", window=w, num_layers=1, kv_bits=4, quant_guard=R, quant_select=select)
+        feed(cache, torch.randn(b, h, T, d), values, [10] + [1] * (T - 10))
+        fp = cache.layers[0].precision_map()[0, 0]
+        L = fp.shape[0]
+        old = torch.arange(L) < L - w - cache.layers[0].unflushed
+        counts[select] = (int((fp[old] == 1).sum()), int((fp[50:58] == 1).sum()), fp[:4].tolist())
+    assert counts["value"][0] == counts["random"][0] == R
+    assert counts["value"][1] == 8 and counts["random"][1] < 8
+    assert counts["value"][2] == counts["random"][2] == [1, 1, 1, 1]  # sinks stay exact in both
+
+
+# -- through a model ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["vase-attnv", "snapkv", "h2o", "full"])
+def test_everything_guarded_is_identical_to_the_unquantized_cache(method):
+    """With a reserve as large as the cache every token stays exact: same log-probs, same evictions."""
+    model = tiny_model()
+    torch.manual_seed(4)
+    prompt, target = torch.randint(0, 90, (30,)), torch.randint(0, 90, (150,))
+    ref = forced_log_probs(model, prompt, target, method=method, budget=48, window=16, seed=3)
+    got = forced_log_probs(model, prompt, target, method=method, budget=48, window=16, seed=3, kv_bits=2,
+                           quant_guard=10_000)
+    assert torch.equal(ref, got)
+
+
+def test_generate_with_padding_everything_guarded_matches_and_quantized_stays_close():
+    model, tok = tiny_model(), tiny_tokenizer()
+    prompts = ["What is 2 + 2? Think.", "Hi"]
+    kw = dict(method="vase-attnv", budget=40, window=16, max_new_tokens=80, greedy=True, ignore_eos=True,
+              chat_template=False)
+    ref = vase.generate(model, tok, prompts, **kw)
+    same = vase.generate(model, tok, prompts, kv_bits=4, quant_guard=10_000, **kw)
+    assert same.token_ids == ref.token_ids
+    assert same.stats["evictions"] == ref.stats["evictions"] > 0
+    q8 = vase.generate(model, tok, prompts, kv_bits=8, **kw)
+    assert q8.stats["evictions"] == ref.stats["evictions"]
+    assert q8.stats["kv_bytes"] < ref.stats["kv_bytes"]
+    assert sum(r["kv_bytes"] for r in q8.stats["rows"]) == q8.stats["kv_bytes"]  # padding is not stored
+
+
+def test_quantization_alone_matches_the_full_cache_closely_at_8_bits():
+    model = tiny_model()
+    torch.manual_seed(5)
+    prompt, target = torch.randint(0, 90, (20,)), torch.randint(0, 90, (200,))
+    ref = forced_log_probs(model, prompt, target, method="full")
+    kls = {}
+    for bits in (8, 4, 2):
+        got = forced_log_probs(model, prompt, target, method="full", window=16, kv_bits=bits, quant_guard=0)
+        kls[bits] = float((ref.exp() * (ref - got)).sum(-1).mean())
+    assert 0 < kls[8] < kls[4] < kls[2]
+    assert kls[8] < 1e-4
+
+
+def test_options_are_validated():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="kv_bits must be"):
+        EvictionCache(model, "snapkv", budget=48, window=16, kv_bits=3)
+    with pytest.raises(ValueError, match="pass kv_bits"):
+        EvictionCache(model, "snapkv", budget=48, window=16, quant_guard=4)
+    with pytest.raises(ValueError, match="quant_select"):
+        EvictionCache(model, "snapkv", budget=48, window=16, kv_bits=4, quant_select="largest")
+    with pytest.raises(ValueError, match="quant_guard"):
+        EvictionCache(model, "snapkv", budget=48, window=16, kv_bits=4, quant_guard=-1)
+    cache = EvictionCache(model, "snapkv", budget=48, window=16, kv_bits=4, quant_group=12)
+    with pytest.raises(ValueError, match="must divide head_dim"):
+        model(torch.randint(0, 90, (1, 10)), cache=cache)
