@@ -369,3 +369,48 @@ def test_policy_state_hooks_are_kept_aligned_and_per_row():
     selects = [token for kind, token in _StatefulProbe.calls if kind == "select"]
     assert len(selects) == sum(sum(layer.row_evictions) for layer in cache.layers)  # rows evict alone here
     assert all(any(torch.equal(t[0], x[0]) for x in inits) for t in selects)  # each select got its row's state
+
+
+# -- the one mask builder -----------------------------------------------------------------------------------
+
+from vase.masks import and_selection, causal_padding_mask, mask_kind, real_slots  # noqa: E402
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 7])
+@pytest.mark.parametrize("pad", [[0, 0], [2, 0], [0, 5]])
+def test_mask_builder_matches_elementwise_definition(q_len, pad):
+    L = 7
+    real = real_slots(pad, L, torch.device("cpu"))
+    # reference: query i (at slot L - q + i) sees slot j iff j <= L - q + i and j is real
+    ref = torch.tensor([[[[j <= L - q_len + i and j >= pad[r] for j in range(L)] for i in range(q_len)]]
+                        for r in range(2)])
+    as_bool = causal_padding_mask(real, q_len, L, "bool", torch.float32, torch.device("cpu"))
+    additive = causal_padding_mask(real, q_len, L, "additive", torch.float32, torch.device("cpu"))
+    flash = causal_padding_mask(real, q_len, L, "flash", torch.float32, torch.device("cpu"))
+    if not any(pad) and (q_len == 1 or q_len == L):
+        assert as_bool is None  # sdpa: a single query, or its own is_causal
+    else:
+        assert torch.equal(as_bool.expand_as(ref), ref)
+    if not any(pad) and q_len == 1:
+        assert additive is None
+    else:
+        assert torch.equal((additive == 0).expand_as(ref), ref)
+        assert (additive[additive != 0] == torch.finfo(torch.float32).min).all()
+    assert (flash is None) if not any(pad) else torch.equal(flash, real.int())
+    # a selection ANDs in per head
+    selected = torch.rand(2, 4, q_len, L) > 0.5
+    both = and_selection(causal_padding_mask(real, q_len, L, "bool", torch.float32, torch.device("cpu")),
+                         selected, "bool", torch.float32)
+    if as_bool is not None:
+        assert torch.equal(both, ref & selected)
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        and_selection(flash, selected, "flash", torch.float32)
+    assert [mask_kind(k) for k in ("sdpa", "eager", "flash_attention_2")] == ["bool", "additive", "flash"]
+
+
+def test_attention_module_does_not_import_the_cache():
+    import subprocess
+    import sys
+
+    code = "import sys, vase.attention; assert 'vase.cache' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

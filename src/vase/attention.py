@@ -2,33 +2,52 @@
 
 For each stock kernel (sdpa, eager, flash_attention_2) we register `vase_<kernel>`, which
 
-1. hands the post-RoPE queries of the layer to the `EvictionCache` that was just updated
-   (only when its policy scores by attention),
-2. builds the mask from what the cache physically stores (its own padding bookkeeping and
-   causal order; transformers' 2-D padding mask has logical length and no longer lines up
-   with stored slots after an eviction),
-3. calls the stock kernel on what the cache holds.
+1. takes the `EvictionCache` layer that was just updated from the side channel `PENDING_LAYER`
+   and makes one call on it, `attention_mask_for(query, mask_2d, kind)`: the layer records the
+   post-RoPE queries (when its policy scores by attention) and returns the mask over what it
+   physically stores (its own padding bookkeeping and causal order; transformers' 2-D padding
+   mask has logical length and no longer lines up with stored slots after an eviction),
+2. calls the stock kernel on what the cache holds.
 
-With any other cache (or none) it behaves like the stock kernel with a causal + padding mask.
+With any other cache (or none) it behaves like the stock kernel with a causal + padding mask
+(`vase.masks`, the one mask builder). This module does not import the cache.
 Nothing is registered at import: `install(model)` does it (idempotent), and `EvictionCache(model)`
 calls it.
 """
 
 from __future__ import annotations
 
+import contextvars
 import sys
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import PreTrainedModel
 
-from .cache import PENDING_LAYER
+from .masks import causal_padding_mask, mask_kind
 from .support import UnsupportedModelError, check_model_supported
 
 PREFIX = "vase_"
 KERNELS = ("sdpa", "eager", "flash_attention_2")
+
+
+class PendingLayer(Protocol):
+    """What the attention function needs from a cache layer (`vase.cache.EvictionLayer`)."""
+
+    layer_idx: int
+
+    def attention_mask_for(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
+                           kind: str) -> torch.Tensor | None: ...
+
+
+#: The side channel from a cache to the attention function: the layer whose `update` ran last
+#: and whose attention call is pending. A cache layer sets it in `update`; the attention function
+#: of that layer takes it and asks it for the mask (`attention_mask_for`).
+PENDING_LAYER: contextvars.ContextVar[PendingLayer | None] = contextvars.ContextVar("vase_pending_layer",
+                                                                                   default=None)
 
 
 def _stock_kernel(kernel: str, module: torch.nn.Module) -> Callable:
@@ -39,68 +58,17 @@ def _stock_kernel(kernel: str, module: torch.nn.Module) -> Callable:
     return AttentionInterface._global_mapping[kernel]
 
 
-def _mask_from_2d(mask_2d: torch.Tensor | None, q_len: int, kv_len: int, additive: bool,
-                  dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Causal + padding mask [b, 1, q, kv] from a 2-D padding mask (no eviction happened)."""
-    if mask_2d is None or mask_2d.dim() != 2:
-        if q_len == 1 or (q_len == kv_len and not additive):
-            return None
-        mask_2d = torch.ones(1, kv_len, dtype=torch.bool, device=device)
-    mask_2d = mask_2d[:, -kv_len:].bool()
-    if q_len == 1 and bool(mask_2d.all()):
-        return None
-    slots = torch.arange(kv_len, device=mask_2d.device)
-    causal = slots[None, :] <= (kv_len - q_len + torch.arange(q_len, device=mask_2d.device))[:, None]
-    mask = mask_2d[:, None, None, :] & causal[None, None]
-    if additive:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    return mask
-
-
-def _and_mask(mask: torch.Tensor | None, selected: torch.Tensor, kernel: str, dtype: torch.dtype) -> torch.Tensor:
-    """AND a selection `selected` (bool [b, q_heads, q, L]) into the cache's mask (None, bool or additive)."""
-    if kernel.startswith("flash"):
-        raise ValueError("selection methods (quest) need a per-head mask, which flash_attention_2 does not take: "
-                         "load the model with attn_implementation='sdpa' or 'eager'")
-    if mask is None:
-        mask = selected
-    elif mask.dtype == torch.bool:
-        return mask & selected
-    else:
-        return mask.masked_fill(~selected, torch.finfo(dtype).min)
-    if kernel == "eager":
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    return mask
-
-
 def _make_attention(kernel: str) -> Callable:
+    kind = mask_kind(kernel)
+
     def vase_attention(module, query, key, value, attention_mask, **kwargs):
         layer = PENDING_LAYER.get()
-        q_len, kv_len = query.shape[2], key.shape[2]
-        additive = kernel == "eager"
+        mask_2d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
         if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
             PENDING_LAYER.set(None)
-            layer.awaiting_attention = False
-            if layer.pad is None:
-                layer.observe_padding(attention_mask if isinstance(attention_mask, torch.Tensor) else None)
-            if layer.cfg.policy.needs_queries:
-                layer.record_queries(query)
-            if kernel.startswith("flash"):
-                # Flash kernels take a 2-D [b, L] mask of real slots and unpad it themselves.
-                mask = None
-                if any(layer.pad):
-                    slots = torch.arange(layer.length, device=query.device)
-                    mask = (slots[None, :] >= torch.tensor(layer.pad, device=query.device)[:, None]).int()
-            else:
-                mask = layer.cache.attention_mask(layer, q_len, query.dtype, additive)
-            selected = layer.selection_mask(query)  # Quest: per-step page selection, else None
-            if selected is not None:
-                mask = _and_mask(mask, selected, kernel, query.dtype)
-        elif kernel.startswith("flash"):
-            mask = attention_mask
-        else:
-            mask = _mask_from_2d(attention_mask if isinstance(attention_mask, torch.Tensor) else None,
-                                 q_len, kv_len, additive, query.dtype, query.device)
+            mask = layer.attention_mask_for(query, mask_2d, kind)
+        else:  # another cache (or none): the 2-D padding mask lines up with the keys
+            mask = causal_padding_mask(mask_2d, query.shape[2], key.shape[2], kind, query.dtype, query.device)
         return _stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
 
     vase_attention.__name__ = f"vase_{kernel}"

@@ -14,20 +14,18 @@ tokens), and the registered attention function (`vase.attention`) masks them.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+# The side channel to the attention function (PENDING_LAYER) lives in vase.attention; the
+# cache sets it in `update`, the attention function calls `attention_mask_for` on that layer.
+from .attention import PENDING_LAYER, install
+from .masks import and_selection, causal_padding_mask, real_slots
 from .policies import Policy, get_policy
 from .schedule import first_limit, must_evict, room, steady_limit
-
-#: The layer whose `update` ran last and whose attention call is pending. Set by
-#: `EvictionLayer.update`, consumed by the attention function registered in `vase.attention`.
-PENDING_LAYER: contextvars.ContextVar["EvictionLayer | None"] = contextvars.ContextVar("vase_pending_layer",
-                                                                                      default=None)
 
 
 class EvictedStateError(RuntimeError):
@@ -261,6 +259,22 @@ class EvictionLayer(CacheLayerMixin):
                                                       self.cfg.budget, self.cfg.window)
         return mask.repeat_interleave(h_q // h_kv, dim=1)
 
+    def attention_mask_for(self, query: torch.Tensor, attention_mask: torch.Tensor | None, kind: str):
+        """The one call vase's attention function makes, right after this layer's `update`.
+
+        query: post-RoPE [b, q_heads, q, d]; attention_mask: the model's 2-D padding mask [b, seen]
+        (read once, at the first forward) or None; kind: the kernel's mask form (`vase.masks`).
+        Records the query window when the policy scores by attention and returns the mask over
+        the stored slots (None when nothing is masked)."""
+        self.awaiting_attention = False
+        if self.pad is None:
+            self.observe_padding(attention_mask)
+        if self.cfg.policy.needs_queries:
+            self.record_queries(query)
+        mask = self.cache.attention_mask(self, query.shape[2], query.dtype, kind)
+        selected = self.selection_mask(query)  # Quest: per-step page selection, else None
+        return mask if selected is None else and_selection(mask, selected, kind, query.dtype)
+
     # -- eviction ---------------------------------------------------------------------------------
     def evict(self, due: list[int]) -> None:
         """Bring rows `due` down to B real tokens, compacting every row's slots in place."""
@@ -425,9 +439,7 @@ class EvictionCache(Cache):
         if hasattr(policy, "check"):  # selection policies (Quest) validate budget and window themselves
             policy.check(budget, window)
         if model is not None:
-            from .attention import install  # the cache needs vase's attention function to mask and score
-
-            install(model)
+            install(model)  # the cache needs vase's attention function to mask and score
             num_layers = model.config.get_text_config().num_hidden_layers
         if num_layers is None:
             raise ValueError("pass the model (or num_layers) so the cache knows how many layers to hold")
@@ -466,23 +478,19 @@ class EvictionCache(Cache):
             self.generators = [self.generators[r] for r in rows]
         self._mask_memo = None
 
-    def attention_mask(self, layer: EvictionLayer, q_len: int, dtype: torch.dtype, additive: bool):
-        """The mask for `q_len` new queries over `layer`'s stored slots: None when nothing is masked,
-        else [b, 1, q_len, L] (bool, or additive float for eager). Memoised across layers."""
+    def attention_mask(self, layer: EvictionLayer, q_len: int, dtype: torch.dtype, kind: str):
+        """The mask for `q_len` new queries over `layer`'s stored slots, in the form `kind` of
+        `vase.masks` ([b, 1, q_len, L] bool/additive, or [b, L] for flash); None when nothing is
+        masked. Memoised across layers (they share lengths and padding)."""
         pad = layer.pad or []
         L = layer.length
-        if not any(pad) and (q_len == 1 or (q_len == L and not additive)):
-            return None  # no padding, and a single query or plain causal (sdpa's is_causal)
-        key = (L, q_len, tuple(pad), dtype, additive)
+        if q_len == 1 and not any(pad):  # the decode hot path: nothing to mask
+            return None
+        key = (L, q_len, tuple(pad), dtype, kind)
         if self._mask_memo is not None and self._mask_memo[0] == key:
             return self._mask_memo[1]
-        device = layer.device
-        slots = torch.arange(L, device=device)
-        real = slots[None, :] >= torch.tensor(pad or [0], device=device)[:, None]  # [b, L]
-        causal = slots[None, :] <= (L - q_len + torch.arange(q_len, device=device))[:, None]  # [q, L]
-        mask = real[:, None, None, :] & causal[None, None]
-        if additive:
-            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+        real = real_slots(pad, L, layer.device) if any(pad) else None
+        mask = causal_padding_mask(real, q_len, L, kind, dtype, layer.device)
         self._mask_memo = (key, mask)
         return mask
 
