@@ -371,6 +371,44 @@ def inspect(
     console.print(f"wrote {out / 'kept.png'} and {out / 'inspect.json'}")
 
 
+# -- vase analyze ------------------------------------------------------------------------------------------------
+analyze_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                          help="Studies: why sampling helps (randomness); eviction vs selection (sweep).")
+app.add_typer(analyze_app, name="analyze")
+TaskOpt = Annotated[str, typer.Option(help="Task of the prompts: arith (embedded), gsm8k, math500, ...")]
+DataDirOpt = Annotated[Optional[Path], typer.Option(help="Folder of task files (or $VASE_DATA_DIR).")]
+
+
+@analyze_app.command("randomness")
+def analyze_randomness(
+    task: TaskOpt = "arith",
+    data_dir: DataDirOpt = None,
+    limit: Annotated[int, typer.Option(help="Problems (trajectories) to study.")] = 2,
+    budget: Annotated[int, typer.Option(help="KV pairs kept per layer and KV head.")] = 96,
+    window: WindowOpt = 16,
+    seeds: Annotated[int, typer.Option(help="Eviction seeds of each stochastic method (the ensemble).")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(help="Length of full's trajectories.")] = 256,
+    loop_tokens: Annotated[Optional[int], typer.Option(help="Free-generation length for loop onset "
+                                                       "(default: --max-new-tokens; 0 skips).")] = None,
+    seed: SeedOpt = 0,
+    out: Annotated[Path, typer.Option(help="Folder for randomness.json/.csv and the plots.")] = Path("randomness-out"),
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    attn: AttnOpt = "sdpa",
+) -> None:
+    """Deterministic vs stochastic eviction (snapkv vs snapkv-sample, vase-attnv top-k vs sampled)."""
+    from .analysis.randomness import print_report, run_randomness, task_prompts
+
+    prompts = task_prompts(task, data_dir=data_dir, limit=limit)
+    mdl, tok = load(model, dtype, device, attn)
+    report = run_randomness(mdl, tok, prompts, out, budget=budget, window=window, seeds=seeds,
+                            max_new_tokens=max_new_tokens, loop_tokens=loop_tokens, seed=seed,
+                            progress=lambda m: err_console.print(m, highlight=False))
+    print_report(report, console)
+    console.print(f"wrote {out}/randomness.json, randomness.csv, attn_error.png, mechanisms.png")
+
+
 # -- entry point -------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     """Console entry: one-line errors unless --debug."""

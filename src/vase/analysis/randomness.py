@@ -1,0 +1,438 @@
+"""Why does sampling what to keep beat top-k? Deterministic vs stochastic versions of one scorer.
+
+For the same teacher-forced trajectories (full's own samples, so every method sees the same
+tokens) and the same budget, each method is traced while it evicts exactly as in decoding:
+
+- attention-output error: per layer and fed token, ||o - o_full|| / ||o_full|| of the attention
+  module's output (after o_proj), against the full cache on the same tokens;
+- coverage: per layer and KV head, the share of positions that were ever eviction candidates
+  and survived at least one eviction; overlap: the Jaccard index of the candidates kept by
+  consecutive evictions (top-k that keeps starving the same entries has overlap near 1);
+- the ensemble hypothesis: over K seeds, KL(full || seed-averaged next-token distribution)
+  against the mean single-seed KL (convexity makes the first <= the second; a much smaller
+  mixture KL means the seeds err in different directions, like an ensemble of sub-caches);
+- loop onset in free generation (sampling) per method, with the failure classes' loop rule.
+
+Tensor layouts: kept/candidate sets are bool [..., N] over sequence positions; log-probs are
+[T, vocab] (row t predicts target t, as in `vase.generation.forced_log_probs`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..cache import EvictionCache
+from ..policies import get_policy
+
+# -- mechanics (pure tensor code, tested on hand-made inputs) -------------------------------------------------
+
+
+def jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Jaccard index |a & b| / |a | b| of bool sets [..., N] -> float [...] (1.0 for two empty sets)."""
+    inter = (a & b).sum(-1).double()
+    union = (a | b).sum(-1).double()
+    return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
+
+
+def consecutive_overlap(kept: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Jaccard of each kept set with the next: [E - 1, ...] for E sets of bool [..., N]."""
+    if len(kept) < 2:
+        return torch.empty(0)
+    return torch.stack([jaccard(a, b) for a, b in zip(kept[:-1], kept[1:])])
+
+
+def coverage(kept: Sequence[torch.Tensor], candidates: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Share of the positions ever offered to an eviction that survived at least one: float [...].
+
+    kept[e], candidates[e]: bool [..., N], what eviction e kept of what it was offered.
+    """
+    if not kept:
+        raise ValueError("coverage needs at least one eviction")
+    ever_kept = torch.stack(list(kept)).any(0)
+    ever_offered = torch.stack(list(candidates)).any(0)
+    return (ever_kept & ever_offered).sum(-1).double() / ever_offered.sum(-1).double().clamp(min=1)
+
+
+def token_kl(full_lp: torch.Tensor, comp_lp: torch.Tensor) -> torch.Tensor:
+    """KL(full || comp) per row: log-probs [T, V] -> float64 [T] (rows renormalised)."""
+    lf = full_lp.double().log_softmax(-1)
+    lc = comp_lp.double().log_softmax(-1)
+    p = lf.exp()
+    return torch.where(p > 0, p * (lf - lc), torch.zeros_like(p)).sum(-1)
+
+
+class Mixture:
+    """Running seed-average of next-token distributions, kept in log space: add [T, V] log-probs."""
+
+    def __init__(self) -> None:
+        self.log_sum: torch.Tensor | None = None
+        self.count = 0
+
+    def add(self, lp: torch.Tensor) -> None:
+        lp = lp.double().log_softmax(-1)
+        self.log_sum = lp if self.log_sum is None else torch.logaddexp(self.log_sum, lp)
+        self.count += 1
+
+    def log_probs(self) -> torch.Tensor:
+        """log of the mean distribution: [T, V] float64."""
+        return self.log_sum - math.log(self.count)
+
+
+def ensemble_kl(full_lp: torch.Tensor, seed_lps: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL(full || mean over seeds), mean over seeds of KL(full || seed)), each float64 [T]."""
+    mix = Mixture()
+    singles = []
+    for lp in seed_lps:
+        mix.add(lp)
+        singles.append(token_kl(full_lp, lp))
+    return token_kl(full_lp, mix.log_probs()), torch.stack(singles).mean(0)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """||out - ref|| / ||ref|| over the last dim: [..., D] -> float32 [...]."""
+    return (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp(min=1e-12)
+
+
+# -- tracing one teacher-forced run --------------------------------------------------------------------------
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The attention module of each decoder layer (those with a `layer_idx`), in layer order."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__]
+    if not mods:
+        raise ValueError(f"{type(model).__name__}: found no attention modules with a layer_idx to hook")
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def _held(layer, n_total: int, upto: int | None = None) -> torch.Tensor:
+    """bool [kv_heads, n_total]: the sequence positions row 0 of `layer` stores in slots [0, upto)."""
+    pos = layer.positions[0, :, : layer.length if upto is None else upto].cpu()
+    out = torch.zeros(pos.shape[0], n_total + 1, dtype=torch.bool)
+    out.scatter_(1, torch.where(pos >= 0, pos, n_total), True)
+    return out[:, :n_total]
+
+
+@dataclass
+class Trace:
+    """What one teacher-forced run recorded."""
+
+    log_probs: torch.Tensor  # [T, V] float32
+    attn_out: torch.Tensor | None  # [layers, T - 1, hidden]: attention outputs of the fed targets (reference runs)
+    attn_err: torch.Tensor | None  # [layers, T - 1] relative error against a reference's attn_out
+    kept: list[torch.Tensor] = field(default_factory=list)  # per eviction: bool [layers, kv_heads, N]
+    candidates: list[torch.Tensor] = field(default_factory=list)  # per eviction: bool [layers, kv_heads, N]
+    evict_targets: list[int] = field(default_factory=list)  # per eviction: index of the first target fed after it
+
+
+@torch.inference_mode()
+def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *, method: str = "full",
+                  budget: int = 512, window: int = 64, seed: int = 0, reference: torch.Tensor | None = None,
+                  keep_outputs: bool = False, **method_params) -> Trace:
+    """Teacher-force `target_ids` after `prompt_ids` as `vase.generation.forced_log_probs` does (same
+    chunks, same evictions, same log-probs) while recording kept sets and attention outputs.
+
+    reference: [layers, T - 1, hidden] attention outputs of a full run; the trace then holds the
+    relative error per layer and fed target. keep_outputs: keep this run's own outputs (for full).
+    """
+    device = next(model.parameters()).device
+    prompt = torch.as_tensor(list(prompt_ids), device=device).view(1, -1)
+    target = torch.as_tensor(list(target_ids), device=device).view(-1)
+    P, T = prompt.shape[1], target.numel()
+    if T < 2:
+        raise ValueError(f"need at least 2 target tokens to trace, got {T}")
+    n_total = P + T
+    cache = EvictionCache(model, method, budget, window, seed=[seed], max_length=n_total, **method_params)
+    mods = attention_modules(model)
+    n_layers = len(mods)
+    hidden = model.config.get_text_config().hidden_size
+    outputs = torch.zeros(n_layers, T - 1, hidden) if keep_outputs else None
+    errors = torch.zeros(n_layers, T - 1) if reference is not None else None
+    fed = [0]  # targets fed before the current chunk; -1 during the prompt
+
+    def hook(module, args, output):
+        if fed[0] < 0:
+            return
+        out = (output[0] if isinstance(output, tuple) else output)[0].detach().float().cpu()  # [q, hidden]
+        a, b = fed[0], fed[0] + out.shape[0]
+        if outputs is not None:
+            outputs[module.layer_idx, a:b] = out
+        if errors is not None:
+            errors[module.layer_idx, a:b] = relative_error(out, reference[module.layer_idx, a:b])
+
+    handles = [m.register_forward_hook(hook) for m in mods]
+    trace = Trace(log_probs=torch.empty(0), attn_out=None, attn_err=None)
+    try:
+        fed[0] = -1
+        out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        pieces = [out.logits[0, -1:].float().log_softmax(-1).cpu()]
+        layers = cache.layers
+        total, done = T - 1, 0
+        while done < total:
+            n = min(layers[0].room(), total - done)
+            before = [layer.evictions for layer in layers]
+            offered = torch.stack([_held(layer, n_total, layer.length - window) for layer in layers])
+            fed[0] = done
+            chunk = target[done:done + n].view(1, -1)
+            pos = torch.arange(layers[0].seen, layers[0].seen + n, device=device).view(1, -1)
+            out = model(input_ids=chunk, position_ids=pos, cache=cache, use_cache=True)
+            pieces.append(out.logits[0].float().log_softmax(-1).cpu())
+            if any(layer.evictions != b for layer, b in zip(layers, before)):
+                held = torch.stack([_held(layer, n_total) for layer in layers])
+                trace.candidates.append(offered)
+                trace.kept.append(held & offered)
+                trace.evict_targets.append(done + 1)  # row done + 1 is the first predicted after the eviction
+            done += n
+    finally:
+        for h in handles:
+            h.remove()
+    trace.log_probs = torch.cat(pieces)
+    trace.attn_out, trace.attn_err = outputs, errors
+    return trace
+
+
+# -- the study ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method of the study: a label, the registered method and its parameters."""
+
+    label: str
+    method: str
+    params: dict = field(default_factory=dict)
+
+    @property
+    def stochastic(self) -> bool:
+        return get_policy(self.method, **self.params).stochastic
+
+
+#: Deterministic / stochastic pairs of the same scorer (ALGORITHMS.md section 6 ablations).
+DEFAULT_ARMS = (
+    Arm("snapkv", "snapkv"),
+    Arm("snapkv-sample", "snapkv-sample"),
+    Arm("vase-attnv-topk", "vase-attnv", {"sample": False}),
+    Arm("vase-attnv", "vase-attnv"),
+)
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path, *, arms: Sequence[Arm] = DEFAULT_ARMS,
+                   budget: int = 96, window: int = 16, seeds: int = 4, max_new_tokens: int = 256, seed: int = 0,
+                   loop_tokens: int | None = None, chat_template: bool = True,
+                   progress: Callable[[str], None] | None = None) -> dict:
+    """Run the study on `prompts` and write `randomness.json`, `randomness.csv` and the plots into `out_dir`.
+
+    Trajectories: the full cache's own sample (temperature 0.6, top-p 0.95, `seed`) of up to
+    `max_new_tokens` per prompt. Stochastic arms run `seeds` eviction seeds, deterministic ones
+    one. Loop onset: each arm generates freely (same sampling and seed) for `loop_tokens`
+    (default `max_new_tokens`) tokens; 0 skips it. Returns the report dict.
+    """
+    from ..eval.failures import classify_failure
+    from ..generation import encode_prompts, eos_ids, generate
+    from .loops import loop_onset
+
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    say = progress or (lambda msg: None)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    loop_tokens = max_new_tokens if loop_tokens is None else loop_tokens
+    sampling = dict(temperature=0.6, top_p=0.95, chat_template=chat_template)
+
+    say(f"full: sampling {len(prompts)} trajectories of up to {max_new_tokens} tokens")
+    full_gen = generate(model, tokenizer, list(prompts), method="full", budget=budget, window=window,
+                        max_new_tokens=max_new_tokens, seed=seed, **sampling)
+    device = next(model.parameters()).device
+    per_arm: dict[str, dict] = {a.label: {"kl": [], "top1": [], "kl_mix": [], "kl_single": [], "err_layer": [],
+                                          "err_time": [], "coverage": [], "overlap": [], "evictions": []}
+                                for a in arms}
+    problems = []
+    for i, prompt in enumerate(prompts):
+        ids, _ = encode_prompts(tokenizer, [prompt], chat_template, device)
+        prompt_ids = ids[0].tolist()
+        targets = full_gen.token_ids[i]
+        if len(prompt_ids) + len(targets) - 1 <= max(len(prompt_ids), budget) + window:
+            say(f"prompt {i}: full stopped after {len(targets)} tokens, before any eviction; skipped")
+            continue
+        say(f"prompt {i}: {len(prompt_ids)} prompt + {len(targets)} target tokens; full reference")
+        ref = traced_forced(model, prompt_ids, targets, method="full", budget=budget, window=window, keep_outputs=True)
+        problems.append({"prompt_tokens": len(prompt_ids), "target_tokens": len(targets)})
+        for arm in arms:
+            n_seeds = seeds if arm.stochastic else 1
+            acc = per_arm[arm.label]
+            mix = Mixture()
+            singles = []
+            for s in range(n_seeds):
+                say(f"prompt {i}: {arm.label} seed {s}")
+                tr = traced_forced(model, prompt_ids, targets, method=arm.method, budget=budget, window=window,
+                                   seed=seed + s, reference=ref.attn_out, **arm.params)
+                t0 = tr.evict_targets[0]  # measure after the first eviction only
+                kl = token_kl(ref.log_probs, tr.log_probs)
+                singles.append(kl[t0:])
+                mix.add(tr.log_probs[t0:])
+                acc["kl"].append(float(kl[t0:].mean()))
+                acc["top1"].append(float((ref.log_probs[t0:].argmax(-1) == tr.log_probs[t0:].argmax(-1))
+                                         .double().mean()))
+                err = tr.attn_err[:, t0 - 1:]  # error rows are fed targets 1..T-1
+                acc["err_layer"].append(err.mean(1))
+                acc["err_time"].append(tr.attn_err.mean(0))
+                acc["coverage"].append(float(coverage(tr.kept, tr.candidates).mean()))
+                acc["overlap"].append(float(consecutive_overlap(tr.kept).mean()) if len(tr.kept) > 1 else math.nan)
+                acc["evictions"].append(len(tr.kept))
+            if n_seeds > 1:
+                acc["kl_mix"].append(float(token_kl(ref.log_probs[t0:], mix.log_probs()).mean()))
+                acc["kl_single"].append(float(torch.stack(singles).mean()))
+        del ref
+    if not problems:
+        raise ValueError(f"no trajectory was long enough to evict (budget {budget} + window {window}): lower "
+                         "--budget or raise --max-new-tokens")
+
+    loops: dict[str, list] = {}
+    if loop_tokens > 0:
+        for label, method, params in [("full", "full", {})] + [(a.label, a.method, a.params) for a in arms]:
+            say(f"free generation: {label}, {loop_tokens} tokens")
+            g = generate(model, tokenizer, list(prompts), method=method, budget=budget, window=window,
+                         max_new_tokens=loop_tokens, seed=seed, **sampling, **params)
+            decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+            loops[label] = [{"loop_onset": loop_onset(t, decode), "tokens": len(t),
+                             "failure": classify_failure(decode(t), not fin)}
+                            for t, fin in zip(g.token_ids, g.finished)]
+
+    report = _summarise(per_arm, arms, loops, problems, dict(
+        budget=budget, window=window, seeds=seeds, max_new_tokens=max_new_tokens, loop_tokens=loop_tokens,
+        seed=seed, prompts=len(prompts), eos=eos_ids(model, tokenizer)))
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    _write(report, per_arm, out_dir)
+    return report
+
+
+def _summarise(per_arm: dict, arms: Sequence[Arm], loops: dict, problems: list, config: dict) -> dict:
+    rows = []
+    for arm in arms:
+        acc = per_arm[arm.label]
+        layer_err = torch.stack(acc["err_layer"]).mean(0) if acc["err_layer"] else None
+        mix, single = _mean(acc["kl_mix"]), _mean(acc["kl_single"])
+        onsets = [r["loop_onset"] for r in loops.get(arm.label, [])]
+        rows.append({
+            "method": arm.label, "registered": arm.method, "params": arm.params, "stochastic": arm.stochastic,
+            "kl_after_eviction": _mean(acc["kl"]), "top1_agree": _mean(acc["top1"]),
+            "attn_err_mean": float(layer_err.mean()) if layer_err is not None else None,
+            "attn_err_per_layer": [round(float(x), 5) for x in layer_err] if layer_err is not None else [],
+            "coverage": _mean(acc["coverage"]), "overlap": _mean(acc["overlap"]),
+            "evictions": _mean(acc["evictions"]),
+            "ensemble_kl_mixture": mix, "ensemble_kl_single_mean": single,
+            "ensemble_ratio": mix / single if mix is not None and single else None,
+            "loop_share": (sum(o is not None for o in onsets) / len(onsets)) if onsets else None,
+            "loop_onsets": onsets,
+        })
+    return {"config": config, "problems": problems, "methods": rows, "free_generation": loops}
+
+
+CSV_COLUMNS = ("method", "stochastic", "kl_after_eviction", "top1_agree", "attn_err_mean", "coverage", "overlap",
+               "evictions", "ensemble_kl_mixture", "ensemble_kl_single_mean", "ensemble_ratio", "loop_share")
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _write(report: dict, per_arm: dict, out_dir: Path) -> None:
+    (out_dir / "randomness.json").write_text(json.dumps(report, indent=2))
+    lines = [",".join(CSV_COLUMNS)]
+    for row in report["methods"]:
+        lines.append(",".join(_fmt(row[c]) for c in CSV_COLUMNS))
+    (out_dir / "randomness.csv").write_text("\n".join(lines) + "\n")
+    plot_randomness(report, per_arm, out_dir)
+
+
+def plot_randomness(report: dict, per_arm: dict, out_dir: Path) -> list[Path]:
+    """attn_error.png (per layer; over time) and mechanisms.png (coverage, overlap, ensemble KL)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["methods"]
+    paths = []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for row in rows:
+        style = "-" if row["stochastic"] else "--"
+        ax1.plot(row["attn_err_per_layer"], style, label=row["method"])
+        curves = per_arm[row["method"]]["err_time"]
+        if curves:
+            n = min(len(c) for c in curves)
+            ax2.plot(torch.stack([c[:n] for c in curves]).mean(0).numpy(), style, label=row["method"], lw=1)
+    ax1.set_xlabel("layer")
+    ax1.set_ylabel("attention-output error vs full")
+    ax1.set_title("after the first eviction, per layer")
+    ax2.set_xlabel("generated token")
+    ax2.set_title("over time (mean over layers)")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "attn_error.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    names = [r["method"] for r in rows]
+    x = range(len(rows))
+    colors = ["tab:orange" if r["stochastic"] else "tab:blue" for r in rows]
+    axes[0].bar(x, [r["coverage"] or 0 for r in rows], color=colors)
+    axes[0].set_title("coverage (ever kept / ever offered)")
+    axes[1].bar(x, [r["overlap"] or 0 for r in rows], color=colors)
+    axes[1].set_title("overlap of consecutive kept sets")
+    single = [r["ensemble_kl_single_mean"] or r["kl_after_eviction"] or 0 for r in rows]
+    mix = [r["ensemble_kl_mixture"] if r["ensemble_kl_mixture"] is not None else float("nan") for r in rows]
+    axes[2].bar([i - 0.2 for i in x], single, width=0.4, label="single seed (mean)", color="tab:gray")
+    axes[2].bar([i + 0.2 for i in x], mix, width=0.4, label="seed mixture", color="tab:green")
+    axes[2].set_title("KL(full || .) after first eviction")
+    axes[2].legend(fontsize=7)
+    for ax in axes:
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "mechanisms.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def task_prompts(task: str = "arith", *, data_dir: str | Path | None = None, limit: int = 2, seed: int = 0) -> list[str]:
+    """The user messages (question + the task's instruction) of the first `limit` problems of `task`."""
+    from ..eval.prompts import build_user_message
+    from ..eval.tasks import load_task
+
+    return [build_user_message(p) for p in load_task(task, data_dir=data_dir, limit=limit, seed=seed)]
+
+
+def print_report(report: dict, console) -> None:
+    """The study's table on a rich console."""
+    from rich.table import Table
+
+    c = report["config"]
+    table = Table(title=f"B={c['budget']}, w={c['window']}, {len(report['problems'])} trajectories, "
+                        f"{c['seeds']} seeds for stochastic methods ({report['seconds']:.0f} s)")
+    cols = [("method", "method", None), ("KL", "kl_after_eviction", ".4f"), ("top-1", "top1_agree", ".3f"),
+            ("attn err", "attn_err_mean", ".4f"), ("coverage", "coverage", ".3f"), ("overlap", "overlap", ".3f"),
+            ("KL mixture", "ensemble_kl_mixture", ".4f"), ("mix/single", "ensemble_ratio", ".3f"),
+            ("loops", "loop_share", ".2f")]
+    for name, _, _ in cols:
+        table.add_column(name)
+    for row in report["methods"]:
+        table.add_row(*[str(row[k]) if f is None else ("-" if row[k] is None else format(row[k], f))
+                        for _, k, f in cols])
+    console.print(table)

@@ -1,0 +1,103 @@
+"""`vase analyze randomness`: the mechanics on hand-made inputs, the tracer against forced_log_probs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from vase.analysis.randomness import (
+    Arm, Mixture, consecutive_overlap, coverage, ensemble_kl, jaccard, relative_error, run_randomness, token_kl,
+    traced_forced,
+)
+from vase.eval.metrics import first_evicted_target
+from vase.generation import forced_log_probs
+
+from .conftest import tiny_model, tiny_tokenizer
+
+
+def _set(n, *items):
+    s = torch.zeros(n, dtype=torch.bool)
+    s[list(items)] = True
+    return s
+
+
+def test_jaccard_coverage_and_overlap_on_hand_made_sets():
+    n = 10
+    k1, k2, k3 = _set(n, 0, 1, 2), _set(n, 0, 1, 5), _set(n, 0, 1, 5)
+    assert float(jaccard(k1, k2)) == pytest.approx(2 / 4)
+    assert float(jaccard(_set(n), _set(n))) == 1.0
+    assert consecutive_overlap([k1, k2, k3]).tolist() == pytest.approx([0.5, 1.0])
+    # offered 0-3, then 0-2 and 4-6, then 0,1,5 and 7-8: positions 0-8 were offered, 0,1,2,5 ever kept
+    c1, c2, c3 = _set(n, 0, 1, 2, 3), _set(n, 0, 1, 2, 4, 5, 6), _set(n, 0, 1, 5, 7, 8)
+    assert float(coverage([k1, k2, k3], [c1, c2, c3])) == pytest.approx(4 / 9)
+    # batched over a leading axis (layers x heads): each set on its own
+    kept = [torch.stack([k1, k2]), torch.stack([k2, k2])]
+    assert consecutive_overlap(kept)[0].tolist() == pytest.approx([0.5, 1.0])
+
+
+def test_ensemble_kl_identity_when_all_seeds_agree_and_convexity_otherwise():
+    torch.manual_seed(0)
+    full = torch.randn(7, 11).log_softmax(-1)
+    one = torch.randn(7, 11).log_softmax(-1)
+    mix, single = ensemble_kl(full, [one, one, one])
+    torch.testing.assert_close(mix, single, atol=1e-12, rtol=0)
+    torch.testing.assert_close(single, token_kl(full, one))
+    seeds = [torch.randn(7, 11).log_softmax(-1) for _ in range(4)]
+    mix, single = ensemble_kl(full, seeds)
+    assert bool((mix <= single + 1e-12).all()) and float(mix.mean()) < float(single.mean())
+    m = Mixture()
+    for lp in seeds[:2]:
+        m.add(lp)
+    torch.testing.assert_close(m.log_probs().exp(), (seeds[0].exp() + seeds[1].exp()).double() / 2)
+    assert float(token_kl(full, full).abs().max()) < 1e-12
+
+
+def test_relative_error():
+    ref = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
+    assert relative_error(ref + torch.tensor([[0.0, 5.0], [0.0, 0.0]]), ref).tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("method,params", [("snapkv", {}), ("vase-attnv", {}), ("vase-attnv", {"sample": False})])
+def test_tracer_evicts_and_scores_exactly_as_forced_log_probs(method, params):
+    model = tiny_model("qwen3", "sdpa")
+    torch.manual_seed(1)
+    prompt, target = torch.randint(0, 90, (12,)).tolist(), torch.randint(0, 90, (70,)).tolist()
+    budget, window = 24, 8
+    ref = traced_forced(model, prompt, target, method="full", budget=budget, window=window, keep_outputs=True)
+    tr = traced_forced(model, prompt, target, method=method, budget=budget, window=window, seed=3,
+                       reference=ref.attn_out, **params)
+    want = forced_log_probs(model, prompt, target, method=method, budget=budget, window=window, seed=3, **params)
+    assert torch.equal(tr.log_probs, want)
+    assert torch.equal(ref.log_probs, forced_log_probs(model, prompt, target, method="full"))
+    t0 = first_evicted_target(len(prompt), budget=budget, window=window, evicts=True)
+    assert tr.evict_targets[0] == t0
+    assert len(tr.kept) == len(tr.evict_targets) == math.ceil((len(prompt) + len(target) - 1 - budget - window) / window)
+    for kept, offered in zip(tr.kept, tr.candidates):
+        assert not (kept & ~offered).any()
+        assert (kept.sum(-1) == budget - window).all()  # every layer and KV head keeps B - w candidates
+        assert (offered.sum(-1) == budget).all()  # offered: everything stored but the window
+    # attention outputs: the same tokens before the first eviction (up to chunking), different after
+    assert float(tr.attn_err[:, : t0 - 1].max()) < 1e-4
+    assert float(tr.attn_err[:, t0 - 1:].mean()) > 1e-3
+
+
+def test_run_randomness_writes_report_and_plots(tmp_path):
+    model, tok = tiny_model("qwen3", "sdpa"), tiny_tokenizer()
+    arms = (Arm("snapkv", "snapkv"), Arm("snapkv-sample", "snapkv-sample"))
+    report = run_randomness(model, tok, ["Tell me a story", "Count to ten", "abc"], tmp_path, arms=arms, budget=24,
+                            window=8, seeds=2, max_new_tokens=48, loop_tokens=20, chat_template=False)
+    assert report["problems"]  # at least one trajectory was long enough to evict
+    rows = {r["method"]: r for r in report["methods"]}
+    assert rows["snapkv"]["ensemble_kl_mixture"] is None  # deterministic: one seed, no mixture
+    s = rows["snapkv-sample"]
+    assert s["ensemble_kl_mixture"] <= s["ensemble_kl_single_mean"] + 1e-12
+    for r in rows.values():
+        assert 0 < r["coverage"] <= 1 and 0 <= r["overlap"] <= 1 and r["kl_after_eviction"] > 0
+        assert len(r["attn_err_per_layer"]) == 2
+    assert set(report["free_generation"]) == {"full", "snapkv", "snapkv-sample"}
+    for name in ("randomness.json", "randomness.csv", "attn_error.png", "mechanisms.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "randomness.json").read_text())["config"]["budget"] == 24
