@@ -24,7 +24,7 @@ from .knorm import KNorm
 from .quest import Quest
 from .random import RandomKeep
 from .rkv import RKV
-from .scores import key_redundancy, window_attention
+from .scores import AttentionScored, key_redundancy, window_attention
 from .snapkv import SnapKV, SnapKVSample, SnapKVValueReserve, VaseAttnV
 from .streaming import StreamingLLM
 from .tova import TOVA
@@ -71,6 +71,6 @@ def get_policy(name: str | Policy, **params) -> Policy:
 
 
 __all__ = [
-    "POLICIES", "Policy", "UnknownMethodError", "VALUE_METRICS", "get_policy", "key_redundancy",
+    "POLICIES", "AttentionScored", "Policy", "UnknownMethodError", "VALUE_METRICS", "get_policy", "key_redundancy",
     "method_names", "policy_parameters", "sample_without_replacement", "value_magnitude", "window_attention",
 ]

@@ -7,8 +7,7 @@ the accumulator aligned with the stored slots and passes it as `accumulated`.
 
 from dataclasses import dataclass
 
-from .scores import window_attention
-from .snapkv import AttentionScored
+from .scores import AttentionScored, window_attention
 
 
 @dataclass(frozen=True)

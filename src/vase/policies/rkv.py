@@ -2,8 +2,7 @@
 
 from dataclasses import dataclass
 
-from .scores import key_redundancy, window_attention
-from .snapkv import AttentionScored
+from .scores import AttentionScored, key_redundancy, window_attention
 
 
 @dataclass(frozen=True)

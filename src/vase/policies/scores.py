@@ -1,12 +1,16 @@
-"""Scores shared by several policies: windowed attention (SnapKV, R-KV, VaSE-AttnV, H2O, TOVA)
-and key redundancy (R-KV). Layouts as in `base.py`."""
+"""Scores shared by several policies: windowed attention (SnapKV, R-KV, VaSE-AttnV, H2O, TOVA),
+key redundancy (R-KV), and `AttentionScored`, the base of the policies scored by attention.
+Layouts as in `base.py`."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .base import Policy
 
 
 def window_attention(keys: torch.Tensor, queries: torch.Tensor, temperature: float = 1.0,
@@ -40,3 +44,22 @@ def key_redundancy(keys: torch.Tensor) -> torch.Tensor:
     cos = torch.matmul(k, k.transpose(-1, -2))
     cos.diagonal(dim1=-2, dim2=-1).zero_()
     return cos.mean(-1).softmax(-1)
+
+
+@dataclass(frozen=True)
+class AttentionScored(Policy):
+    """A policy scored by the attention of the query window (ALGORITHMS.md section 2)."""
+
+    temperature: float = 1.0
+    smooth_kernel: int = 5
+    needs_queries = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.smooth_kernel < 1 or self.smooth_kernel % 2 == 0:
+            raise ValueError(f"smooth_kernel must be an odd number >= 1 (1 = no smoothing), got {self.smooth_kernel}")
+
+    def score(self, keys, values, queries, generator=None, **extra):
+        return window_attention(keys, queries, self.temperature, self.smooth_kernel)

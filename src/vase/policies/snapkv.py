@@ -6,27 +6,7 @@
 
 from dataclasses import dataclass
 
-from .base import Policy
-from .scores import window_attention
-
-
-@dataclass(frozen=True)
-class AttentionScored(Policy):
-    """A policy scored by the attention of the query window (ALGORITHMS.md section 2)."""
-
-    temperature: float = 1.0
-    smooth_kernel: int = 5
-    needs_queries = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.smooth_kernel < 1 or self.smooth_kernel % 2 == 0:
-            raise ValueError(f"smooth_kernel must be an odd number >= 1 (1 = no smoothing), got {self.smooth_kernel}")
-
-    def score(self, keys, values, queries, generator=None, **extra):
-        return window_attention(keys, queries, self.temperature, self.smooth_kernel)
+from .scores import AttentionScored  # noqa: F401  (its home was here: keep `from .snapkv import AttentionScored`)
 
 
 @dataclass(frozen=True)

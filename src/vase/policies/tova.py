@@ -2,8 +2,7 @@
 
 from dataclasses import dataclass
 
-from .scores import window_attention
-from .snapkv import AttentionScored
+from .scores import AttentionScored, window_attention
 
 
 @dataclass(frozen=True)
