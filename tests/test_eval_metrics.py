@@ -10,12 +10,25 @@ import torch
 from vase.eval.metrics import (
     aggregate_fidelity,
     agreement,
-    compression_ratio,
     failure_shares,
     fidelity_metrics,
     inflation,
     length_stats,
     pass_at_1,
+    accuracy_split,
+    agreement_split,
+    answered_share,
+    cap_share,
+    first_evicted_target,
+    kv_schedule,
+)
+from vase.eval.paired import (
+    bootstrap_ci,
+    discordant,
+    first_divergence,
+    mcnemar_exact,
+    pair_records,
+    paired_problem_diffs,
 )
 
 
@@ -58,9 +71,6 @@ def test_lengths_and_ratios() -> None:
     records = [rec("a", 0, length=10), rec("a", 1, length=20), rec("b", 0, length=60)]
     assert length_stats(records) == (30.0, 20.0)
     assert inflation(1500.0, 1000.0) == pytest.approx(1.5)
-    assert compression_ratio(4096.0, 1024) == pytest.approx(4.0)
-    with pytest.raises(ValueError):
-        compression_ratio(1.0, 0)
     with pytest.raises(ValueError):
         inflation(1.0, 0.0)
 
@@ -129,3 +139,119 @@ def test_aggregate_fidelity_is_token_weighted() -> None:
     assert agg["n_tokens"] == 12 and agg["n_problems"] == 2
     with pytest.raises(ValueError):
         aggregate_fidelity([])
+
+
+# ----------------------------------------------------------------------------- answered, cap, agreement
+
+
+def full_rec(pid, sample, correct=False, answer=None, finished=True, **kw):
+    return {"problem_id": pid, "sample": sample, "correct": correct, "answer": answer, "finished": finished, **kw}
+
+
+def test_answered_cap_and_accuracy_split() -> None:
+    records = [full_rec("a", 0, True, "1"), full_rec("a", 1, False, None, finished=False),
+               full_rec("b", 0, True, "4", finished=False), full_rec("b", 1, False, "5")]
+    assert answered_share(records) == 0.75
+    assert cap_share(records) == 0.5
+    assert accuracy_split(records) == {"acc_finished": 0.5, "acc_truncated": 0.5, "n_finished": 2, "n_truncated": 2}
+    only_done = accuracy_split(records[:1])
+    assert only_done["acc_truncated"] is None and only_done["acc_finished"] == 1.0
+
+
+def test_agreement_split_uses_math_verify_and_keeps_unanswered_apart() -> None:
+    full = [full_rec("a", 0, answer="0.5"), full_rec("a", 1, answer="3"), full_rec("b", 0, answer=None),
+            full_rec("b", 1, answer="7"), full_rec("c", 0, answer=None)]
+    method = [full_rec("a", 0, answer="\\frac12"), full_rec("a", 1, answer="4"), full_rec("b", 0, answer=None),
+              full_rec("b", 1, answer=None), full_rec("c", 0, answer="2"), full_rec("z", 0, answer="1")]
+    out = agreement_split(method, full)
+    # Both answered: a0 (1/2 == 0.5) and a1 (4 != 3) -> 1 of 2; b0 neither; b1 only full; c0 only method.
+    assert out == {"agree": 0.5, "both_none": 0.2, "only_method": 0.2, "only_full": 0.2, "n_pairs": 5, "n_both": 2}
+    none_only = agreement_split([full_rec("a", 0)], [full_rec("a", 0)])
+    assert none_only["agree"] is None and none_only["both_none"] == 1.0  # nothing to agree on: no 100 %
+    with pytest.raises(ValueError, match="no .* pair"):
+        agreement_split([full_rec("x", 0)], [full_rec("y", 0)])
+
+
+# ----------------------------------------------------------------------------- paired statistics
+
+
+def test_paired_problem_diffs_average_within_problem() -> None:
+    full = [full_rec("a", 0, True), full_rec("a", 1, True), full_rec("b", 0, False), full_rec("b", 1, True)]
+    method = [full_rec("a", 0, False), full_rec("a", 1, True), full_rec("b", 0, True), full_rec("b", 1, True),
+              full_rec("c", 0, True)]  # c has no partner: left out
+    assert paired_problem_diffs(method, full) == {"a": -0.5, "b": 0.5}
+    lengths = paired_problem_diffs([dict(r, length=10 * i) for i, r in enumerate(method[:2])],
+                                   [dict(r, length=5) for r in full[:2]], key="length")
+    assert lengths == {"a": ((0 - 5) + (10 - 5)) / 2}
+    assert discordant(method, full) == (1, 1)
+    with pytest.raises(ValueError, match="duplicate"):
+        pair_records(full + full[:1], full)
+
+
+def test_bootstrap_ci_brackets_the_mean_and_is_reproducible() -> None:
+    vals = [0.0, 1.0] * 10
+    mean, lo, hi = bootstrap_ci(vals)
+    assert mean == 0.5 and lo < 0.5 < hi
+    # The percentile interval of a mean of 20 fair coins: about mean +- 1.96 * 0.5 / sqrt(20) = +- 0.22,
+    # on the grid of 1/20 steps such means take.
+    assert 0.15 <= 0.5 - lo <= 0.25 and 0.15 <= hi - 0.5 <= 0.25
+    assert bootstrap_ci(vals) == (mean, lo, hi)
+    assert bootstrap_ci([0.0] * 7) == (0.0, 0.0, 0.0)  # no spread: a point
+    assert bootstrap_ci([3.0]) == (3.0, 3.0, 3.0) and bootstrap_ci([]) is None
+
+
+def test_mcnemar_exact_hand_computed() -> None:
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(5, 0) == pytest.approx(2 / 32)  # 2 * 0.5**5
+    assert mcnemar_exact(0, 6) == pytest.approx(2 / 64)
+    assert mcnemar_exact(3, 3) == 1.0
+    # b=1, c=7: 2 * (C(8,0) + C(8,1)) / 256 = 18 / 256
+    assert mcnemar_exact(1, 7) == pytest.approx(18 / 256)
+    with pytest.raises(ValueError):
+        mcnemar_exact(-1, 2)
+
+
+def test_first_divergence() -> None:
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([5], [6]) == 0
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped (EOS) where the other went on
+    assert first_divergence([], []) is None
+
+
+# ----------------------------------------------------------------------------- the cache schedule
+
+
+def test_kv_schedule_hand_computed() -> None:
+    # P=10, B=8, w=4: stores 11..14 (limit max(10, 8) + 4 = 14), evicts to 8 and stores 9..12, evicts, 9..
+    s = kv_schedule(10, 20, budget=8, window=4, evicts=True)
+    lengths = [11, 12, 13, 14, 9, 10, 11, 12, 9, 10]
+    assert s == {"evictions": 2, "peak": 14, "time_mean": pytest.approx(sum(lengths) / 10)}
+    full = kv_schedule(10, 13, budget=8, window=4, evicts=False)
+    assert full == {"evictions": 0, "peak": 13, "time_mean": pytest.approx((11 + 12 + 13) / 3)}
+    assert kv_schedule(10, 10, budget=8, window=4, evicts=True)["time_mean"] == 10.0
+    with pytest.raises(ValueError):
+        kv_schedule(10, 9, budget=8, window=4, evicts=True)
+
+
+def test_first_evicted_target_matches_the_cache(tiny_model_tok) -> None:
+    """Rows before the index equal full's (no eviction yet); the row at the index does not."""
+    import vase
+
+    model, _ = tiny_model_tok
+    prompt = list(range(3, 23))  # P = 20
+    targets = list(range(30, 90))
+    full = vase.forced_log_probs(model, prompt, targets, method="full")
+    comp = vase.forced_log_probs(model, prompt, targets, method="streamingllm", budget=13, window=8)
+    t = first_evicted_target(20, budget=13, window=8, evicts=True)
+    assert t == 9
+    assert torch.allclose(full[:t], comp[:t], atol=1e-5)
+    assert not torch.allclose(full[t], comp[t], atol=1e-3)
+    assert first_evicted_target(20, budget=13, window=8, evicts=False) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_model_tok():
+    from tests.helpers_tiny import tiny_model_and_tokenizer
+
+    return tiny_model_and_tokenizer()

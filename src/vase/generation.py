@@ -234,12 +234,13 @@ def eos_ids(model, tokenizer) -> list[int]:
 @torch.inference_mode()
 def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
                      method: str | Policy = "full", budget: int = 512, window: int = 64, seed: int = 0,
-                     **method_params) -> torch.Tensor:
+                     max_chunk: int | None = None, **method_params) -> torch.Tensor:
     """Teacher-force `target_ids` after `prompt_ids` through a cache evicted by `method`.
 
     Returns float32 log-probabilities [T, vocab]: row t is the distribution that predicted
     target t. Tokens are fed in chunks that end exactly where token-by-token decoding would
-    evict, so the cache evicts the same way as when generating.
+    evict, so the cache evicts the same way as when generating; `max_chunk` caps the tokens per call
+    (full in chunks of `w` measures the arithmetic noise floor of the fidelity metrics).
     """
     device = next(model.parameters()).device
     prompt = torch.as_tensor(prompt_ids, device=device).view(1, -1)
@@ -253,7 +254,7 @@ def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids
     fed, total = 0, target.numel() - 1
     layer0 = cache.layers[0]
     while fed < total:
-        n = min(layer0.room(), total - fed)
+        n = min(layer0.room(), total - fed, max_chunk or total)
         chunk = target[fed:fed + n].view(1, -1)
         pos = torch.arange(layer0.seen, layer0.seen + n, device=device).view(1, -1)
         out = model(input_ids=chunk, position_ids=pos, cache=cache, use_cache=True)

@@ -17,6 +17,7 @@ __all__ = [
     "extract_answer",
     "gold_for_parse",
     "answers_match",
+    "answers_equivalent",
     "is_correct",
 ]
 
@@ -153,6 +154,19 @@ def answers_match(pred_answer: str, gold: str, *, timeout_s: int | None = 5) -> 
     except Exception:  # noqa: BLE001 - any parser failure is a wrong answer, not a crash
         log.debug("math-verify failed on %r vs gold %r", pred_answer, gold, exc_info=True)
         return False
+
+
+def answers_equivalent(answer: str | None, reference: str | None, *, timeout_s: int | None = 5) -> bool:
+    """Whether two extracted answers say the same thing (``\\frac12`` and ``0.5`` do).
+
+    Equal after removing whitespace, or equal for math-verify with ``reference`` in the gold
+    role. A missing answer (None) is never equivalent to anything, not even another None.
+    """
+    if answer is None or reference is None:
+        return False
+    if "".join(str(answer).split()) == "".join(str(reference).split()):
+        return True
+    return answers_match(str(answer), str(reference), timeout_s=timeout_s)
 
 
 def is_correct(

@@ -31,6 +31,12 @@ __all__ = [
     "fidelity_metrics",
     "aggregate_fidelity",
     "FIDELITY_KEYS",
+    "answered_share",
+    "accuracy_split",
+    "cap_share",
+    "agreement_split",
+    "kv_schedule",
+    "first_evicted_target",
 ]
 
 Record = Mapping[str, Any]
@@ -112,6 +118,114 @@ def agreement(
     if n == 0:
         raise ValueError("agreement: no (problem, sample) pair in common")
     return agree / n
+
+
+def answered_share(records: Sequence[Record], *, answer_key: str = "answer") -> float:
+    """Share of records with an extracted answer (``answer`` not None)."""
+    _require(records, "answered_share")
+    return sum(r.get(answer_key) is not None for r in records) / len(records)
+
+
+def cap_share(records: Sequence[Record], *, finished_key: str = "finished") -> float:
+    """Share of records that stopped at the token cap (``finished`` False: no EOS)."""
+    _require(records, "cap_share")
+    return sum(not bool(r[finished_key]) for r in records) / len(records)
+
+
+def accuracy_split(records: Sequence[Record], *, finished_key: str = "finished",
+                   correct_key: str = "correct") -> dict[str, float | int | None]:
+    """Accuracy of the completions that finished (EOS) and of those cut at the cap, apart.
+
+    Returns ``acc_finished`` / ``acc_truncated`` (None where the group is empty) and the counts
+    ``n_finished`` / ``n_truncated``: a truncated completion is right only by luck of its last number.
+    """
+    fin = [bool(r[correct_key]) for r in records if bool(r[finished_key])]
+    cut = [bool(r[correct_key]) for r in records if not bool(r[finished_key])]
+    return {
+        "acc_finished": sum(fin) / len(fin) if fin else None,
+        "acc_truncated": sum(cut) / len(cut) if cut else None,
+        "n_finished": len(fin),
+        "n_truncated": len(cut),
+    }
+
+
+def agreement_split(records_method: Sequence[Record], records_full: Sequence[Record], *,
+                    answer_key: str = "answer", equivalent: Any = None) -> dict[str, float | int | None]:
+    """Answer agreement with the full cache, with the unanswered cases apart.
+
+    Pairs are the (problem, sample) both lists hold. ``agree`` is the share of pairs where both
+    answered whose answers are equivalent (``equivalent(method, full)``, default math-verify via
+    :func:`vase.eval.grading.answers_equivalent`), None when no pair has both answers;
+    ``both_none``, ``only_method``, ``only_full`` are shares of all pairs; ``n_pairs`` and
+    ``n_both`` count them.
+
+    Raises:
+        ValueError: a duplicate (problem, sample) key, or no pair in common.
+    """
+    from vase.eval.paired import pair_records
+
+    if equivalent is None:
+        from vase.eval.grading import answers_equivalent as equivalent
+    pairs = pair_records(records_method, records_full)
+    if not pairs:
+        raise ValueError("agreement_split: no (problem, sample) pair in common")
+    both = agree = none = only_m = only_f = 0
+    for m, f in pairs:
+        a, b = m.get(answer_key), f.get(answer_key)
+        if a is not None and b is not None:
+            both += 1
+            agree += bool(equivalent(a, b))
+        elif a is None and b is None:
+            none += 1
+        elif a is None:
+            only_f += 1
+        else:
+            only_m += 1
+    n = len(pairs)
+    return {"agree": agree / both if both else None, "both_none": none / n, "only_method": only_m / n,
+            "only_full": only_f / n, "n_pairs": n, "n_both": both}
+
+
+def kv_schedule(prompt_length: int, seen: int, *, budget: int | None, window: int,
+                evicts: bool) -> dict[str, float | int]:
+    """One sequence's stored K/V length over time, from the eviction schedule (ALGORITHMS.md section 1).
+
+    The cache holds the prompt, grows by one slot per fed token until it would pass
+    ``max(P, B) + w`` (then ``B + w``) and drops to ``B`` just before the token that would pass.
+    ``seen`` counts every token fed (prompt included). Returns ``evictions``, ``peak`` and
+    ``time_mean``: the stored length averaged over the tokens fed after the prompt (the prompt
+    length itself when nothing was fed after it), in tokens; multiply by bytes per token.
+    """
+    if seen < prompt_length:
+        raise ValueError(f"kv_schedule: seen ({seen}) < prompt length ({prompt_length})")
+    steps = seen - prompt_length
+    if not evicts or budget is None:
+        total = steps * prompt_length + steps * (steps + 1) / 2
+        return {"evictions": 0, "peak": seen, "time_mean": total / steps if steps else float(prompt_length)}
+    n, limit = prompt_length, max(prompt_length, budget) + window
+    peak, evictions, total = n, 0, 0.0
+    left = steps
+    while left > 0:
+        take = min(left, limit - n)  # tokens that still fit before the next eviction
+        total += take * n + take * (take + 1) / 2
+        n += take
+        left -= take
+        peak = max(peak, n)
+        if left > 0:
+            n, limit, evictions = budget, budget + window, evictions + 1
+    return {"evictions": evictions, "peak": peak, "time_mean": total / steps if steps else float(prompt_length)}
+
+
+def first_evicted_target(prompt_length: int, *, budget: int | None, window: int, evicts: bool) -> int | None:
+    """Index of the first teacher-forced target whose distribution comes from an evicted cache.
+
+    Row t of :func:`vase.generation.forced_log_probs` predicts target t from the prompt and
+    targets ``< t``: the cache has then seen ``P + t`` tokens, and it first evicts when that
+    would pass ``max(P, B) + w``. None for a method that never evicts.
+    """
+    if not evicts or budget is None:
+        return None
+    return max(prompt_length, budget) + window - prompt_length + 1
 
 
 def length_stats(records: Sequence[Record], *, key: str = "length") -> tuple[float, float]:

@@ -47,7 +47,7 @@ import torch
 from vase.eval.config import FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_hash, run_name
 from vase.eval.failures import classify_failure
 from vase.eval.grading import extract_answer, is_correct
-from vase.eval.metrics import aggregate_fidelity, fidelity_metrics
+from vase.eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target, kv_schedule
 from vase.eval.prompts import build_user_message
 from vase.eval.store import (
     FIDELITY,
@@ -78,15 +78,19 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Fields of a sample record (``token_ids`` only on the full cache's sample 0: the fidelity trajectory).
+#: Fields of a sample record.
 SAMPLE_FIELDS: tuple[str, ...] = (
     "problem_id", "problem_index", "sample", "method", "budget", "seed", "gold", "answer", "correct",
     "length", "prompt_length", "finished", "failure", "text", "kv_bytes", "kv_bytes_peak", "kv_bytes_full",
-    "evictions", "seconds", "prefill_seconds", "tokens_per_s", "batch_rows", "rank",
+    "evictions", "kv_bytes_time_mean", "kv_bytes_allocated", "token_ids", "seconds", "prefill_seconds",
+    "tokens_per_s", "batch_rows", "rank",
 )
+#: ``*_evicted``: the same means over the targets after the first eviction only (``first_evicted`` on);
+#: ``noise_*`` (full's record): full teacher-forced in chunks of ``w`` against full in one chunk.
 FIDELITY_FIELDS: tuple[str, ...] = (
     "problem_id", "problem_index", "method", "budget", "seed", "n_tokens", "kl_mean", "top1_agree",
-    "top1_disagree_share", "dnll_mean", "seconds", "rank",
+    "top1_disagree_share", "dnll_mean", "first_evicted", "n_tokens_evicted", "kl_mean_evicted",
+    "top1_agree_evicted", "dnll_mean_evicted", "noise_kl_mean", "noise_top1_agree", "seconds", "rank",
 )
 #: Fields that depend on timing or on how the work was split, not on the results.
 VOLATILE_FIELDS: tuple[str, ...] = ("seconds", "prefill_seconds", "tokens_per_s", "batch_rows", "rank")
@@ -463,10 +467,24 @@ class _Runner:
                 "batch_rows": len(batch),
                 "rank": self.rank,
             }
-            if u.label == FULL and s == 0:
-                rec["token_ids"] = [int(t) for t in ids]  # the fidelity reference trajectory
+            rec.update(self._kv_over_time(spec, u.budget, rec, stats))
+            # Every completion keeps its ids: full's sample 0 is the fidelity trajectory, and the
+            # first divergence from full's same-seed completion is counted in tokens.
+            rec["token_ids"] = [int(t) for t in ids]
             records.append(rec)
         return records
+
+    def _kv_over_time(self, spec: MethodSpec, budget: int | None, rec: dict[str, Any],
+                      stats: dict[str, Any]) -> dict[str, int | float | None]:
+        """Time-averaged K/V bytes of the sequence (from the eviction schedule, kept only when the schedule's
+        eviction count equals the cache's own) and the bytes its cache allocated (capacity slots)."""
+        P, n = rec["prompt_length"], rec["length"]
+        seen = P + n - (0 if rec["finished"] or n == 0 else 1)  # the token sampled at the cap is never fed
+        sched = kv_schedule(P, seen, budget=budget, window=self.config.window, evicts=spec.evicts)
+        agree = rec.get("evictions") is None or int(rec["evictions"]) == sched["evictions"]
+        cap = stats.get("capacity")
+        return {"kv_bytes_time_mean": sched["time_mean"] * self.bytes_per_token if agree else None,
+                "kv_bytes_allocated": int(cap) * self.bytes_per_token if isinstance(cap, int) and cap > 0 else None}
 
     def _row_stats(self, spec: MethodSpec, budget: int | None, prompt_length: int, n_generated: int,
                    finished: bool, row: dict | None) -> dict[str, int]:
@@ -518,20 +536,46 @@ class _Runner:
         for u in pending:
             spec = self.specs[u.label]
             t0 = time.perf_counter()
+            extra: dict[str, Any] = {}
             if u.label == FULL:
                 comp = full_lp  # the reference against itself: zero by definition
+                extra = self._noise_floor(prompt_ids, targets, full_lp, target_t, seed0)
             else:
                 comp = self.forced_fn(self.model, prompt_ids, targets, method=spec.method, budget=u.budget,
                                       window=c.window, seed=seed0, **spec.params)
             m = _chunked_fidelity(full_lp, comp, target_t)
+            # Means over the targets after the first eviction only: earlier ones are full's own and dilute it.
+            # Selection (Quest) is measured from the same target on as the eviction methods at its budget.
+            t_ev = first_evicted_target(len(prompt_ids), budget=u.budget, window=c.window,
+                                        evicts=spec.evicts or getattr(spec.policy, "selects", False))
+            extra["first_evicted"] = t_ev
+            extra["n_tokens_evicted"] = max(0, len(targets) - t_ev) if t_ev is not None else 0
+            if t_ev is not None and t_ev < len(targets):
+                me = _chunked_fidelity(full_lp[t_ev:], comp[t_ev:], target_t[t_ev:])
+                extra.update(kl_mean_evicted=me["kl_mean"], top1_agree_evicted=me["top1_agree"],
+                             dnll_mean_evicted=me["dnll_mean"])
             del comp
             store.append({**base, "method": u.label, "budget": u.budget, "n_tokens": int(m["n_tokens"]),
                           "kl_mean": m["kl_mean"], "top1_agree": m["top1_agree"],
-                          "top1_disagree_share": m["top1_disagree_share"], "dnll_mean": m["dnll_mean"],
+                          "top1_disagree_share": m["top1_disagree_share"], "dnll_mean": m["dnll_mean"], **extra,
                           "seconds": time.perf_counter() - t0 + (full_seconds if u.label == FULL else 0.0)})
             done.add((u.label, u.budget, p.id))
             written += 1
         return written
+
+
+    def _noise_floor(self, prompt_ids: list[int], targets: list[int], full_lp: torch.Tensor, target_t: torch.Tensor,
+                     seed: int) -> dict[str, Any]:
+        """Full against full teacher-forced in chunks of ``w`` (the compressed caches' feeding): the KL that
+        arithmetic alone produces. None when the forced function has no ``max_chunk`` argument."""
+        try:
+            chunked = self.forced_fn(self.model, prompt_ids, targets, method=FULL,
+                                     budget=max(self.config.budgets, default=512),
+                                     window=self.config.window, seed=seed, max_chunk=self.config.window)
+        except TypeError:  # a stand-in forced function without chunking
+            return {"noise_kl_mean": None, "noise_top1_agree": None}
+        m = _chunked_fidelity(full_lp, chunked, target_t)
+        return {"noise_kl_mean": m["kl_mean"], "noise_top1_agree": m["top1_agree"]}
 
 
 def _chunked_fidelity(full_lp: torch.Tensor, comp_lp: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
