@@ -1,7 +1,7 @@
 """H2O: keep the heavy hitters, the candidates with the largest accumulated attention.
 
 Per-step attention weights are not available with fused kernels, so the windowed scores
-of section 2 are accumulated at each eviction (ALGORITHMS.md section 5). The cache keeps
+of docs/methods.md are accumulated at each eviction (see H2O there). The cache keeps
 the accumulator aligned with the stored slots and passes it as `accumulated`.
 """
 

@@ -15,7 +15,7 @@ from .base import Policy
 
 def window_attention(keys: torch.Tensor, queries: torch.Tensor, temperature: float = 1.0,
                      smooth_kernel: int = 5) -> torch.Tensor:
-    """Attention mass each candidate gets from the query window (ALGORITHMS.md section 2).
+    """Attention mass each candidate gets from the query window (docs/methods.md, "The windowed attention score").
 
     keys [b, kv_heads, n, d], queries [b, q_heads, w, d] -> [b, kv_heads, n] float32:
     softmax over the candidates (float32), mean over the window, average pool along the
@@ -48,7 +48,7 @@ def key_redundancy(keys: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class AttentionScored(Policy):
-    """A policy scored by the attention of the query window (ALGORITHMS.md section 2)."""
+    """A policy scored by the attention of the query window (docs/methods.md, "The windowed attention score")."""
 
     temperature: float = 1.0
     smooth_kernel: int = 5
