@@ -163,3 +163,52 @@ def test_failed_summary_is_an_error_and_leaves_no_old_summary(tmp_path, tiny, mo
     with pytest.raises(RuntimeError, match="writing the summary .* failed"):
         run_eval(cfg, model, tok, generate_fn=fake_generate, progress=False)
     assert not (run_dir / "summary.csv").exists() and not (run_dir / "summary.md").exists()
+
+
+# ----------------------------------------------------------------------------- run identity
+
+
+def test_resume_with_another_model_is_refused_naming_the_field(tmp_path, monkeypatch):
+    from tests.helpers_tiny import tiny_model, tiny_tokenizer
+
+    monkeypatch.setenv("VASE_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tmp_path / "model"
+    tok = tiny_tokenizer()
+    tiny_model(len(tok), seed=0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    cfg = EvalConfig(task="arith", limit=2, methods=["snapkv"], budgets=[24], window=8, model=str(model_dir),
+                     output_dir=str(tmp_path / "runs"), device="cpu")
+    run_dir = run_eval(cfg, generate_fn=fake_generate, progress=False)
+    saved = json.loads((run_dir / "config.json").read_text())["identity"]
+    assert saved["resolved_dtype"] == "float32" and saved["device"] == "cpu" and saved["attn_kernel"] == "sdpa"
+    assert len(saved["model_sha256"]) == 64 and saved["torch"] and saved["transformers"]
+    # Same folder, other weights: the same run name, refused naming the field.
+    tiny_model(len(tok), seed=1).save_pretrained(model_dir)
+    with pytest.raises(RunConflictError, match="model_sha256"):
+        run_eval(cfg, generate_fn=fake_generate, progress=False)
+    tiny_model(len(tok), seed=0).save_pretrained(model_dir)
+    run_eval(cfg, generate_fn=fake_generate, progress=False)  # the original weights resume fine
+    # The same command under another transformers: refused, naming it.
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "9.9.9")
+    with pytest.raises(RunConflictError, match="transformers: '.*' -> '9.9.9'"):
+        run_eval(cfg, generate_fn=fake_generate, progress=False)
+    monkeypatch.undo()
+    # A typed setting that differs names another run (a new folder), as before.
+    monkeypatch.setenv("VASE_CACHE_DIR", str(tmp_path / "cache"))
+    other = run_eval(EvalConfig(**{**cfg.to_dict(), "dtype": "bfloat16"}), generate_fn=fake_generate, progress=False)
+    assert other != run_dir
+    assert json.loads((other / "config.json").read_text())["identity"]["resolved_dtype"] == "bfloat16"
+
+
+def test_passed_model_objects_are_identified_by_their_weights(tmp_path, tiny):
+    from tests.helpers_tiny import tiny_model
+
+    model, tok = tiny
+    cfg = EvalConfig(task="arith", limit=2, methods=["snapkv"], budgets=[24], window=8, model="tiny",
+                     output_dir=str(tmp_path))
+    run_eval(cfg, model, tok, generate_fn=fake_generate, progress=False)
+    run_eval(cfg, tiny_model(len(tok), seed=0), tok, generate_fn=fake_generate, progress=False)  # equal weights
+    with pytest.raises(RunConflictError, match="model_sha256"):
+        run_eval(cfg, tiny_model(len(tok), seed=3), tok, generate_fn=fake_generate, progress=False)

@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +45,8 @@ __all__ = [
     "default_model_path",
     "load_model",
     "model_cache_dir",
+    "model_fingerprint",
+    "loaded_model_fingerprint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,8 +87,10 @@ _TOKENIZER_FILES = (
 # "owner/name" or a bare legacy name such as "gpt2"; anything else cannot be a hub repository.
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
-# In-process memo of source-file hashes, keyed by (path, size, mtime_ns).
-_SHA_MEMO: dict[tuple[str, int, int], str] = {}
+# In-process memo of source-file hashes, keyed by (path, size, mtime_ns, ctime_ns, device, inode):
+# a replacement with the same size and mtime (cp -p, rsync -t) still changes the inode or ctime.
+_SHA_MEMO: dict[tuple[str, int, int, int, int, int], str] = {}
+_MEMO_FIELDS = ("path", "size", "mtime_ns", "ctime_ns", "dev", "ino")
 
 
 class ModelLoadError(ValueError):
@@ -126,20 +131,21 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _stat_key(path: Path) -> tuple[str, int, int]:
+def _stat_key(path: Path) -> tuple[str, int, int, int, int, int]:
     st = path.stat()
-    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino)
 
 
-def _hash_memo_file(cache_dir: Path, key: tuple[str, int, int]) -> Path:
+def _hash_memo_file(cache_dir: Path, key: tuple) -> Path:
     return cache_dir / "hashes" / (hashlib.sha256(key[0].encode()).hexdigest()[:24] + ".json")
 
 
 def _source_sha256(path: Path, cache_dir: Path | None = None) -> str:
-    """sha256 of a source file (a GGUF), memoised by (path, size, mtime_ns).
+    """sha256 of a source file (a GGUF), memoised by (path, size, mtime_ns, ctime_ns, device, inode).
 
     The memo lives in this process and, when ``cache_dir`` is given, on disk there too, so a
-    multi-GB user GGUF is not rehashed on every warm load. A changed size or mtime invalidates it.
+    multi-GB user GGUF is not rehashed on every warm load. Any change to the file, including a
+    replacement with the same size and mtime (a new inode, or at least a new ctime), invalidates it.
     """
     key = _stat_key(path)
     if key in _SHA_MEMO:
@@ -148,7 +154,7 @@ def _source_sha256(path: Path, cache_dir: Path | None = None) -> str:
     if memo_file is not None:
         try:
             saved = json.loads(memo_file.read_text())
-            if [saved["path"], saved["size"], saved["mtime_ns"]] == list(key):
+            if [saved.get(f) for f in _MEMO_FIELDS] == list(key):
                 _SHA_MEMO[key] = str(saved["sha256"])
                 return _SHA_MEMO[key]
         except (OSError, ValueError, KeyError, TypeError):
@@ -156,7 +162,7 @@ def _source_sha256(path: Path, cache_dir: Path | None = None) -> str:
     sha = _sha256_file(path)
     _SHA_MEMO[key] = sha
     if memo_file is not None:
-        record = {"path": key[0], "size": key[1], "mtime_ns": key[2], "sha256": sha}
+        record = {**dict(zip(_MEMO_FIELDS, key)), "sha256": sha}
         try:
             _write_text_atomic(memo_file, json.dumps(record))
         except OSError:
@@ -549,6 +555,8 @@ def _load_gguf_unshared(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenize
             if unsupported and not _accelerate_available()
             else ""
         )
+        if "cannot reshape array" in str(exc) or isinstance(exc, (EOFError, struct.error)):
+            hint = f" (the file is {gguf.stat().st_size} bytes and looks truncated or damaged: download it again)"
         raise ModelLoadError(f"could not read the GGUF file {gguf}: {_first_line(exc)}{hint}") from exc
     return model, tokenizer
 
@@ -609,11 +617,13 @@ def _build_entry(gguf: Path, source_sha: str, entry: Path) -> None:
     _remove_stale_temps(entry)
     tmp = _unique_sibling(entry)
     tmp.mkdir()  # not mkdtemp: that makes it owner-only, which a shared cache should not be
+    lock = _lock_folder(tmp)  # tells a cleaner in another process that this build is alive
     try:
         model, tokenizer = _load_gguf(gguf)
         # float32, so that the copy is faithful to the dequantised values; casting happens at load.
         model.to(torch.float32).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _apply_umask(tmp)  # safetensors writes 0600 files: a shared cache needs the usual permissions
         _write_manifest(tmp, gguf, source_sha)
         try:
             os.rename(tmp, entry)
@@ -624,15 +634,58 @@ def _build_entry(gguf: Path, source_sha: str, entry: Path) -> None:
             _remove(entry)
             os.rename(tmp, entry)
     finally:
+        if lock is not None:
+            os.close(lock)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _remove_stale_temps(entry: Path, min_age_s: float = 3600.0) -> None:
-    """Delete temp folders that a crashed build of ``entry`` left behind.
+_UMASK_LOCK = threading.Lock()
 
-    Only folders whose writer process is gone *and* that are an hour old: the age guards against
-    a build still running on another machine that shares the cache.
+
+def _umask() -> int:
+    with _UMASK_LOCK:  # os.umask can only be read by setting it: keep other threads out meanwhile
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def _apply_umask(folder: Path) -> None:
+    """Give every file under ``folder`` mode 0666 & ~umask and every folder 0777 & ~umask."""
+    mask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def _lock_folder(folder: Path) -> int | None:
+    """An exclusive flock on ``folder`` held until the returned descriptor is closed (None where unsupported)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        return None
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _is_locked(folder: Path) -> bool:
+    fd = _lock_folder(folder)
+    if fd is None:
+        return True  # held by someone (or cannot tell): leave it alone
+    os.close(fd)
+    return False
+
+
+def _remove_stale_temps(entry: Path, min_age_s: float = 3600.0) -> None:
+    """Delete temp folders that a killed build of ``entry`` left behind (run on every load).
+
+    Only folders that are an hour old, whose writer process is gone and that no process holds
+    locked: the age guards against a build still running on another machine that shares the cache.
     """
     now = time.time()
     for tmp in entry.parent.glob(f".{entry.name}.tmp-*"):
@@ -641,8 +694,9 @@ def _remove_stale_temps(entry: Path, min_age_s: float = 3600.0) -> None:
             age = now - tmp.stat().st_mtime
         except (ValueError, IndexError, OSError):
             continue
-        if age < min_age_s or _pid_alive(pid):
+        if age < min_age_s or _pid_alive(pid) or (tmp.is_dir() and _is_locked(tmp)):
             continue
+        logger.info("removing %s, left behind by a build that was killed", tmp)
         _remove(tmp)
 
 
@@ -679,6 +733,8 @@ def _ensure_entry(entry: Path, source_sha: str, gguf: Path | None) -> Path:
     ``gguf`` may be None, meaning "find it only if needed" (the default model's warm path never
     touches the package).
     """
+    if entry.parent.is_dir():
+        _remove_stale_temps(entry)
     if entry.exists():
         problem = _entry_problem(entry, source_sha)
         if problem is None:
@@ -705,6 +761,68 @@ def _ensure_entry(entry: Path, source_sha: str, gguf: Path | None) -> Path:
 # --------------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------------
+
+
+# What in a model folder determines its outputs: config, weights, tokenizer (not READMEs or licences).
+_MODEL_FILE_PATTERNS = (
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth",
+    "tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json", "*.model", "chat_template*",
+)
+
+
+def _folder_sha256(folder: Path, cache_dir: Path | None) -> str:
+    """sha256 over (name, sha256) of the model files of ``folder`` (each file's hash memoised)."""
+    names = sorted({p.name for pattern in _MODEL_FILE_PATTERNS for p in folder.glob(pattern) if p.is_file()})
+    if "config.json" not in names:
+        raise ModelLoadError(f"{folder} is not a transformers model directory: no config.json")
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(f"{name}\t{_source_sha256(folder / name, cache_dir)}\n".encode())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: str | os.PathLike[str] | None = None, *, cache_dir: str | Path | None = None) -> str:
+    """sha256 naming the model that ``load_model(model)`` would load, from its files, without loading it.
+
+    The embedded default model: its pinned GGUF sha256 (its cache entry is verified against it on
+    every load). A ``.gguf`` file: the file's sha256. A directory (or a hub id, from its local
+    snapshot, downloaded if needed): sha256 over the hashes of its config, weight and tokenizer
+    files. File hashes are memoised like the GGUF hashes, so only the first call reads the weights.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
+    name = "default" if model is None else os.fspath(model)
+    if name == "default":
+        return DEFAULT_GGUF_SHA256
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _source_sha256(path, cache)
+    if path.is_file():
+        raise ModelLoadError(f"{name} is a file but not a .gguf file: pass a .gguf file or a model directory")
+    if path.is_dir():
+        return _folder_sha256(path, cache)
+    if _looks_like_path(name):
+        raise ModelLoadError(f"no such file or directory: {name}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(name, allow_patterns=list(_MODEL_FILE_PATTERNS))
+    except Exception as exc:  # noqa: BLE001 - hub errors come in many types; all become one line
+        raise _hub_error(name, exc) from exc
+    return _folder_sha256(Path(folder), cache)
+
+
+def loaded_model_fingerprint(model: PreTrainedModel) -> str:
+    """sha256 of a model object's class, config and every tensor of its state dict (names, dtypes, shapes, bytes)."""
+    digest = hashlib.sha256(type(model).__name__.encode())
+    config = {k: v for k, v in model.config.to_dict().items()
+              if k not in ("transformers_version", "_attn_implementation", "_attn_implementation_internal",
+                           "attn_implementation", "dtype", "torch_dtype", "_name_or_path")}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for key, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{key}|{t.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _looks_like_path(name: str) -> bool:

@@ -32,6 +32,8 @@ __all__ = [
     "load_config",
     "identity",
     "identity_hash",
+    "runtime_identity",
+    "RUNTIME_FIELDS",
     "problems_digest",
     "run_name",
     "canonical_label",
@@ -217,6 +219,9 @@ class EvalConfig:
         need(0 < float(self.top_p) <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
              f"top_k must be >= 1 or unset, got {self.top_k}")
+        need(self.name is None or _one_component(self.name),
+             f"name must be one folder name (no '/', '\\', '..' or leading '.'), got {self.name!r}: it names the "
+             f"run folder inside output_dir")
         need(str(self.dtype) in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         need(self.attn_implementation in _ATTN,
              f"attn_implementation must be one of {', '.join(_ATTN)}, got {self.attn_implementation!r}")
@@ -394,9 +399,47 @@ def identity(config: EvalConfig, problems: Sequence[Any] | None = None) -> dict[
     }
 
 
+#: Identity fields found from the environment rather than typed by the user. They do not enter the run
+#: name, so a resume under another model, dtype, device, kernel or library version finds the same
+#: folder and is refused naming the field (instead of silently mixing two setups in one run).
+RUNTIME_FIELDS: tuple[str, ...] = ("model_sha256", "resolved_dtype", "device", "attn_kernel", "torch",
+                                   "transformers")
+
+
+def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
+    """What besides the settings determines the outputs: the model's content hash (config, weights and
+    tokenizer files, see :func:`vase.models.model_fingerprint`; a passed model object is hashed tensor by
+    tensor), the resolved dtype, the device type, the attention kernel, and the torch and transformers
+    versions. Reads no weights into a model (file hashes are memoised after the first time)."""
+    import torch
+    import transformers
+
+    from vase.models import loaded_model_fingerprint, model_fingerprint, resolve_device, resolve_dtype
+
+    if model is not None:
+        param = next(model.parameters())
+        kernel = str(getattr(model.config, "_attn_implementation", None) or config.attn_implementation)
+        sha, dtype, device = loaded_model_fingerprint(model), param.dtype, param.device
+        kernel = kernel.removeprefix("vase_")  # vase's wrapper around the stock kernel
+    else:
+        device = resolve_device(config.device)
+        sha, dtype, kernel = model_fingerprint(config.model), resolve_dtype(config.dtype, device), \
+            config.attn_implementation
+    if getattr(config, "engine", "transformers") != "transformers":  # another engine resolves dtype and kernel itself
+        dtype, kernel = config.dtype, config.engine
+    return {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
+            "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def identity_hash(ident: Mapping[str, Any]) -> str:
     blob = json.dumps(ident, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode("ascii")).hexdigest()
+
+
+def _one_component(name: str) -> bool:
+    """Whether ``name`` is a single, ordinary folder name (so the run stays inside output_dir)."""
+    return (isinstance(name, str) and bool(name.strip()) and name == Path(name).name and "/" not in name
+            and "\\" not in name and "\0" not in name and not name.startswith("."))
 
 
 def _slug(text: str) -> str:

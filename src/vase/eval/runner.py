@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from vase.eval.config import FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_hash, run_name
+from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_hash, run_name,
+                              runtime_identity)
 from vase.eval.failures import classify_failure
 from vase.eval.grading import extract_answer, is_correct
 from vase.eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target, kv_schedule
@@ -205,6 +206,9 @@ def write_run_config(run_dir: Path, meta: dict[str, Any]) -> None:
     if not isinstance(existing, dict):
         raise RunConflictError(f"{path} is not a vase run config (a JSON {type(existing).__name__}, not an "
                                f"object): move it away or use another --output-dir")
+    if not isinstance(existing, dict):
+        raise RunConflictError(f"{path} is not a vase run config (a JSON {type(existing).__name__}, not an "
+                               f"object): move it away or use another --output-dir")
     old, new = existing.get("identity"), _json_roundtrip(meta["identity"])
     if old != new:
         if isinstance(old, dict):
@@ -294,10 +298,13 @@ class _Runner:
         self.problems: list[Problem] = load_task(
             c.task_name, data_dir=c.data_dir, task_file=c.task_file, question_field=c.question_field,
             answer_field=c.answer_field, limit=c.limit, seed=c.seed)
-        ident = identity(c, self.problems)
+        # The settings name the run; the runtime fields (model content hash, resolved dtype, device, kernel,
+        # versions) are checked on resume, so a changed model is refused instead of mixed in.
+        ident = {**identity(c, self.problems), **runtime_identity(c, self.model)}
         name = run_name(c, self.problems)
         self.run_dir = Path(c.output_dir).expanduser() / name
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        fsync_dir(self.run_dir.parent)  # the new run folder survives a crash
         fsync_dir(self.run_dir.parent)  # the new run folder survives a crash
         from vase import __version__
 
