@@ -398,7 +398,8 @@ def analyze_randomness(
     attn: AttnOpt = "sdpa",
 ) -> None:
     """Deterministic vs stochastic eviction (snapkv vs snapkv-sample, vase-attnv top-k vs sampled)."""
-    from .analysis.randomness import print_report, run_randomness, task_prompts
+    from .analysis.randomness import print_report, run_randomness
+    from .analysis.sweep import task_prompts
 
     prompts = task_prompts(task, data_dir=data_dir, limit=limit)
     mdl, tok = load(model, dtype, device, attn)
@@ -407,6 +408,40 @@ def analyze_randomness(
                             progress=lambda m: err_console.print(m, highlight=False))
     print_report(report, console)
     console.print(f"wrote {out}/randomness.json, randomness.csv, attn_error.png, mechanisms.png")
+
+
+@analyze_app.command("sweep")
+def analyze_sweep(
+    tasks: Annotated[str, typer.Option(help="Comma-separated: retrieval (embedded long-context), arith, gsm8k, "
+                                       "math500, ...")] = "arith,retrieval",
+    methods: Annotated[str, typer.Option(help="Comma-separated methods (eviction and quest).")] =
+        "streamingllm,snapkv,rkv,vase-attnv,vase-dkv,quest",
+    compressions: Annotated[str, typer.Option(help="Comma-separated compression targets (run length / B).")] =
+        "4,8,16",
+    data_dir: DataDirOpt = None,
+    limit: Annotated[int, typer.Option(help="Problems per task.")] = 2,
+    window: WindowOpt = 16,
+    max_new_tokens: Annotated[int, typer.Option(help="Length cap of full's trajectories (reasoning tasks).")] = 256,
+    retrieval_tokens: Annotated[int, typer.Option(help="Length cap of the retrieval answers.")] = 64,
+    seed: SeedOpt = 0,
+    out: Annotated[Path, typer.Option(help="Folder for sweep.json/.csv/.md and sweep.png.")] = Path("sweep-out"),
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    attn: AttnOpt = "sdpa",
+) -> None:
+    """Fidelity of eviction methods and Quest (selection) at equal sparsity, at several compressions."""
+    from .analysis.sweep import markdown_table, run_sweep, task_prompts
+
+    names = split_list(tasks)
+    prompts = {t: task_prompts(t, limit=limit, data_dir=data_dir, seed=seed) for t in names}
+    caps = {t: retrieval_tokens if t == "retrieval" else max_new_tokens for t in names}
+    mdl, tok = load(model, dtype, device, attn)
+    report = run_sweep(mdl, tok, out, tasks=prompts, methods=split_list(methods),
+                       compressions=split_list(compressions, float), window=window, max_new_tokens=caps, seed=seed,
+                       progress=lambda m: err_console.print(m, highlight=False))
+    console.out(markdown_table(report), highlight=False)
+    console.print(f"{report['seconds']:.0f} s; wrote {out}/sweep.json, sweep.csv, sweep.md, sweep.png")
 
 
 # -- entry point -------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..cache import EvictionCache
+from ..compat import cache_kwargs
 from ..policies import get_policy
 
 # -- mechanics (pure tensor code, tested on hand-made inputs) -------------------------------------------------
@@ -170,7 +171,7 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
     trace = Trace(log_probs=torch.empty(0), attn_out=None, attn_err=None)
     try:
         fed[0] = -1
-        out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         pieces = [out.logits[0, -1:].float().log_softmax(-1).cpu()]
         layers = cache.layers
         total, done = T - 1, 0
@@ -181,7 +182,7 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
             fed[0] = done
             chunk = target[done:done + n].view(1, -1)
             pos = torch.arange(layers[0].seen, layers[0].seen + n, device=device).view(1, -1)
-            out = model(input_ids=chunk, position_ids=pos, cache=cache, use_cache=True)
+            out = model(input_ids=chunk, position_ids=pos, **cache_kwargs(cache), use_cache=True)
             pieces.append(out.logits[0].float().log_softmax(-1).cpu())
             if any(layer.evictions != b for layer, b in zip(layers, before)):
                 held = torch.stack([_held(layer, n_total) for layer in layers])
@@ -409,14 +410,6 @@ def plot_randomness(report: dict, per_arm: dict, out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     return paths
-
-
-def task_prompts(task: str = "arith", *, data_dir: str | Path | None = None, limit: int = 2, seed: int = 0) -> list[str]:
-    """The user messages (question + the task's instruction) of the first `limit` problems of `task`."""
-    from ..eval.prompts import build_user_message
-    from ..eval.tasks import load_task
-
-    return [build_user_message(p) for p in load_task(task, data_dir=data_dir, limit=limit, seed=seed)]
 
 
 def print_report(report: dict, console) -> None:

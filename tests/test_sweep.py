@@ -1,0 +1,89 @@
+"""`vase analyze sweep`: budgets from compression, the retrieval task, the report on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vase.analysis.sweep import markdown_table, retrieval_problems, run_sweep, sweep_budget, task_prompts
+
+from .conftest import tiny_model, tiny_tokenizer
+
+
+def test_budget_from_compression_and_run_length():
+    assert sweep_budget(800, 4, 16) == (200, False)
+    assert sweep_budget(800, 16, 16) == (50, False)
+    assert sweep_budget(300, 16, 16) == (24, True)  # round(18.75) = 19 < w + 8: clamped and marked
+    with pytest.raises(ValueError, match="compression"):
+        sweep_budget(100, 1, 16)
+
+
+def test_retrieval_problems_state_the_asked_codes_far_back():
+    a, b = retrieval_problems(3, seed=1), retrieval_problems(3, seed=1)
+    assert a == b and a != retrieval_problems(3, seed=2)
+    for p in a:
+        assert len(p.asked) == 4 and len(p.prompt) > 3000
+        question = p.prompt.rsplit("\n\n", 1)[1]
+        for name, code in p.answer.items():
+            where = p.prompt.index(f"The code of project {name} is {code}.")
+            assert where < len(p.prompt) // 10  # stated in the first tenth of the prompt
+            assert name in question and code not in question
+    assert task_prompts("retrieval", limit=2, seed=1) == [p.prompt for p in a[:2]]
+    assert "boxed" in task_prompts("arith", limit=1)[0]
+
+
+def test_run_sweep_on_a_tiny_model(tmp_path):
+    model, tok = tiny_model("qwen3", "sdpa"), tiny_tokenizer()
+    tasks = {"short": ["Tell me a story about a cat", "Count to ten please"]}
+    report = run_sweep(model, tok, tmp_path, tasks=tasks, methods=["full", "snapkv", "quest"], compressions=[2, 3],
+                       window=16, max_new_tokens=80, chat_template=False)
+    rows = {(r["method"], r["compression"]): r for r in report["rows"]}
+    assert set(rows) == {(m, c) for m in ("full", "snapkv", "quest") for c in (2, 3)}
+    for c in (2, 3):
+        assert rows[("full", c)]["kl"] == 0.0 and rows[("full", c)]["top1"] == 1.0  # the reference against itself
+        assert rows[("snapkv", c)]["kl"] > 0 and rows[("quest", c)]["kl"] > 0
+        assert rows[("quest", c)]["selection"] and not rows[("snapkv", c)]["selection"]
+    # a higher compression is a smaller budget
+    assert rows[("snapkv", 3)]["budget_mean"] < rows[("snapkv", 2)]["budget_mean"]
+    for name in ("sweep.json", "sweep.csv", "sweep.md", "sweep.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "sweep.json").read_text())["config"]["window"] == 16
+    assert "| quest |" in markdown_table(report)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _cli(args, capsys):
+    from vase.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+def test_cli_sweep_writes_its_report(model_dir, tmp_path, capsys):
+    code, out, err = _cli(["analyze", "sweep", "--model", model_dir, "--tasks", "arith", "--limit", "1",
+                           "--methods", "snapkv,quest", "--compressions", "2", "--max-new-tokens", "60",
+                           "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "| quest |" in out and (tmp_path / "sweep.md").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["analyze", "sweep", "--methods", "snapk"], "Did you mean snapkv"),
+    (["analyze", "sweep", "--compressions", "1"], "compression must be > 1"),
+    (["analyze", "randomness", "--seeds", "0"], "seeds must be >= 1"),
+])
+def test_cli_errors_are_one_line(model_dir, args, message, capsys):
+    code, out, err = _cli([*args, "--model", model_dir], capsys)
+    lines = err.strip().splitlines()
+    assert code != 0 and message in lines[-1] and "Traceback" not in err
