@@ -361,6 +361,82 @@ def test_stale_temp_folders_are_cleaned(tmp_path):
     assert not dead.exists() and alive.exists() and fresh.exists()
 
 
+def test_same_size_same_mtime_replacement_is_rehashed(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(M, "_SHA_MEMO", {})
+    path = tmp_path / "f.gguf"
+    path.write_bytes(b"model A!")
+    cache = tmp_path / "cache"
+    first = M._source_sha256(path, cache)
+    st = path.stat()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"model B!")  # same size
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime, like `cp -p` or `rsync -t`
+    os.replace(other, path)
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    assert M._source_sha256(path, cache) == M._sha256_file(path) != first  # in-process memo
+    monkeypatch.setattr(M, "_SHA_MEMO", {})
+    assert M._source_sha256(path, cache) == M._sha256_file(path)  # on-disk memo
+
+
+def test_cache_entry_files_follow_the_umask(fake_gguf, tmp_path):
+    import os
+    import stat
+
+    path, _ = fake_gguf
+    cache = tmp_path / "cache"
+    old = os.umask(0o022)
+    try:
+        load_model(path, cache_dir=cache)
+    finally:
+        os.umask(old)
+    [entry] = models_in(cache)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [entry, *entry.rglob("*")]}
+    assert modes["model.safetensors"] == 0o644 and modes[entry.name] == 0o755
+    assert set(modes.values()) <= {0o644, 0o755}, modes
+
+
+def test_stale_build_folder_is_cleaned_on_a_warm_load(fake_gguf, tmp_path):
+    import os
+
+    path, counter = fake_gguf
+    cache = tmp_path / "cache"
+    load_model(path, cache_dir=cache)
+    [entry] = models_in(cache)
+    stale = entry.parent / f".{entry.name}.tmp-999999999-dead"  # a killed build: no such pid, old
+    locked = entry.parent / f".{entry.name}.tmp-999999997-lock"  # old, but a build holds its lock
+    for folder in (stale, locked):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        os.utime(folder, (0, 0))
+    fd = M._lock_folder(locked)
+    try:
+        load_model(path, cache_dir=cache)  # warm: no build, but the cleaning runs
+        assert counter.calls == 1
+        assert not stale.exists() and locked.exists()
+    finally:
+        os.close(fd)
+    load_model(path, cache_dir=cache)
+    assert not locked.exists()
+
+
+def test_truncated_gguf_is_named_as_such(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "small.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.write_bytes(path.read_bytes()[:-2000])
+    with pytest.raises(ModelLoadError, match="looks truncated or damaged: download it again"):
+        load_model(path, cache_dir=tmp_path / "cache")
+
+
 def test_cache_dir_defaults_to_env(fake_gguf, tmp_path, monkeypatch):
     path, _ = fake_gguf
     monkeypatch.setenv("VASE_CACHE_DIR", str(tmp_path / "from-env"))
