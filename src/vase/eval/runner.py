@@ -206,9 +206,6 @@ def write_run_config(run_dir: Path, meta: dict[str, Any]) -> None:
     if not isinstance(existing, dict):
         raise RunConflictError(f"{path} is not a vase run config (a JSON {type(existing).__name__}, not an "
                                f"object): move it away or use another --output-dir")
-    if not isinstance(existing, dict):
-        raise RunConflictError(f"{path} is not a vase run config (a JSON {type(existing).__name__}, not an "
-                               f"object): move it away or use another --output-dir")
     old, new = existing.get("identity"), _json_roundtrip(meta["identity"])
     if old != new:
         if isinstance(old, dict):
@@ -304,7 +301,6 @@ class _Runner:
         name = run_name(c, self.problems)
         self.run_dir = Path(c.output_dir).expanduser() / name
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fsync_dir(self.run_dir.parent)  # the new run folder survives a crash
         fsync_dir(self.run_dir.parent)  # the new run folder survives a crash
         from vase import __version__
 
