@@ -331,6 +331,36 @@ def bench(
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
+# -- vase serve ------------------------------------------------------------------------------------------------
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(help="Model directory, .gguf file or hub id (default: the "
+                                                   "embedded SmolLM2-135M-Instruct).")] = None,
+    method: Annotated[str, typer.Option(help="Eviction method (see `vase methods`); full = stock vLLM.")]
+    = "vase-attnv",
+    budget: Annotated[int, typer.Option(help="KV pairs kept per layer and KV head.")] = 2048,
+    window: WindowOpt = 64,
+    param: ParamOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+) -> None:
+    """Serve MODEL with vLLM's OpenAI-compatible server and the vase plugin.
+
+    Any further option goes to vLLM unchanged (e.g. --max-model-len 8192 --kv-cache-memory-bytes 2000000000).
+    """
+    from .vllm.serve import exec_serve, require_vllm, serve_argv
+
+    require_vllm()
+    extra = list(ctx.args)
+    if model is not None and model.startswith("-"):  # no MODEL given: the first vLLM option landed there
+        model, extra = None, [model, *extra]
+    argv = serve_argv(model, method=method, budget=budget, window=window, params=parse_params(param), host=host,
+                      port=port, extra=extra)
+    err_console.print(f"vase serve: {' '.join(argv[1:])}", highlight=False, soft_wrap=True)
+    exec_serve(argv)
+
+
 # -- vase inspect ----------------------------------------------------------------------------------------------
 @app.command()
 def inspect(

@@ -47,6 +47,7 @@ __all__ = [
     "model_cache_dir",
     "model_fingerprint",
     "loaded_model_fingerprint",
+    "model_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -828,6 +829,29 @@ def loaded_model_fingerprint(model: PreTrainedModel) -> str:
 def _looks_like_path(name: str) -> bool:
     """Whether a name that exists nowhere on disk can only have been meant as a path."""
     return name.startswith((".", "/", "~")) or name.lower().endswith(".gguf") or not _HUB_ID_RE.match(name)
+
+
+def model_dir(model: str | os.PathLike[str] | None = None, *, cache_dir: str | Path | None = None) -> str:
+    """What to hand another engine (vLLM) for ``model``: a transformers directory or a hub id.
+
+    None / "default" and ``.gguf`` files give their verified, dequantised cache entry (built once,
+    as :func:`load_model` does); a directory or a hub id is returned as given.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
+    name = "default" if model is None else os.fspath(model)
+    if name == "default":
+        entry = _gguf_entry(Path(DEFAULT_GGUF_FILENAME), DEFAULT_GGUF_SHA256, cache, stem=_DEFAULT_ENTRY_STEM)
+        return str(_ensure_entry(entry, DEFAULT_GGUF_SHA256, gguf=None))
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        sha = _source_sha256(path, cache)
+        return str(_ensure_entry(_gguf_entry(path, sha, cache), sha, gguf=path))
+    if path.exists() or _looks_like_path(name):
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{name} is not a transformers model directory (no config.json): pass a model "
+                                 f"directory, a .gguf file or a hub id")
+        return str(path)
+    return name
 
 
 def load_model(

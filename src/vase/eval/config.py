@@ -44,6 +44,8 @@ FULL = "full"
 
 _DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _ATTN = ("sdpa", "eager", "flash_attention_2")
+#: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.eval.vllm_engine).
+_ENGINES = ("transformers", "vllm")
 # Attention sinks every budget must leave room for (ALGORITHMS.md section 1: B > w + sinks).
 _MIN_SINKS = 4
 
@@ -122,6 +124,8 @@ class EvalConfig:
     fidelity: also teacher-force the full cache's first sample through every method and record
         KL / top-1 agreement / delta-NLL. Does not change the sample records.
     model: a model spec for :func:`vase.models.load_model` (None = the embedded default).
+    engine: ``transformers`` (vase's decode loop) or ``vllm`` (vLLM's ``LLM.generate`` with the vase
+        plugin; no fidelity). Part of the identity: a run never mixes engines.
     name: the run folder's name under ``output_dir`` (default: :func:`run_name`).
     """
 
@@ -150,6 +154,7 @@ class EvalConfig:
     dtype: str = "auto"
     device: str = "auto"
     attn_implementation: str = "sdpa"
+    engine: str = "transformers"
     method_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     output_dir: str = "runs"
     name: str | None = None
@@ -223,6 +228,10 @@ class EvalConfig:
              f"name must be one folder name (no '/', '\\', '..' or leading '.'), got {self.name!r}: it names the "
              f"run folder inside output_dir")
         need(str(self.dtype) in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        need(self.engine in _ENGINES, f"engine must be one of {', '.join(_ENGINES)}, got {self.engine!r}")
+        need(not (self.fidelity and self.engine != "transformers"),
+             f"fidelity (teacher forcing) runs on the transformers engine only, not on {self.engine!r}: drop "
+             f"--fidelity or use --engine transformers")
         need(self.attn_implementation in _ATTN,
              f"attn_implementation must be one of {', '.join(_ATTN)}, got {self.attn_implementation!r}")
         for label in self.method_params:
@@ -396,6 +405,7 @@ def identity(config: EvalConfig, problems: Sequence[Any] | None = None) -> dict[
         "grading": {"numeric_fallback": config.numeric_fallback, "end_marker": config.end_marker},
         "model": config.model if config.model is not None else "default",
         "dtype": str(config.dtype),
+        "engine": config.engine,
     }
 
 
