@@ -9,6 +9,7 @@ import torch
 from vase.analysis import kept_map, loop_onset, value_statistics
 from vase.analysis.inspect import inspect_generation
 from vase.cache import EvictionCache
+from vase.compat import cache_kwargs
 
 from .conftest import tiny_model, tiny_tokenizer
 
@@ -27,9 +28,9 @@ def test_kept_map_matches_cache_positions():
     model = tiny_model()
     cache = EvictionCache(model, "streamingllm", budget=12, window=4)
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 90, (1, 12)), cache=cache)
+        model(input_ids=torch.randint(0, 90, (1, 12)), **cache_kwargs(cache))
         for t in range(12, 17):  # the cache fills to B + w = 16, the 5th token evicts first
-            out = model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[t]]), cache=cache)
+            out = model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[t]]), **cache_kwargs(cache))
     kept = kept_map(cache)
     assert kept.shape == (2, 2, 17)
     # StreamingLLM keeps the sinks 0-3 and the 4 most recent candidates 8-11, then the window 12-15 and token 16

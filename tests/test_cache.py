@@ -10,6 +10,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import vase
 from vase.attention import UnsupportedModelError
 from vase.cache import EvictedStateError, EvictionCache
+from vase.compat import cache_kwargs
 from vase.generation import encode_prompts
 
 from .conftest import tiny_model
@@ -19,7 +20,7 @@ EVICTING = ["streamingllm", "random", "knorm", "snapkv", "rkv", "h2o", "tova", "
 
 
 def greedy_ids(model, ids, n, cache=None):
-    kwargs = {"cache": cache} if cache is not None else {}
+    kwargs = cache_kwargs(cache) if cache is not None else {}
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          pad_token_id=0, eos_token_id=None, **kwargs)
     return out[0, ids.shape[1]:].tolist()
@@ -102,7 +103,7 @@ def test_eviction_equals_full_cache_with_evicted_tokens_masked(method):
     cache = EvictionCache(model, method, budget, window, seed=[5, 6])
     logits, held, tokens = [], [], []
     with torch.no_grad():
-        out = model(input_ids=prompts, attention_mask=mask, position_ids=positions, cache=cache)
+        out = model(input_ids=prompts, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
         logits.append(out.logits[:, -1])
         held.append(_stored_masks(cache, prompts.shape[1]))
         pos = positions[:, -1:]
@@ -110,7 +111,7 @@ def test_eviction_equals_full_cache_with_evicted_tokens_masked(method):
             tok = logits[-1].argmax(-1, keepdim=True)
             tokens.append(tok)
             pos = pos + 1
-            out = model(input_ids=tok, position_ids=pos, cache=cache)
+            out = model(input_ids=tok, position_ids=pos, **cache_kwargs(cache))
             logits.append(out.logits[:, -1])
             held.append(_stored_masks(cache, prompts.shape[1] + len(tokens)))
     assert cache.stats()["evictions"] >= 3
@@ -124,14 +125,14 @@ def test_eviction_equals_full_cache_with_evicted_tokens_masked(method):
     with torch.no_grad():
         _REFERENCE_MASKS.clear()
         _REFERENCE_MASKS.update({i: m & mask[:, None, :].bool() for i, m in held[0].items()})
-        out = reference_model(input_ids=prompts, position_ids=positions, cache=full)
+        out = reference_model(input_ids=prompts, position_ids=positions, **cache_kwargs(full))
         torch.testing.assert_close(out.logits[:, -1], logits[0], atol=1e-5, rtol=1e-4)
         pos = positions[:, -1:]
         for t, tok in enumerate(tokens, start=1):
             pos = pos + 1
             _REFERENCE_MASKS.clear()
             _REFERENCE_MASKS.update(held[t])
-            out = reference_model(input_ids=tok, position_ids=pos, cache=full)
+            out = reference_model(input_ids=tok, position_ids=pos, **cache_kwargs(full))
             torch.testing.assert_close(out.logits[:, -1], logits[t], atol=1e-5, rtol=1e-4)
 
 
@@ -146,14 +147,14 @@ def test_invariants_hold_at_every_step(method):
     torch.manual_seed(3)
     prompt = torch.randint(0, 90, (2, 9))
     with torch.no_grad():
-        out = model(input_ids=prompt, cache=cache)
+        out = model(input_ids=prompt, **cache_kwargs(cache))
         pointers = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
         pos = torch.full((2, 1), prompt.shape[1] - 1)
         evictions_before = 0
         for step in range(70):
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             pos = pos + 1
-            out = model(input_ids=tok, position_ids=pos, cache=cache)
+            out = model(input_ids=tok, position_ids=pos, **cache_kwargs(cache))
             seen = prompt.shape[1] + step + 1
             for layer, ptrs in zip(cache.layers, pointers):
                 assert (layer.keys.data_ptr(), layer.values.data_ptr()) == ptrs  # no re-allocation
@@ -180,11 +181,11 @@ def test_long_prompt_is_cut_to_budget_at_first_eviction():
     cache = EvictionCache(model, "snapkv", budget=16, window=4)
     prompt = torch.randint(0, 90, (1, 30))
     with torch.no_grad():
-        out = model(input_ids=prompt, cache=cache)
+        out = model(input_ids=prompt, **cache_kwargs(cache))
         lengths = []
         for step in range(6):
             out = model(input_ids=out.logits[:, -1:].argmax(-1), position_ids=torch.tensor([[30 + step]]),
-                        cache=cache)
+                        **cache_kwargs(cache))
             lengths.append(cache.layers[0].length)
     assert cache.layers[0].capacity == 30 + 4
     assert lengths == [31, 32, 33, 34, 17, 18]  # grows to P + w, then the first eviction brings it to B
@@ -214,14 +215,14 @@ def test_dropping_finished_rows_keeps_the_others_exact(tokenizer):
     alone = EvictionCache(model, "snapkv", budget=16, window=4)
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache)
-        solo = model(input_ids=ids[1:], position_ids=pos[1:], cache=alone)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache))
+        solo = model(input_ids=ids[1:], position_ids=pos[1:], **cache_kwargs(alone))
         cache.batch_select_indices(torch.tensor([1]))
         nxt, p = solo.logits[:, -1:].argmax(-1), pos[1:, -1:]
         for _ in range(30):
             p = p + 1
-            a = model(input_ids=nxt, position_ids=p, cache=cache).logits[:, -1]
-            b = model(input_ids=nxt, position_ids=p, cache=alone).logits[:, -1]
+            a = model(input_ids=nxt, position_ids=p, **cache_kwargs(cache)).logits[:, -1]
+            b = model(input_ids=nxt, position_ids=p, **cache_kwargs(alone)).logits[:, -1]
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
             nxt = b.argmax(-1, keepdim=True)
     assert cache.layers[0].pad == [0] and eos is not None
@@ -260,10 +261,10 @@ def test_beam_search_and_crop_raise(qwen3):
     ids = torch.randint(0, 90, (1, 5))
     cache = EvictionCache(qwen3, "snapkv", budget=32, window=8)
     with pytest.raises(EvictedStateError, match="beam search"):
-        qwen3.generate(ids, cache=cache, num_beams=2, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        qwen3.generate(ids, **cache_kwargs(cache), num_beams=2, max_new_tokens=4, do_sample=False, pad_token_id=0)
     cache = EvictionCache(qwen3, "snapkv", budget=32, window=8)
     with torch.no_grad():
-        qwen3(input_ids=ids, cache=cache)
+        qwen3(input_ids=ids, **cache_kwargs(cache))
     with pytest.raises(EvictedStateError, match="cannot be cropped"):
         cache.crop(2)
 
@@ -344,11 +345,11 @@ def test_policy_state_hooks_are_kept_aligned_and_per_row():
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = EvictionCache(model, _StatefulProbe(), B, w, seed=[21, 22])
     with torch.no_grad():
-        out = model(input_ids=prompts, attention_mask=mask, position_ids=positions, cache=cache)
+        out = model(input_ids=prompts, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
         pos = positions[:, -1:]
         for _ in range(30):
             pos = pos + 1
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), position_ids=pos, cache=cache)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), position_ids=pos, **cache_kwargs(cache))
     layer = cache.layers[0]
     assert min(layer.row_evictions) >= 4
     for layer in cache.layers:
@@ -414,3 +415,16 @@ def test_attention_module_does_not_import_the_cache():
 
     code = "import sys, vase.attention; assert 'vase.cache' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cache_keyword_is_the_one_this_transformers_takes():
+    """vase.compat picks `cache=` (5.24+) or `past_key_values=` (5.16-5.23): the model's forward must name it."""
+    import inspect
+
+    from transformers import Qwen3ForCausalLM
+
+    from vase.compat import CACHE_KWARG, TRANSFORMERS_VERSION, _release
+
+    assert CACHE_KWARG in inspect.signature(Qwen3ForCausalLM.forward).parameters
+    assert (5, 16, 1) <= TRANSFORMERS_VERSION < (6,)
+    assert _release("5.24.0.dev0") == (5, 24, 0) and _release("5.19.1rc1") == (5, 19, 1)

@@ -7,6 +7,7 @@ import torch
 
 import vase
 from vase.cache import EvictionCache
+from vase.compat import cache_kwargs
 from vase.generation import forced_log_probs
 from vase.policies import value_magnitude
 from vase.quant import dequantize, pack, packed_bytes, quantize, unpack
@@ -217,4 +218,4 @@ def test_options_are_validated():
         EvictionCache(model, "snapkv", budget=48, window=16, kv_bits=4, quant_guard=-1)
     cache = EvictionCache(model, "snapkv", budget=48, window=16, kv_bits=4, quant_group=12)
     with pytest.raises(ValueError, match="must divide head_dim"):
-        model(torch.randint(0, 90, (1, 10)), cache=cache)
+        model(torch.randint(0, 90, (1, 10)), **cache_kwargs(cache))

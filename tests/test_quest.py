@@ -7,6 +7,7 @@ import torch
 
 import vase
 from vase.cache import EvictionCache
+from vase.compat import cache_kwargs
 from vase.generation import forced_log_probs
 from vase.policies import get_policy
 from vase.policies.quest import page_bounds, page_scores, quest_mask
@@ -100,12 +101,12 @@ def test_a_chunk_of_queries_gets_the_masks_of_one_query_at_a_time():
 
 def _decode_logits(model, prompt, steps, **cache_kw):
     cache = EvictionCache(model, **cache_kw)
-    out = model(input_ids=prompt, cache=cache)
+    out = model(input_ids=prompt, **cache_kwargs(cache))
     logits, tokens = [out.logits[0, -1]], []
     for _ in range(steps):
         tok = logits[-1].argmax(-1).view(1, 1)
         tokens.append(int(tok))
-        out = model(input_ids=tok, cache=cache)
+        out = model(input_ids=tok, **cache_kwargs(cache))
         logits.append(out.logits[0, -1])
     return torch.stack(logits), tokens, cache
 
@@ -151,10 +152,10 @@ def test_decoding_matches_attention_masked_to_the_reference_selection(attn):
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    out = ref_model(input_ids=prompt, cache=cache)
+    out = ref_model(input_ids=prompt, **cache_kwargs(cache))
     want = [out.logits[0, -1]]
     for tok in tokens:
-        out = ref_model(input_ids=torch.tensor([[tok]]), cache=cache)
+        out = ref_model(input_ids=torch.tensor([[tok]]), **cache_kwargs(cache))
         want.append(out.logits[0, -1])
     torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=1e-4)
 

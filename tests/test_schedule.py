@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vase.cache import EvictionCache
+from vase.compat import cache_kwargs
 from vase.schedule import (eviction_steps, first_eviction_step, first_limit, is_eviction_step, must_evict,
                            num_evictions, peak_length, physical_length, room, steady_limit)
 
@@ -88,12 +89,12 @@ def test_cache_follows_the_schedule_per_row(method):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = EvictionCache(model, method, B, w, seed=0)
     with torch.no_grad():
-        out = model(input_ids=prompts, attention_mask=mask, position_ids=positions, cache=cache)
+        out = model(input_ids=prompts, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
         pos = positions[:, -1:]
         for n in range(1, 60):
             before = [layer.row_evictions[:] for layer in cache.layers]
             pos = pos + 1
-            out = model(input_ids=out.logits[:, -1:].argmax(-1), position_ids=pos, cache=cache)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), position_ids=pos, **cache_kwargs(cache))
             for layer, was in zip(cache.layers, before):
                 assert layer.real_lengths() == [physical_length(p, B, w, n) for p in prefill]
                 assert layer.row_evictions == [num_evictions(p, B, w, n) for p in prefill]

@@ -412,7 +412,7 @@ class EvictionCache(Cache):
     """A transformers `Cache` that keeps at most `budget + window` KV pairs per layer and KV head.
 
         cache = vase.EvictionCache(model, method="vase-attnv", budget=512)
-        model.generate(**inputs, cache=cache, max_new_tokens=2048)
+        model.generate(**inputs, cache=cache, max_new_tokens=2048)   # past_key_values=cache before 5.24
 
     method:      a registered method name (see `vase.policies`) or a Policy instance.
     budget:      B, KV pairs kept per layer and KV head after an eviction.

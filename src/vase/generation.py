@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import EvictionCache
+from .compat import cache_kwargs
 from .policies import Policy
 
 #: Sampling defaults of the paper's evaluation (ALGORITHMS.md section 7).
@@ -121,7 +122,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
     start = time.perf_counter()
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cache_kwargs(cache),
                 use_cache=True, logits_to_keep=1)
     prefill_seconds = time.perf_counter() - start
     generated: list[list[int]] = [[] for _ in range(b)]
@@ -149,7 +150,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
             cache.batch_select_indices(index)
             tokens, next_pos = tokens[index], next_pos[index]
             active = [active[i] for i in keep]
-        out = model(input_ids=tokens[:, None], position_ids=next_pos, cache=cache, use_cache=True)
+        out = model(input_ids=tokens[:, None], position_ids=next_pos, **cache_kwargs(cache), use_cache=True)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
     _save_row_stats(cache, active, row_stats)
@@ -249,7 +250,7 @@ def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids
         raise ValueError("target_ids is empty")
     cache = EvictionCache(model, method, budget, window, seed=[seed],
                           max_length=prompt.shape[1] + target.numel(), **method_params)
-    out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     pieces = [out.logits[0, -1:].float().log_softmax(-1)]
     fed, total = 0, target.numel() - 1
     layer0 = cache.layers[0]
@@ -257,7 +258,7 @@ def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids
         n = min(layer0.room(), total - fed, max_chunk or total)
         chunk = target[fed:fed + n].view(1, -1)
         pos = torch.arange(layer0.seen, layer0.seen + n, device=device).view(1, -1)
-        out = model(input_ids=chunk, position_ids=pos, cache=cache, use_cache=True)
+        out = model(input_ids=chunk, position_ids=pos, **cache_kwargs(cache), use_cache=True)
         pieces.append(out.logits[0].float().log_softmax(-1))
         fed += n
     return torch.cat(pieces)

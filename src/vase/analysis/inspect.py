@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from ..cache import EvictionCache
+from ..compat import cache_kwargs
 from ..generation import Sampler, decode, encode_prompts, eos_ids
 from .kept import kept_map, plot_kept_map
 from .loops import loop_onset
@@ -41,7 +42,7 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
     # Values of the whole sequence as the full cache holds them (the eviction run's are partly gone).
     full = DynamicCache(config=model.config)
     sequence = torch.cat([ids, torch.tensor([tokens], device=device, dtype=ids.dtype)], dim=1)
-    model(input_ids=sequence, cache=full, use_cache=True, logits_to_keep=1)
+    model(input_ids=sequence, **cache_kwargs(full), use_cache=True, logits_to_keep=1)
     values = [layer.values for layer in full.layers]
     report = {
         "method": repr(cache.policy),
