@@ -10,7 +10,7 @@ import torch
 from vase import schedule
 from vase.cache import EvictionCache
 from vase.policies import get_policy, method_names
-from vase.vllm.paged import RequestPolicyState, evict_paged, gather, slot_index
+from vase.vllm.paged import Layout, RequestPolicyState, evict_paged, gather, scatter, slot_index
 
 EVICTING = [m for m in method_names() if get_policy(m).evicts]
 
@@ -34,7 +34,8 @@ def _dense_run(method, K, V, Q, P, B, w, seed):
 
 
 def _paged_run(method, K, V, Q, P, B, w, seed, block_size=4, num_blocks=40):
-    """The same tokens through a paged cache with scattered blocks and the plugin's eviction."""
+    """The same tokens through a paged cache with scattered blocks, a scrambled in-block layout (as a kernel
+    packing its blocks would), and the plugin's eviction."""
     policy = get_policy(method)
     _, h, n, d = K.shape
     g = torch.Generator().manual_seed(0)
@@ -42,21 +43,24 @@ def _paged_run(method, K, V, Q, P, B, w, seed, block_size=4, num_blocks=40):
     value_cache = torch.randn(num_blocks, h, block_size, d, generator=g)
     limit = schedule.first_limit(P, B, w)
     block_ids = torch.randperm(num_blocks, generator=g)[: -(-limit // block_size)]
+    layout = Layout(*(torch.randperm(block_size * d, generator=g).view(block_size, d) for _ in range(2)))
     positions = torch.full((h, limit), -1, dtype=torch.long)
     state = RequestPolicyState(generator=torch.Generator().manual_seed(seed))
     length, snaps = 0, []
     for t in range(n):
         if t >= P and schedule.is_eviction_step(P, B, w, t - P):
             queries = Q[:, :, t - w:t]  # the last w queries, in time order
-            index = evict_paged(key_cache, value_cache, block_ids, length, queries, policy, B, w, state, layer=0)
+            index = evict_paged(key_cache, value_cache, block_ids, length, queries, policy, B, w, state, layer=0,
+                                layout=layout)
             positions[:, :B] = positions[torch.arange(h)[:, None], index[0]]
             length = B
             blocks, offsets = slot_index(block_ids, B, block_size)
-            snaps.append((gather(key_cache, blocks, offsets), gather(value_cache, blocks, offsets),
+            snaps.append((gather(key_cache, layout.key, blocks, offsets), gather(value_cache, layout.value, blocks,
+                                                                                  offsets),
                           positions[None, :, :B].clone()))
         blocks, offsets = slot_index(block_ids, length + 1, block_size)
-        key_cache[blocks[-1], :, offsets[-1]] = K[0, :, t]
-        value_cache[blocks[-1], :, offsets[-1]] = V[0, :, t]
+        scatter(key_cache, layout.key, blocks[-1:], offsets[-1:], K[0, :, t:t + 1])
+        scatter(value_cache, layout.value, blocks[-1:], offsets[-1:], V[0, :, t:t + 1])
         positions[:, length] = t
         length += 1
         assert length == schedule.physical_length(P, B, w, t + 1 - P) if t >= P else True

@@ -6,6 +6,10 @@ Layout (one attention layer): `key_cache`, `value_cache`: [num_blocks, kv_heads,
 (views of vLLM's cache tensor); a request's slot s lives in block `block_ids[s // block_size]` at
 offset `s % block_size`. Slots are physical: slot s holds the s-th stored token, whatever its
 logical position (RoPE was applied before the keys were written).
+
+Inside one (block, KV head) the kernel may store its `block_size x head_dim` elements in its own
+order (vLLM's CPU kernel packs keys for its dot products): a `Layout` gives, for each
+(offset, dim), the element's index in that block's storage, so reads and writes go through it.
 """
 
 from __future__ import annotations
@@ -23,9 +27,36 @@ def slot_index(block_ids: torch.Tensor, n: int, block_size: int) -> tuple[torch.
     return block_ids.long()[slots // block_size], slots % block_size
 
 
-def gather(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Slots (`blocks`, `offsets`) [n] of `cache` [num_blocks, h, bs, d] as [1, h, n, d]."""
-    return cache[blocks, :, offsets].permute(1, 0, 2).unsqueeze(0)
+@dataclass(frozen=True)
+class Layout:
+    """Where element (offset, dim) of a block's key (value) rows sits in that block's storage: [block_size, head_dim]."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @classmethod
+    def plain(cls, block_size: int, head_dim: int) -> "Layout":
+        index = torch.arange(block_size * head_dim).view(block_size, head_dim)
+        return cls(index, index)
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    nb, h, bs, d = cache.shape
+    return cache.view(nb, h, bs * d)  # each (block, head) is bs*d contiguous elements
+
+
+def gather(cache: torch.Tensor, where: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Slots (`blocks`, `offsets`) [n] of `cache` [num_blocks, h, bs, d] as plain rows [1, h, n, d].
+
+    `where`: the layout's [bs, d] storage index of each (offset, dim) (`Layout.key` or `.value`)."""
+    rows = _flat(cache)[blocks[:, None], :, where[offsets]]  # [n, d, h]
+    return rows.permute(2, 0, 1).unsqueeze(0)
+
+
+def scatter(cache: torch.Tensor, where: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+            rows: torch.Tensor) -> None:
+    """Write plain `rows` [h, n, d] into slots (`blocks`, `offsets`) [n] of `cache`, in its layout."""
+    _flat(cache)[blocks[:, None], :, where[offsets]] = rows.permute(1, 2, 0).to(cache.dtype)
 
 
 @dataclass
@@ -40,7 +71,7 @@ class RequestPolicyState:
 
 def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
                 queries: torch.Tensor | None, policy: Policy, budget: int, window: int, state: RequestPolicyState,
-                layer: int, sort_kept: bool = False) -> torch.Tensor:
+                layer: int, sort_kept: bool = False, layout: Layout | None = None) -> torch.Tensor:
     """Evict one request in one layer: its `length` stored slots become `budget`, compacted in place.
 
     Candidates are slots 0..length-w-1 (sinks first); the policy keeps B - w of them and the w
@@ -49,9 +80,11 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     Returns the kept slot indices [1, kv_heads, B] (in their new order).
     """
     bs = key_cache.shape[2]
+    layout = layout or Layout.plain(bs, key_cache.shape[3])
     n_cand = length - window
     blocks, offsets = slot_index(block_ids, length, bs)
-    keys, values = gather(key_cache, blocks, offsets), gather(value_cache, blocks, offsets)
+    keys = gather(key_cache, layout.key, blocks, offsets)
+    values = gather(value_cache, layout.value, blocks, offsets)
     h = keys.shape[1]
     extra: dict[str, torch.Tensor] = {}
     slot_state = state.slot_state.setdefault(layer, {})
@@ -73,9 +106,8 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     head = torch.arange(h, device=index.device)[:, None]
     new_blocks, new_offsets = blocks[:budget], offsets[:budget]
     # Read every survivor before writing: the targets (slots 0..B-1) overlap the sources.
-    for cache, rows in ((key_cache, keys), (value_cache, values)):
-        survivors = rows[0, head, index[0]]  # [h, B, d]
-        cache[new_blocks, :, new_offsets] = survivors.permute(1, 0, 2)
+    for cache, where, rows in ((key_cache, layout.key, keys), (value_cache, layout.value, values)):
+        scatter(cache, where, new_blocks, new_offsets, rows[0, head, index[0]])  # survivors [h, B, d]
     for name, tensor in slot_state.items():  # moves with its slot; slots B.. are new tokens from now on
         moved = torch.zeros_like(tensor)
         moved[0, :, :budget] = tensor[0, head, index[0]]

@@ -1,0 +1,110 @@
+"""Scheduler side of the plugin: block accounting by physical length, blocks above the bound go back.
+
+`VaseScheduler` is vLLM's scheduler (set through `scheduler_cls`) with its KV cache manager
+wrapped: a request that is past its first eviction is allocated blocks for its physical length
+(`vase.schedule.physical_length` from the length of its (re)prefill and the tokens written
+since), and after the step of each eviction its blocks above ceil((B + w) / block_size) return
+to the pool. The worker follows the same schedule; nothing is fed back from it.
+
+A request preempted and resumed recomputes its whole history as a new prefill (vLLM's
+recompute preemption), so the schedule restarts from that length, on both sides.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from .. import schedule
+from .config import VaseVllmConfig
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class EvictingKVCacheManager:
+    """vLLM's KVCacheManager, allocating for the physical length once a request evicts (delegates the rest)."""
+
+    def __init__(self, inner, cfg: VaseVllmConfig, block_size: int):
+        self._inner = inner
+        self.cfg = cfg
+        self.block_size = block_size
+        #: request id -> tokens of its current (re)prefill: the schedule's P
+        self.prefill_len: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def physical_after(self, request_id: str, n_tokens: int) -> int | None:
+        """Physical length once `n_tokens` (logical) are written, or None while the request has not evicted."""
+        p = self.prefill_len.get(request_id)
+        if p is None or n_tokens <= p:
+            return None
+        stored = schedule.physical_length(p, self.cfg.budget, self.cfg.window, n_tokens - p)
+        return stored if stored < n_tokens else None
+
+    def allocate_slots(self, request, num_new_tokens: int, *args, **kwargs):
+        if request.num_computed_tokens == 0:  # a new request, or one resumed after preemption: the schedule restarts
+            self.prefill_len[request.request_id] = request.num_tokens
+        physical = self.physical_after(request.request_id, request.num_computed_tokens + num_new_tokens)
+        if physical is None:
+            return self._inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
+        inner = self._inner
+        held = len(inner.coordinator.single_type_managers[0].req_to_blocks[request.request_id])
+        needed = _cdiv(physical, self.block_size) - held
+        if needed > inner.block_pool.get_num_free_blocks():
+            return None
+        if needed <= 0:
+            return inner.empty_kv_cache_blocks
+        return inner.create_kv_cache_blocks(inner.coordinator.allocate_new_blocks(request.request_id, physical,
+                                                                                  physical))
+
+    def trim(self, request) -> int:
+        """Return the blocks of an evicting request above ceil((B + w) / block_size) to the pool; how many."""
+        p = self.prefill_len.get(request.request_id)
+        if p is None or request.num_computed_tokens <= p:
+            return 0
+        if schedule.num_evictions(p, self.cfg.budget, self.cfg.window, request.num_computed_tokens - p) == 0:
+            return 0
+        keep = _cdiv(self.cfg.budget + self.cfg.window, self.block_size)
+        freed = 0
+        for manager in self._inner.coordinator.single_type_managers:
+            blocks = manager.req_to_blocks.get(request.request_id)
+            if blocks is None or len(blocks) <= keep:
+                continue
+            tail = blocks[keep:]
+            del blocks[keep:]
+            manager.block_pool.free_blocks(reversed(tail))
+            freed += len(tail)
+        return freed
+
+    def forget(self, request_id: str) -> None:
+        self.prefill_len.pop(request_id, None)
+
+
+class VaseScheduler(Scheduler):
+    """vLLM's scheduler with vase's block accounting (see the module docstring)."""
+
+    def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, *args, **kwargs):
+        super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size, *args, **kwargs)
+        self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
+        self.kv_cache_manager = EvictingKVCacheManager(self.kv_cache_manager, self.vase_config, self.block_size)
+        self.vase_blocks_freed = 0
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        manager: EvictingKVCacheManager = self.kv_cache_manager
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                manager.forget(request_id)
+            else:  # the worker compacted during this step: the blocks above the bound are free now
+                self.vase_blocks_freed += manager.trim(request)
+        for request_id in scheduler_output.finished_req_ids:
+            manager.forget(request_id)
+        return outputs
+
+    def blocks_held(self, request_id: str) -> int:
+        """Blocks vLLM's KV cache manager holds for a request now (0 when it holds none)."""
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        return len(manager.req_to_blocks.get(request_id, ()))

@@ -1,0 +1,213 @@
+"""Worker side of the plugin: query capture, paged eviction, physical slot mapping and sequence lengths.
+
+`VaseCPUWorker` (set through `worker_cls`) runs `VaseCPUModelRunner`, vLLM's CPU model runner
+with three additions, all driven by `vase.schedule` from each request's (re)prefill length P
+and its logical length (nothing is fed back to the scheduler):
+
+1. after vLLM prepares a step's inputs: a decoding request at an eviction step is evicted in
+   every layer (`vase.vllm.paged.evict_paged`, the same `policy.select` as the transformers
+   path), before the forward writes the new token;
+2. RoPE positions stay logical; the slot mapping and sequence lengths use the physical length
+   (logical minus the tokens evicted so far);
+3. each attention layer records the last w post-RoPE queries of each request (`capture`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm import _custom_ops as ops
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from .. import schedule
+from .capture import CapturePlan, QueryRing, VaseCPUAttentionImpl
+from .config import VaseConfigError, VaseVllmConfig
+from .paged import Layout, RequestPolicyState, evict_paged
+
+
+def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> Layout:
+    """How vLLM's CPU kernel stores one block's key and value rows, found by writing coded rows through it.
+
+    Two passes write the token offset, then the dimension, as the element values (exact in any float
+    dtype up to 256), so each storage position names the (offset, dim) it holds."""
+    isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
+    offset = torch.arange(block_size)[:, None].expand(block_size, head_dim)
+    dim = torch.arange(head_dim)[None, :].expand(block_size, head_dim)
+    read = []
+    for code in (offset, dim):
+        kv = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+        key_cache, value_cache = kv.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
+        rows = code.to(dtype)[:, None, :].contiguous()  # [tokens, kv_heads=1, head_dim]
+        ops.cpu_attn_reshape_and_cache(rows, rows, key_cache, value_cache, torch.arange(block_size), isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        read.append((key_cache.reshape(-1).long(), value_cache.reshape(-1).long()))
+    where = []
+    for side in range(2):
+        plain = read[0][side] * head_dim + read[1][side]  # storage position -> plain (offset, dim) index
+        if not torch.equal(plain.sort().values, torch.arange(block_size * head_dim)):
+            raise RuntimeError(f"vase cannot read vLLM's CPU KV layout (block_size {block_size}, head_dim {head_dim}, "
+                               f"{dtype}): it is not a permutation of the block's elements")
+        index = torch.empty_like(plain)
+        index[plain] = torch.arange(plain.numel())
+        where.append(index.view(block_size, head_dim))
+    return Layout(*where)
+
+
+class _Request:
+    """What the worker keeps per running request."""
+
+    def __init__(self, prefill_len: int, slot: int, state: RequestPolicyState):
+        self.prefill_len = prefill_len
+        self.slot = slot
+        self.state = state
+
+
+class VaseCPUModelRunner(CPUModelRunner):
+    """vLLM's CPU model runner with vase's eviction (see the module docstring)."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
+        self.vase_policy = self.vase_config.policy
+        self.vase_requests: dict[str, _Request] = {}
+        self.vase_ring: QueryRing | None = None
+        self.vase_layers: list[str] = []
+        self.vase_evictions = 0  # eviction events (all layers of one request at one step count once)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        # Swap the implementation class of this engine's attention layers only: vLLM caches backend
+        # selection per process, so registering a backend would also change other engines.
+        for name, layer in self.compilation_config.static_forward_context.items():
+            impl = getattr(layer, "impl", None)
+            if impl is None:
+                continue
+            if type(impl) is not CPUAttentionBackendImpl:
+                raise VaseConfigError(f"vase needs vLLM's CPU attention, layer {name} uses {type(impl).__name__}: "
+                                      f"use a model with standard attention")
+            impl.__class__ = VaseCPUAttentionImpl
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise VaseConfigError(f"vase needs one KV cache group (full attention everywhere), this model has "
+                                  f"{len(groups)}: use a model without sliding-window or hybrid layers")
+        self.vase_layers = sorted(groups[0].layer_names, key=extract_layer_index)
+        ctx = self.compilation_config.static_forward_context
+        first = ctx[self.vase_layers[0]]
+        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, self.vase_config.window,
+                                   self.model_config.dtype, self.device)
+        for name in self.vase_layers:
+            ctx[name].impl.vase_ring = self.vase_ring
+        self.vase_block_size = groups[0].kv_cache_spec.block_size
+        self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.kv_cache_dtype_torch())
+
+    def kv_cache_dtype_torch(self) -> torch.dtype:
+        name = self.vase_layers[0]
+        return self.compilation_config.static_forward_context[name].kv_cache.dtype
+
+    def _kv_views(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's key and value caches as [num_blocks, kv_heads, block_size, head_dim] views (CPU layout)."""
+        kv = self.compilation_config.static_forward_context[layer_name].kv_cache
+        nb, h, bs, _ = kv.shape
+        return kv.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
+
+    # -- per-request bookkeeping ------------------------------------------------------------------
+    def _update_states(self, scheduler_output):
+        result = super()._update_states(scheduler_output)
+        for req_id in scheduler_output.finished_req_ids:
+            self._vase_forget(req_id)
+        return result
+
+    def _vase_forget(self, req_id: str) -> None:
+        req = self.vase_requests.pop(req_id, None)
+        if req is not None and self.vase_ring is not None:
+            self.vase_ring.release(req.slot)
+
+    def _vase_request(self, req_id: str, index: int, computed: int) -> _Request:
+        req = self.vase_requests.get(req_id)
+        if computed == 0:  # a new request, or one resumed after preemption: its schedule restarts here
+            prefill_len = int(self.input_batch.num_tokens_no_spec[index])
+            if req is None:
+                seed = self.requests[req_id].sampling_params.seed
+                generator = torch.Generator(device=self.device).manual_seed(
+                    self.vase_config.seed if seed is None else int(seed))
+                req = _Request(prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
+                self.vase_requests[req_id] = req
+            else:
+                req.prefill_len = prefill_len
+        if req is None:
+            raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
+        return req
+
+    # -- the step -------------------------------------------------------------------------------
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self._vase_step(np.asarray(num_scheduled_tokens))
+        return result
+
+    def execute_model(self, *args, **kwargs):
+        try:
+            return super().execute_model(*args, **kwargs)
+        finally:
+            if self.vase_ring is not None:
+                self.vase_ring.plan = None
+
+    def _vase_step(self, scheduled: np.ndarray) -> None:
+        cfg, batch = self.vase_config, self.input_batch
+        B, w = cfg.budget, cfg.window
+        num_reqs = batch.num_reqs
+        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
+        offsets = np.zeros(num_reqs, dtype=np.int64)  # logical - physical, per request
+        src, slot, pos = [], [], []
+        for i, req_id in enumerate(batch.req_ids[:num_reqs]):
+            c, n = int(computed[i]), int(scheduled[i])
+            req = self._vase_request(req_id, i, c)
+            p = req.prefill_len
+            if c + n > p:
+                if c >= p and n == 1 and schedule.is_eviction_step(p, B, w, c - p):
+                    self._vase_evict(req, i, schedule.physical_length(p, B, w, c - p), seen=c)
+                offsets[i] = c + n - schedule.physical_length(p, B, w, c + n - p)
+            take = min(n, w)  # the last w queries of this step join the request's window
+            src.append(starts[i] + n - take + np.arange(take))
+            slot.append(np.full(take, req.slot))
+            pos.append((c + n - take + np.arange(take)) % w)
+        as_long = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)
+        self.vase_ring.plan = CapturePlan(src=as_long(src), slot=as_long(slot), pos=as_long(pos))
+        if offsets.any():
+            off = torch.from_numpy(offsets).to(self.device)
+            self.seq_lens[:num_reqs] -= off.to(self.seq_lens.dtype)
+            self.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(offsets).to(self.optimistic_seq_lens_cpu.dtype)
+            total = int(scheduled.sum())
+            per_token = torch.from_numpy(np.repeat(offsets, scheduled[:num_reqs])).to(self.device)
+            physical = self.positions[:total] - per_token.to(self.positions.dtype)
+            batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
+
+    def _vase_evict(self, req: _Request, index: int, length: int, seen: int) -> None:
+        """Bring request `index` from `length` stored tokens to B in every layer, in place."""
+        cfg = self.vase_config
+        table = self.input_batch.block_table[0]
+        block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
+        for layer, name in enumerate(self.vase_layers):
+            keys, values = self._kv_views(name)
+            queries = self.vase_ring.window_of(layer, req.slot, seen) if self.vase_policy.needs_queries else None
+            evict_paged(keys, values, block_ids, length, queries, self.vase_policy, cfg.budget, cfg.window,
+                        req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout)
+        req.state.evictions += 1
+        self.vase_evictions += 1
+
+
+class VaseCPUWorker(CPUWorker):
+    """vLLM's CPU worker running `VaseCPUModelRunner`."""
+
+    def init_device(self):
+        super().init_device()
+        if getattr(self, "use_v2_model_runner", False):
+            raise VaseConfigError("vase's vLLM plugin runs on the V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER")
+        self.model_runner = VaseCPUModelRunner(self.vllm_config, torch.device("cpu"))
