@@ -90,6 +90,11 @@ class VaseScheduler(Scheduler):
         self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
         self.kv_cache_manager = EvictingKVCacheManager(self.kv_cache_manager, self.vase_config, self.block_size)
         self.vase_blocks_freed = 0
+        self.vase_preemptions = 0
+
+    def _preempt_request(self, request, *args, **kwargs):
+        self.vase_preemptions += 1
+        return super()._preempt_request(request, *args, **kwargs)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)

@@ -76,6 +76,8 @@ class VaseCPUModelRunner(CPUModelRunner):
         self.vase_ring: QueryRing | None = None
         self.vase_layers: list[str] = []
         self.vase_evictions = 0  # eviction events (all layers of one request at one step count once)
+        #: set to a dict to record, per request id, its evictions and the slots its first eviction kept per layer
+        self.vase_record: dict | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
@@ -172,7 +174,7 @@ class VaseCPUModelRunner(CPUModelRunner):
             p = req.prefill_len
             if c + n > p:
                 if c >= p and n == 1 and schedule.is_eviction_step(p, B, w, c - p):
-                    self._vase_evict(req, i, schedule.physical_length(p, B, w, c - p), seen=c)
+                    self._vase_evict(req_id, req, i, schedule.physical_length(p, B, w, c - p), seen=c)
                 offsets[i] = c + n - schedule.physical_length(p, B, w, c + n - p)
             take = min(n, w)  # the last w queries of this step join the request's window
             src.append(starts[i] + n - take + np.arange(take))
@@ -189,18 +191,24 @@ class VaseCPUModelRunner(CPUModelRunner):
             physical = self.positions[:total] - per_token.to(self.positions.dtype)
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
-    def _vase_evict(self, req: _Request, index: int, length: int, seen: int) -> None:
+    def _vase_evict(self, req_id: str, req: _Request, index: int, length: int, seen: int) -> None:
         """Bring request `index` from `length` stored tokens to B in every layer, in place."""
         cfg = self.vase_config
         table = self.input_batch.block_table[0]
         block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
+        kept = []
         for layer, name in enumerate(self.vase_layers):
             keys, values = self._kv_views(name)
             queries = self.vase_ring.window_of(layer, req.slot, seen) if self.vase_policy.needs_queries else None
-            evict_paged(keys, values, block_ids, length, queries, self.vase_policy, cfg.budget, cfg.window,
-                        req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout)
+            kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, cfg.budget, cfg.window,
+                        req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout))
         req.state.evictions += 1
         self.vase_evictions += 1
+        if self.vase_record is not None:
+            entry = self.vase_record.setdefault(req_id, {"evictions": 0, "first_kept": None})
+            entry["evictions"] += 1
+            if entry["first_kept"] is None:  # slots are logical positions until the first eviction
+                entry["first_kept"] = [k[0].tolist() for k in kept]
 
 
 class VaseCPUWorker(CPUWorker):
