@@ -241,7 +241,10 @@ def evaluate(
     seed: Annotated[Optional[int], typer.Option(help="Base seed.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Sequences per generate call.")] = None,
     fidelity: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Teacher-force the full "
-                                                     "cache's trajectory through each method: KL, top-1 agreement.")] = None,
+                                                     "cache's trajectory through each method: KL, top-1 agreement "
+                                                     "(transformers engine only).")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="transformers (default: vase's decode loop) or vllm "
+                                                  "(vLLM's LLM.generate with the vase plugin; no --fidelity).")] = None,
     param: ParamOpt = None,
     output_dir: Annotated[Optional[Path], typer.Option(help="Where run folders go (default: runs).")] = None,
     model: ModelOpt = None,
@@ -264,7 +267,7 @@ def evaluate(
         budgets=split_list(budgets, int) if budgets else None, window=window, samples=samples, limit=limit,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=seed,
         batch_size=batch_size, fidelity=fidelity, output_dir=str(output_dir) if output_dir else None, model=model,
-        dtype=dtype, device=device, attn_implementation=attn,
+        dtype=dtype, device=device, attn_implementation=attn, engine=engine,
         method_params={m: params for m in (method_list or [])} if params else None,
     )
     cfg = load_config(config, overrides)

@@ -276,8 +276,9 @@ class _Unit:
 
 
 class _Runner:
-    def __init__(self, config: EvalConfig, model, tokenizer, generate_fn, forced_fn, progress: bool):
+    def __init__(self, config: EvalConfig, model, tokenizer, generate_fn, forced_fn, progress: bool, engine=None):
         self.config = config
+        self.engine = engine  # a VllmEngine (--engine vllm), or None: vase's own decode loop
         self.model = model
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
@@ -318,6 +319,10 @@ class _Runner:
         return self.run_dir
 
     def _ensure_model(self) -> None:
+        if self.engine is not None:  # vLLM loads the model itself; the runner needs the tokenizer and K/V size
+            self.engine.start()
+            self.tokenizer, self._bpt = self.engine.tokenizer, self.engine.bytes_per_token
+            return
         if self.model is not None and self.tokenizer is not None:
             return
         if self.model is not None or self.tokenizer is not None:
@@ -379,13 +384,15 @@ class _Runner:
                     fid_task = bar.add_task(f"rank {self.rank}: fidelity", total=fid_total,
                                             completed=fid_total - fid_todo)
 
-            per_batch = max(1, c.batch_size // c.samples)
+            per_batch, rows = max(1, c.batch_size // c.samples), c.batch_size
+            if self.engine is not None:  # vLLM schedules: every pending sample of a method in one call
+                per_batch, rows = max(1, len(mine)), max(1, len(mine) * c.samples)
             for g in range(0, len(mine), per_batch):
                 group = mine[g:g + per_batch]
                 for u in self.units:
                     work = [(i, s) for i in group for s in pending_of(i, u)]
-                    for b in range(0, len(work), c.batch_size):
-                        batch = work[b:b + c.batch_size]
+                    for b in range(0, len(work), rows):
+                        batch = work[b:b + rows]
                         if bar is not None:
                             bar.update(task, description=f"rank {self.rank}: {u.label}"
                                        + (f" B={u.budget}" if u.budget is not None else ""))
@@ -608,6 +615,12 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
         ConfigError / RunConflictError: bad settings, or the run dir holds a different run.
         TaskError: the task cannot be loaded.
     """
+    engine = None
+    if config.engine == "vllm" and generate_fn is None:
+        from vase.eval.vllm_engine import VllmEngine
+
+        engine = VllmEngine(config)
+        generate_fn = engine.generate
     if generate_fn is None:
         from vase.generation import generate as generate_fn
     if forced_fn is None:
@@ -615,7 +628,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
     if model is not None and config.model is None:
         warnings.warn("a model object was passed but config.model is None: the run is labelled as the default "
                       "model; set config.model to a label that identifies the model", stacklevel=2)
-    runner = _Runner(config, model, tokenizer, generate_fn, forced_fn, progress)
+    runner = _Runner(config, model, tokenizer, generate_fn, forced_fn, progress, engine=engine)
     dist = _Dist(runner.world, runner.rank)
     try:
         run_dir = runner.prepare()
@@ -634,4 +647,6 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
                                    f"results are safe: fix the cause and run `vase summarize {run_dir}`") from e
     finally:
         dist.close()
+        if engine is not None:
+            engine.close()
     return run_dir
