@@ -130,6 +130,15 @@ def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
     return prompts
 
 
+def quant_options(kv_bits: int, quant_guard: int | None) -> dict:
+    """The EvictionCache keywords of --kv-bits / --quant-guard (none when they are left at their defaults)."""
+    if kv_bits == 16 and quant_guard is None:
+        return {}
+    from .quant_cache import quant_kwargs
+
+    return quant_kwargs(kv_bits, quant_guard)
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token, or None if one is a prefix of the other and equal length."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -146,6 +155,11 @@ def generate(
     budget: Annotated[int, typer.Option(help="KV pairs kept per layer and KV head.")] = 512,
     window: WindowOpt = 64,
     param: ParamOpt = None,
+    kv_bits: Annotated[int, typer.Option("--kv-bits", help="Store old K/V in 8, 4 or 2 bits (16 = full precision); "
+                                         "see docs/quantization.md.")] = 16,
+    quant_guard: Annotated[Optional[int], typer.Option(help="With --kv-bits: old tokens per KV head kept in full "
+                                                       "precision (default: sinks + the value guard; 0 = none).")]
+    = None,
     compare: Annotated[Optional[str], typer.Option(help="Run the prompt under a second method too "
                                                    "and show where the outputs diverge.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 512,
@@ -166,13 +180,14 @@ def generate(
 
     prompts = read_prompts(prompt, file)
     params = checked_params([method], param)
+    quant = quant_options(kv_bits, quant_guard)  # checked before the model loads
     if compare:
         checked_params([compare], None)
     if batch_size < 1:
         raise UserError("--batch-size must be >= 1")
     mdl, tok = load(model, dtype, device, attn)
     common = dict(budget=budget, window=window, max_new_tokens=max_new_tokens, temperature=temperature,
-                  top_p=top_p, top_k=top_k, greedy=greedy, chat_template=chat)
+                  top_p=top_p, top_k=top_k, greedy=greedy, chat_template=chat, **quant)
     single = len(prompts) == 1
 
     def stream(row: int, text: str) -> None:
@@ -306,6 +321,8 @@ def bench(
     random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
                                                        "qwen3-4b, qwen3-14b, smollm2-135m, or a config.json.")] = None,
     param: ParamOpt = None,
+    kv_bits: Annotated[int, typer.Option("--kv-bits", help="The methods store old K/V in 8, 4 or 2 bits "
+                                         "(full and dynamic stay in full precision).")] = 16,
     out: Annotated[Path, typer.Option(help="Folder for bench.csv, bench.md and the plots.")] = Path("bench-out"),
     model: ModelOpt = None,
     dtype: DtypeOpt = "auto",
@@ -317,7 +334,7 @@ def bench(
     from .bench.runner import run_bench
 
     method_list = split_list(methods)
-    params = checked_params(method_list, param)
+    params = {**checked_params(method_list, param), **quant_options(kv_bits, None)}
     if random_init:
 
         from .bench.shapes import build_random_model

@@ -79,6 +79,20 @@ def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_g
                        seed=seed if isinstance(seed, int) else int(seed[0]))
 
 
+def quant_kwargs(kv_bits: int, quant_guard: int | None = None) -> dict:
+    """EvictionCache keywords for `kv_bits` / `quant_guard`, checked before any model is loaded."""
+    if kv_bits != 16 and kv_bits not in BITS:
+        raise ValueError(f"--kv-bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {kv_bits}")
+    if quant_guard is not None and quant_guard < 0:
+        raise ValueError(f"--quant-guard is a number of tokens per KV head (0 = none), got {quant_guard}")
+    if kv_bits == 16 and quant_guard is not None:
+        raise ValueError("--quant-guard applies to a quantized cache: add --kv-bits 8, 4 or 2")
+    out: dict = {"kv_bits": kv_bits}
+    if quant_guard is not None:
+        out["quant_guard"] = quant_guard
+    return out
+
+
 def _gather(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """t [b, h, n, ...] reordered along n by order [b, h, m] -> [b, h, m, ...]."""
     if t.dim() == 3:
