@@ -174,10 +174,14 @@ def generate(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     attn: AttnOpt = "sdpa",
+    engine: Annotated[str, typer.Option(help="transformers (vase's decode loop) or vllm (vLLM with the vase "
+                                        "plugin; no streaming, no --kv-bits).")] = "transformers",
 ) -> None:
     """Generate with a bounded KV cache, streaming the answer, then print a summary."""
     from .generation import generate as run
 
+    if engine not in ("transformers", "vllm"):
+        raise UserError(f"unknown --engine {engine!r}: use transformers or vllm")
     prompts = read_prompts(prompt, file)
     params = checked_params([method], param)
     quant = quant_options(kv_bits, quant_guard)  # checked before the model loads
@@ -185,7 +189,13 @@ def generate(
         checked_params([compare], None)
     if batch_size < 1:
         raise UserError("--batch-size must be >= 1")
-    mdl, tok = load(model, dtype, device, attn)
+    if engine == "vllm":
+        if quant:
+            raise UserError("--kv-bits/--quant-guard run on the transformers engine only: drop them or --engine vllm")
+        run, tok = vllm_runner(model, dtype, device, window, seed)
+        mdl = None
+    else:
+        mdl, tok = load(model, dtype, device, attn)
     common = dict(budget=budget, window=window, max_new_tokens=max_new_tokens, temperature=temperature,
                   top_p=top_p, top_k=top_k, greedy=greedy, chat_template=chat, **quant)
     single = len(prompts) == 1
@@ -222,6 +232,25 @@ def generate(
                 else:
                     context = tok.decode(out.token_ids[r][max(0, at - 8):at], skip_special_tokens=True)
                     console.print(f"{label}{method} and {compare} diverge at token {at} (after ...{context!r})")
+
+
+def vllm_runner(model: str | None, dtype: str, device: str, window: int, seed: int):
+    """`vase generate --engine vllm`: a `vase.generate`-like function over vLLM, and the tokenizer."""
+    from .eval.config import EvalConfig
+    from .eval.vllm_engine import VllmEngine
+    from .vllm.stats import summarize
+
+    engine = VllmEngine(EvalConfig(model=model, dtype=dtype, device=device, window=window, seed=seed))
+    engine.start()
+
+    def run(mdl, tok, batch, stream=None, **kwargs):
+        out = engine.generate(mdl, tok, batch, **kwargs)
+        out.stats.update(summarize(out.stats["rows"]))  # totals for the summary line
+        if stream is not None:
+            stream(0, out.texts[0])
+        return out
+
+    return run, engine.tokenizer
 
 
 def print_summary(method: str, out) -> None:

@@ -6,7 +6,7 @@ its `vllm.general_plugins` entry point, and nothing changes unless `additional_c
 """
 
 from .config import CONFIG_KEY, VaseConfigError, VaseVllmConfig, additional_config
-from .stats import RequestStats, max_blocks, request_stats
+from .stats import RequestStats, max_blocks, request_stats, summarize
 
 __all__ = ["CONFIG_KEY", "RequestStats", "VaseConfigError", "VaseVllmConfig", "additional_config", "max_blocks",
-           "request_stats"]
+           "request_stats", "summarize"]

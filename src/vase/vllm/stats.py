@@ -68,3 +68,8 @@ def request_stats(cfg: VaseVllmConfig, prompt_len: int, n_generated: int, block_
     return RequestStats(evictions=evictions, tokens_evicted=seen - stored, stored_tokens=stored, seen_tokens=seen,
                         blocks=blocks, blocks_full=blocks_full, kv_bytes=stored * kv_bytes_per_token,
                         kv_bytes_full=seen * kv_bytes_per_token)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Totals over requests of per-request stats dicts (evictions, kv_bytes, kv_bytes_full): the summary line's numbers."""
+    return {key: sum(int(r.get(key, 0)) for r in rows) for key in ("evictions", "kv_bytes", "kv_bytes_full")}
