@@ -248,7 +248,7 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     say = progress or (lambda msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loop_tokens = max_new_tokens if loop_tokens is None else loop_tokens
     sampling = dict(temperature=0.6, top_p=0.95, chat_template=chat_template)
 
@@ -315,6 +315,7 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
         budget=budget, window=window, seeds=seeds, max_new_tokens=max_new_tokens, loop_tokens=loop_tokens,
         seed=seed, prompts=len(prompts), eos=eos_ids(model, tokenizer)))
     report["seconds"] = round(time.perf_counter() - start, 1)
+    report["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # wall time depends on the machine's load
     _write(report, per_arm, out_dir)
     return report
 
