@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 # cache sets it in `update`, the attention function calls `attention_mask_for` on that layer.
 from .attention import PENDING_LAYER, install
 from .masks import and_selection, causal_padding_mask, real_slots
+from .checks import check_budget_window, check_method
 from .policies import Policy, get_policy
 from .schedule import first_limit, must_evict, room, steady_limit
 
@@ -429,6 +430,8 @@ class EvictionCache(Cache):
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
                  num_layers: int | None = None, kv_bits: int = 16, quant_guard: int | None = None,
                  quant_group: int | None = None, quant_select: str = "value", flush_every: int = 16, **method_params):
+        check_method(method)  # TypeError/ValueError naming the argument, before anything is built
+        check_budget_window(budget, window)
         policy = get_policy(method, **method_params)
         if window <= 0:
             raise ValueError(f"window must be a positive number of tokens, got {window}")
@@ -477,6 +480,26 @@ class EvictionCache(Cache):
         if self.generators is not None:
             self.generators = [self.generators[r] for r in rows]
         self._mask_memo = None
+
+    def reset(self) -> None:
+        """Empty the cache for a new generation: same method, budget, window and seeds, nothing stored."""
+        super().reset()
+        self.generators = None
+        self._mask_memo = None
+
+    # transformers' `generate` marks a cache the caller passed in at the start of every call. A filled
+    # cache would silently carry the previous generation's context into the new one: refuse it.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        if value and any(layer.is_initialized for layer in self.layers):
+            raise EvictedStateError(
+                f"this EvictionCache already holds a generation ({self.layers[0].seen} tokens): it is one-shot; build "
+                f"a new EvictionCache for each generate call, or call cache.reset() first")
+        self.__dict__["_user_defined"] = value
 
     def attention_mask(self, layer: EvictionLayer, q_len: int, dtype: torch.dtype, kind: str):
         """The mask for `q_len` new queries over `layer`'s stored slots, in the form `kind` of

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import EvictionCache
+from .checks import check_prompts, check_sampling, check_seed
 from .compat import cache_kwargs
 from .policies import Policy
 
@@ -178,13 +179,14 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
     row's output does not depend on its batch. `stream(row, text)` receives decoded text
     pieces as they are generated. Extra keyword arguments are the method's parameters.
     """
-    prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompt_list:
-        raise ValueError("no prompts given")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompt_list = check_prompts(prompts)  # types and ranges at the door, one line naming the argument
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+    check_seed(seed, len(prompt_list))
     device = next(model.parameters()).device
     input_ids, attention_mask = encode_prompts(tokenizer, prompt_list, chat_template, device)
+    for i in (attention_mask.sum(-1) == 0).nonzero().flatten().tolist():  # would decode from padding alone
+        raise ValueError(f"prompt {i} ({prompt_list[i]!r}) encodes to no tokens (empty, and no chat template or "
+                         f"BOS to start from): give some text, or use a tokenizer with a chat template")
     seeds = row_seeds(seed, len(prompt_list))
     cache = EvictionCache(model, method, budget, window, seed=seeds, sort_kept=sort_kept,
                           max_length=input_ids.shape[1] + max_new_tokens, **method_params)
