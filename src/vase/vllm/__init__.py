@@ -1,8 +1,8 @@
-"""vase inside vLLM 0.32: config (`VaseVllmConfig`, `additional_config`) and per-request stats (`request_stats`) are ready; the plugin (`vase.vllm.plugin`) is work in progress.
+"""vase inside vLLM 0.32 (CPU build): config (`additional_config`), per-request stats (`request_stats`), and the plugin (scheduler, worker, query capture, paged eviction) are ready; the GPU worker is not.
 
 Importing this package does not import vLLM; vLLM loads `vase.vllm.plugin:register` through
 its `vllm.general_plugins` entry point, and nothing changes unless `additional_config` has a
-"vase" section.
+"vase" section. See README "Serving with vLLM".
 """
 
 from .config import CONFIG_KEY, VaseConfigError, VaseVllmConfig, additional_config
