@@ -334,6 +334,26 @@ def summarize(run_dir: Annotated[Path, typer.Argument(help="A run folder written
     console.print(f"wrote {run_dir / 'summary.csv'}, {run_dir / 'summary.md'} and plots")
 
 
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder written by `vase eval`.")],
+    out: Annotated[Optional[Path], typer.Option(help="HTML file to write (default RUN_DIR/report.html).")] = None,
+    inspect: Annotated[Optional[list[Path]], typer.Option(help="`vase inspect` output folders whose kept-token "
+                                                          "maps to show (RUN_DIR/inspect/ is always searched).")]
+    = None,
+) -> None:
+    """The run as one self-contained HTML page: table with paired intervals, plots, per-problem drill-down."""
+    from .eval.html import write_report
+
+    if not run_dir.is_dir():
+        raise UserError(f"no such run folder: {run_dir}")
+    try:
+        path = write_report(run_dir, out, inspect_dirs=inspect or ())
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from e
+    console.print(f"wrote {path}")
+
+
 # -- vase bench ------------------------------------------------------------------------------------------------
 @app.command()
 def bench(
