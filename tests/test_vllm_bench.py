@@ -1,0 +1,94 @@
+"""`vase bench --engine vllm`: the pool arithmetic and report (no vLLM), and one tiny run where the pool is tight.
+
+The run: 4 requests x 96 new tokens after 32-token prompts, 32-token blocks, a pool that holds 2 requests at
+full length (8 blocks). Stock vLLM must preempt; vase-attnv at B=48, w=8 holds at most 2 blocks per request,
+so all 4 fit at once and nothing is preempted. Numbers come from the engine (stat logger, worker counter).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+
+import pytest
+
+from vase.bench.vllm_bench import Step, VllmBenchRow, _time_mean, pool_bytes, write_vllm_report
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed here (pip install -e '.[vllm]')")
+
+N, NEW, PROMPT, BS, B, W = 4, 96, 32, 32, 48, 8
+
+
+def test_pool_bytes_holds_whole_requests_plus_the_null_block():
+    bpt = 46080
+    # 2 requests x ceil(128 / 32) = 8 blocks, + 1 null block, of 32 tokens each
+    assert pool_bytes(2, 32, 96, 32, bpt) == 9 * 32 * bpt
+    assert pool_bytes(0.25 * 16, 128, 2048, 128, bpt) == (4 * 17 + 1) * 128 * bpt
+
+
+def test_time_mean_weights_each_value_by_how_long_it_held():
+    assert _time_mean([0.0, 1.0, 3.0], [4, 2, 0], 4.0) == pytest.approx((4 * 1 + 2 * 2 + 0 * 1) / 4)
+    assert _time_mean([], [], 1.0) == 0.0
+
+
+def _row(method, budget, seconds, running) -> VllmBenchRow:
+    steps = [Step(t=0.5 * i, running=r, waiting=0, blocks=2 * r, preempted=0, tokens=r) for i, r in enumerate(running)]
+    return VllmBenchRow(regime="tight", method=method, budget=budget, window=8, n_requests=4, prompt_len=32,
+                        new_tokens=96, pool_bytes=1, pool_blocks=8, block_size=32, seconds=seconds, output_tokens=384,
+                        tokens_per_s=384 / seconds, running_peak=max(running), running_mean=1.0, preemptions=0,
+                        blocks_peak=2 * max(running), blocks_mean=1.0, evictions=None, engine_start_s=1.0,
+                        timeline=steps)
+
+
+def test_report_writes_table_timeline_and_plot(tmp_path):
+    rows = [_row("full", None, 10.0, [4, 2, 2]), _row("vase-attnv", 48, 5.0, [4, 4])]
+    paths = write_vllm_report(rows, tmp_path)
+    table = list(csv.DictReader(paths["csv"].open()))
+    assert [r["method"] for r in table] == ["full", "vase-attnv"]
+    timeline = list(csv.DictReader(paths["timeline"].open()))
+    assert len(timeline) == 5 and {r["method"] for r in timeline} == {"full", "vase-attnv"}
+    md = paths["md"].read_text()
+    assert "| tight | vase-attnv | 48 |" in md and "76.80" in md  # 384 tokens / 5 s
+    assert paths["png"].stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def rows():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here")
+    from vase.bench.vllm_bench import run_vllm_bench
+
+    got = run_vllm_bench(None, ["vase-attnv"], [B], n_requests=N, new_tokens=NEW, prompt_len=PROMPT, window=W,
+                         pool_requests=2, block_size=BS, log=lambda *a: None)
+    return {r.method: r for r in got}
+
+
+@needs_vllm
+def test_pool_is_the_requested_size(rows):
+    for r in rows.values():
+        assert r.block_size == BS and r.pool_blocks == 2 * math.ceil((PROMPT + NEW) / BS)
+        assert r.output_tokens == N * NEW and r.tokens_per_s > 0
+        assert r.blocks_peak <= r.pool_blocks
+        ts = [s.t for s in r.timeline]
+        assert ts == sorted(ts) and ts[-1] <= r.seconds
+        assert sum(s.tokens for s in r.timeline) == N * NEW  # the stat logger saw every output token
+
+
+@needs_vllm
+def test_stock_vllm_preempts_in_the_tight_pool(rows):
+    full = rows["full"]
+    assert full.preemptions > 0 and full.evictions is None
+
+
+@needs_vllm
+def test_bounded_requests_all_run_at_once_without_preemption(rows):
+    from vase import schedule
+
+    v = rows["vase-attnv"]
+    assert v.preemptions == 0
+    assert v.running_peak == N
+    assert v.blocks_peak <= N * math.ceil((B + W) / BS)
+    # the plugin's worker counted one eviction event per request at every step the schedule says
+    assert v.evictions == N * schedule.num_evictions(PROMPT, B, W, NEW - 1)
