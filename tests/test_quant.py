@@ -219,3 +219,15 @@ def test_options_are_validated():
     cache = EvictionCache(model, "snapkv", budget=48, window=16, kv_bits=4, quant_group=12)
     with pytest.raises(ValueError, match="must divide head_dim"):
         model(torch.randint(0, 90, (1, 10)), **cache_kwargs(cache))
+
+
+def test_eval_config_passes_storage_options_to_the_cache_not_the_policy():
+    from vase.eval.config import EvalConfig
+
+    cfg = EvalConfig(task="arith", methods=["vase-attnv", "vase-kv4", "full-kv8"], budgets=[96], window=16,
+                     method_params={"vase-kv4": {"method": "vase-attnv", "kv_bits": 4, "quant_guard": 8},
+                                    "full-kv8": {"method": "full", "kv_bits": 8}})
+    specs = cfg.method_specs()
+    assert specs["vase-kv4"].params == {"kv_bits": 4, "quant_guard": 8}
+    assert specs["vase-kv4"].policy == specs["vase-attnv"].policy
+    assert specs["full-kv8"].params == {"kv_bits": 8} and not specs["full-kv8"].evicts

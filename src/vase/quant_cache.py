@@ -31,6 +31,8 @@ from .policies import Policy, value_magnitude
 from .quant import BITS, Packed, check_format, dequantize, packed_bytes, quantize
 
 SELECT = ("value", "random")
+#: EvictionCache keywords about storage rather than the policy (eval configs pass them with a method's parameters)
+CACHE_STORAGE_OPTIONS = ("kv_bits", "quant_guard", "quant_group", "quant_select", "flush_every")
 
 
 @dataclass(frozen=True)

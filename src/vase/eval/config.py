@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vase.policies import Policy, UnknownMethodError, get_policy
+from vase.quant_cache import CACHE_STORAGE_OPTIONS
 
 __all__ = [
     "ConfigError",
@@ -260,6 +261,8 @@ class EvalConfig:
         for label in [FULL, *[m for m in self.methods if m != FULL]]:
             params = dict(self.method_params.get(label, {}))
             method = canonical_label(params.pop("method", label))
+            # Storage options (kv_bits, quant_guard, ...) go to the cache, not the policy.
+            storage = {k: params.pop(k) for k in CACHE_STORAGE_OPTIONS if k in params}
             try:
                 policy = get_policy(method, **params)
             except UnknownMethodError as e:
@@ -271,7 +274,7 @@ class EvalConfig:
                 label = method = policy.name
             if label == FULL and policy.evicts:
                 raise ConfigError(f"the label {FULL!r} is reserved for the full-cache reference")
-            out[label] = MethodSpec(label, method, params, policy)
+            out[label] = MethodSpec(label, method, {**params, **storage}, policy)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -284,7 +287,12 @@ class EvalConfig:
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}: line {line} is not UTF-8 text ({e.reason}): save it as UTF-8") from None
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":
