@@ -16,6 +16,8 @@ from rich.console import Console
 from typer.exceptions import TyperException
 from rich.table import Table
 
+from .checks import check_sampling
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Decode-time KV cache eviction for reasoning models (VaSE and baselines).")
 console = Console()
@@ -55,17 +57,27 @@ def parse_params(items: list[str] | None) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UserError(f"--param takes KEY=VALUE, got {item!r}")
-        params[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        try:
+            params[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise UserError(f"--param {item!r}: the value is not a valid YAML scalar ({problem}); quote it or fix "
+                            f"it, e.g. -p n_large=64") from None
     return params
 
 
-def checked_params(methods: list[str], items: list[str] | None) -> dict:
-    """Parse `--param` items and check every method takes them, before any slow model load."""
+def checked_params(methods: list[str], items: list[str] | None, *, budgets: list[int] | None = None,
+                   window: int | None = None) -> dict:
+    """Parse `--param` items and check every method takes them (types and ranges included) and, when given,
+    that each budget leaves room for the window and the method's sinks: all before any slow model load."""
+    from .checks import check_budget_window
     from .policies import get_policy
 
     params = parse_params(items)
     for name in methods:
-        get_policy(name, **params)
+        policy = get_policy(name, **params)
+        for b in budgets or []:
+            check_budget_window(b, window, policy)
     return params
 
 
@@ -115,11 +127,20 @@ def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
     if prompt is not None and file is not None:
         raise UserError("give a PROMPT or --file, not both")
     if prompt == "-" or (file is not None and str(file) == "-"):
-        lines = sys.stdin.read().splitlines()
+        try:
+            lines = sys.stdin.read().splitlines()
+        except UnicodeDecodeError as exc:
+            raise UserError(f"the prompts on stdin are not UTF-8 text ({exc.reason} at byte {exc.start}): convert "
+                            f"them to UTF-8") from None
     elif file is not None:
-        if not file.exists():
+        if not file.is_file():
             raise UserError(f"no such prompt file: {file}")
-        lines = file.read_text(encoding="utf-8").splitlines()
+        data = file.read_bytes()
+        try:
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            line = data[:exc.start].count(b"\n") + 1
+            raise UserError(f"{file}: line {line} is not UTF-8 text ({exc.reason}): save the file as UTF-8") from None
     elif prompt is not None:
         return [prompt]
     else:
@@ -183,10 +204,13 @@ def generate(
     if engine not in ("transformers", "vllm"):
         raise UserError(f"unknown --engine {engine!r}: use transformers or vllm")
     prompts = read_prompts(prompt, file)
-    params = checked_params([method], param)
+    params = checked_params([method], param, budgets=[budget], window=window)
     quant = quant_options(kv_bits, quant_guard)  # checked before the model loads
     if compare:
-        checked_params([compare], None)
+        checked_params([compare], None, budgets=[budget], window=window)
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+    if not chat and any(not p for p in prompts):
+        raise UserError("an empty prompt with --no-chat gives the model nothing to start from: give some text")
     if batch_size < 1:
         raise UserError("--batch-size must be >= 1")
     if engine == "vllm":
@@ -383,7 +407,8 @@ def bench(
     from .bench.runner import run_bench
 
     method_list = split_list(methods)
-    params = {**checked_params(method_list, param), **quant_options(kv_bits, None)}
+    params = {**checked_params(method_list, param, budgets=split_list(budgets, int), window=window),
+              **quant_options(kv_bits, None)}
     if random_init:
 
         from .bench.shapes import build_random_model
@@ -450,7 +475,7 @@ def inspect(
     """Look inside one generation: kept tokens per head, value magnitudes, loop onset."""
     from .analysis.inspect import inspect_generation
 
-    params = checked_params([method], param)
+    params = checked_params([method], param, budgets=[budget], window=window)
     mdl, tok = load(model, dtype, device, attn)
     report = inspect_generation(mdl, tok, prompt, out, method=method, budget=budget, window=window,
                                 max_new_tokens=max_new_tokens, greedy=greedy, seed=seed, **params)
@@ -558,23 +583,34 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(result)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
-        print("vase: aborted", file=sys.stderr)
+    except (typer.Abort, KeyboardInterrupt):
+        print(_interrupted_line(args), file=sys.stderr)
         sys.exit(130)
     except TyperException as exc:  # usage errors: bad flag, bad value, unknown command
         if debug:
             raise
         print(f"vase: error: {exc.format_message()} (see vase --help)", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("vase: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except (UserError, ValueError, FileNotFoundError, OSError, RuntimeError) as exc:
+    except (UserError, ValueError, TypeError, OSError, RuntimeError) as exc:  # errors with a message for the user
         if debug:
             raise
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"vase: error: {message}", file=sys.stderr)
         sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 - anything else is a bug, still one line without --debug
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"vase: error: {type(exc).__name__}: {first} (a bug in vase? rerun with --debug for the traceback)",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+def _interrupted_line(args: list[str]) -> str:
+    """What Ctrl-C prints: `vase eval` keeps every finished sample, so the same command resumes."""
+    if "eval" in args[:1]:
+        return "vase: interrupted; every finished sample is saved: run the same command again to resume"
+    return "vase: interrupted"
 
 
 if __name__ == "__main__":

@@ -123,8 +123,13 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise TaskError(f"task file not found: {path}")
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskError(f"{path}: line {lineno} is not UTF-8 text ({e.reason} at byte {e.start} of the "
+                                f"line): save the file as UTF-8") from None
             if not line.strip():
                 continue  # tolerate blank lines, e.g. a trailing newline
             try:
