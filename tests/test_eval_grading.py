@@ -61,7 +61,11 @@ def test_extract_answer_numeric_fallback_is_explicit() -> None:
         ("\\boxed{\\$18}", "18", True),
         ("\\boxed{(3,\\frac{\\pi}{2})}", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
         ("\\boxed{\\text{(C)}}", "\\text{(C)}", True),
-        ("the answer is 18", "18", False),  # no box: wrong unless the fallback is on
+        ("the answer is 18", "18", True),  # an explicit "the answer is N" counts without a box
+        ("The final answer is: 1,234.", "1234", True),
+        ("so #### 18\nmore text with 3", "18", True),  # GSM8K's marker, wherever the text goes on
+        ("The answer is 17.\nThe answer is 18", "18", True),  # the last statement wins
+        ("so she has 18 eggs", "18", False),  # a bare number: wrong unless the fallback is on
         ("", "18", False),
         ("\\boxed{x^2+", "5", False),
     ],

@@ -220,8 +220,9 @@ def test_real_shared_files(name: str, rows: int) -> None:
 
 def test_names_and_kinds() -> None:
     assert set(HUB_TASKS) == {"gsm8k", "math500", "aime24", "aime25", "amc23"}
-    assert set(TASK_NAMES) == set(HUB_TASKS) | {"arith"}
+    assert set(TASK_NAMES) == set(HUB_TASKS) | {"arith", "recall"}
     assert task_kind("gsm8k") == "gsm8k" and task_kind("arith-7") == "gsm8k"
+    assert task_kind("recall") == "recall" and task_kind("recall-6") == "recall"
     assert {task_kind(n) for n in ("math500", "aime24", "aime25", "amc23", "custom")} == {"math"}
 
 
@@ -253,3 +254,25 @@ def test_prompts() -> None:
     tok.chat_template = None
     assert build_prompt(tok, m) == build_user_message(m)
     assert build_prompt(None, m) == build_user_message(m)
+
+
+def test_recall_task() -> None:
+    from vase.eval.prompts import RECALL_SUFFIX
+    from vase.eval.tasks import generate_recall
+
+    a = load_task("recall", limit=5, seed=3)
+    assert [p.id for p in a] == [f"recall-{i:04d}" for i in range(5)]
+    assert load_task("recall", limit=3, seed=3) == a[:3]  # prefix-stable
+    assert load_task("recall", limit=5, seed=4) != a
+    for p in a:
+        # The value is stated first, the question comes after the steps, and the answer is that value.
+        m = re.match(r"(\w+) has a box with (\d+) coins\. ((?:Then \1 [a-z ]+\. ){4})How many coins are in the box\?$",
+                     p.question)
+        assert m is not None, p.question
+        assert p.answer == m.group(2) and 11 <= int(p.answer) <= 99
+        assert build_user_message(p) == p.question + RECALL_SUFFIX
+        assert is_correct("1. ...\nThe answer is " + p.answer + ".", p.answer)
+    assert len(generate_recall(2, steps=7)[0].question.split("Then ")) == 8
+    assert load_task("recall-7", limit=2) == generate_recall(2, steps=7)
+    with pytest.raises(TaskError):
+        load_task("recall-0")

@@ -30,6 +30,8 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b\s*")
 # matching so that "1,234" reads as 1234 but "1, 2" reads as two numbers.
 _NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _COMMA_NUMBER_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_HASH_ANSWER_RE = re.compile(r"####\s*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)")
+_SAYS_ANSWER_RE = re.compile(r"[Tt]he (?:final )?answer is:?\s*\$?(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)")
 
 
 def _braced_group(text: str, start: int) -> str | None:
@@ -87,13 +89,19 @@ def last_number(text: str) -> str | None:
 def extract_answer(text: str, *, numeric_fallback: bool = False) -> str | None:
     """Extract the final answer of a completion.
 
-    The answer is the content of the last ``\\boxed{...}``. Only when ``numeric_fallback``
+    The answer is the content of the last ``\\boxed{...}``; without a box, the number of the
+    last ``#### N`` (GSM8K's marker), else of the last "the answer is N". Only when ``numeric_fallback``
     is True (meant for numeric tasks such as GSM8K) does a completion without a box fall
     back to its last number; the paper's protocol asks for a box, so the default is strict.
     """
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
+    # Explicit final-answer markers that prompts ask for: GSM8K's "#### N" and "The answer is N".
+    for marker in (_HASH_ANSWER_RE, _SAYS_ANSWER_RE):
+        found = marker.findall(text)
+        if found:
+            return found[-1].replace(",", "")
     if numeric_fallback:
         return last_number(text)
     return None

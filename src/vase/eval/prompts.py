@@ -6,16 +6,20 @@ from typing import Any
 
 from vase.eval.tasks import Problem, task_kind
 
-__all__ = ["MATH_SUFFIX", "GSM8K_SUFFIX", "prompt_suffix", "build_user_message", "build_prompt"]
+__all__ = ["MATH_SUFFIX", "GSM8K_SUFFIX", "RECALL_SUFFIX", "prompt_suffix", "build_user_message", "build_prompt"]
 
 # Exactly the paper's strings (ALGORITHMS.md section 7); note the newline vs the space.
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 GSM8K_SUFFIX = " Put your final answer within \\boxed{}."
+# The embedded recall task: small models do not box, but they do write "The answer is N." when asked;
+# writing the steps out first puts the answer after the first evictions.
+RECALL_SUFFIX = " First write out each step on its own line, then write 'The answer is N.'"
 
 
 def prompt_suffix(task: str) -> str:
-    """Instruction appended to a question of ``task`` (GSM8K/arith vs math tasks)."""
-    return GSM8K_SUFFIX if task_kind(task) == "gsm8k" else MATH_SUFFIX
+    """Instruction appended to a question of ``task`` (GSM8K/arith, recall, math tasks)."""
+    kind = task_kind(task)
+    return GSM8K_SUFFIX if kind == "gsm8k" else RECALL_SUFFIX if kind == "recall" else MATH_SUFFIX
 
 
 def build_user_message(problem: Problem) -> str:

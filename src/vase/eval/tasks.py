@@ -5,8 +5,10 @@ Three sources, tried in this order:
 1. ``task_file``: any JSONL file, with the question and answer fields named by the caller.
 2. A named task (:data:`HUB_TASKS`): a local file in ``data_dir`` (or ``$VASE_DATA_DIR``)
    in the hub's row format, else the hub itself through ``datasets`` (imported lazily).
-3. The embedded task ``arith`` / ``arith-N``: seeded multi-step arithmetic word problems
-   with exact integer answers, which need no download at all.
+3. The embedded tasks ``arith`` / ``arith-N``: seeded multi-step arithmetic word problems
+   with exact integer answers, and ``recall`` / ``recall-N``: a value stated first, then N
+   steps of unrelated actions, then the question about the value (what a method keeps decides
+   whether the value is still there when the answer is written). Neither needs a download.
 
 Every failure a user can cause (missing file, bad JSON line, missing field, unknown name,
 no hub access) raises :class:`TaskError` with a message that says what to do.
@@ -37,6 +39,7 @@ __all__ = [
     "load_task",
     "load_jsonl_task",
     "generate_arith",
+    "generate_recall",
     "apply_arith_op",
     "parse_gsm8k_answer",
 ]
@@ -44,6 +47,7 @@ __all__ = [
 DATA_DIR_ENV = "VASE_DATA_DIR"
 ARITH_DEFAULT_STEPS = 3
 ARITH_DEFAULT_SIZE = 200
+RECALL_DEFAULT_STEPS = 4
 
 # Field names tried, in order, when the caller names none (hub formats differ per task).
 _QUESTION_FIELDS = ("question", "problem", "Question", "Problem")
@@ -92,18 +96,22 @@ HUB_TASKS: dict[str, HubTask] = {
 }
 
 #: Every task name :func:`load_task` accepts without a file (``arith-N`` too).
-TASK_NAMES: tuple[str, ...] = (*HUB_TASKS, "arith")
+TASK_NAMES: tuple[str, ...] = (*HUB_TASKS, "arith", "recall")
 
 _ARITH_RE = re.compile(r"^arith(?:-(\d+))?$")
+_RECALL_RE = re.compile(r"^recall(?:-(\d+))?$")
 
 
-def task_kind(name: str) -> Literal["gsm8k", "math"]:
-    """Prompt family of a task: ``"gsm8k"`` for GSM8K and arith, ``"math"`` otherwise.
+def task_kind(name: str) -> Literal["gsm8k", "math", "recall"]:
+    """Prompt family of a task: ``"gsm8k"`` for GSM8K and arith, ``"recall"`` for recall,
+    ``"math"`` otherwise.
 
     Unknown names (custom JSONL tasks) get the math prompt, the paper's default; a custom
     name starting with ``gsm8k`` gets the GSM8K prompt.
     """
     n = name.strip().lower()
+    if _RECALL_RE.match(n):
+        return "recall"
     if n.startswith("gsm8k") or _ARITH_RE.match(n):
         return "gsm8k"
     return "math"
@@ -408,6 +416,43 @@ def generate_arith(
     return problems
 
 
+# ----------------------------------------------------------------------------- recall
+
+_ACTIONS = (
+    "walks to the park", "reads a book", "feeds the cat", "calls a friend", "paints a fence", "bakes bread",
+    "waters the plants", "cleans the kitchen", "writes a letter", "plays the piano", "visits the library",
+    "rides a bike",
+)
+
+
+def generate_recall(n: int = ARITH_DEFAULT_SIZE, *, steps: int = RECALL_DEFAULT_STEPS, seed: int = 0) -> list[Problem]:
+    """Generate ``n`` recall problems: a value first, ``steps`` unrelated actions, then the question.
+
+    Example (steps=2): "Leo has a box with 47 coins. Then Leo reads a book. Then Leo bakes bread.
+    How many coins are in the box?" (answer 47). The prompt (:mod:`vase.eval.prompts`) asks the
+    model to write out each step before "The answer is N.", so the answer is written after the
+    first evictions of a small budget and depends on whether the value was kept. Values are
+    11..99; one ``random.Random(seed)`` is drawn from in order (prefix-stable like arith).
+    """
+    if not 1 <= steps <= len(_ACTIONS):
+        raise TaskError(f"recall needs 1 to {len(_ACTIONS)} steps, got {steps}")
+    if n < 0:
+        raise TaskError(f"recall set size must be >= 0, got {n}")
+    rng = random.Random(seed)
+    name = "recall" if steps == RECALL_DEFAULT_STEPS else f"recall-{steps}"
+    problems = []
+    for i in range(n):
+        person, _ = rng.choice(_NAMES)
+        value = rng.randint(11, 99)
+        acts = " ".join(f"Then {person} {a}." for a in rng.sample(_ACTIONS, steps))
+        problems.append(Problem(
+            id=f"{name}-{i:04d}", question=f"{person} has a box with {value} coins. {acts} How many coins are in "
+                                          f"the box?",
+            answer=str(value), task=name,
+            meta={"index": i, "source": f"recall(seed={seed}, steps={steps})", "steps": steps}))
+    return problems
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -451,13 +496,16 @@ def load_task(
         steps = int(m.group(1)) if m.group(1) else ARITH_DEFAULT_STEPS
         n = ARITH_DEFAULT_SIZE if limit is None else limit
         return generate_arith(n, steps=steps, seed=seed)
+    elif (m := _RECALL_RE.match(key)) is not None:
+        steps = int(m.group(1)) if m.group(1) else RECALL_DEFAULT_STEPS
+        return generate_recall(ARITH_DEFAULT_SIZE if limit is None else limit, steps=steps, seed=seed)
     elif key in HUB_TASKS:
         problems = _load_named(
             HUB_TASKS[key], _resolve_data_dir(data_dir), question_field, answer_field
         )
     else:
         raise TaskError(
-            f"unknown task {name!r}: choose one of {', '.join(TASK_NAMES)}, arith-N, "
+            f"unknown task {name!r}: choose one of {', '.join(TASK_NAMES)}, arith-N, recall-N, "
             f"or give a JSONL file with --task-file"
         )
     return problems if limit is None else problems[:limit]
