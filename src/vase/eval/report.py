@@ -44,7 +44,7 @@ from vase.eval.paired import (
     pair_records,
     paired_problem_diffs,
 )
-from vase.eval.store import FIDELITY, SAMPLES, read_all
+from vase.eval.store import FIDELITY, SAMPLES, atomic_write_text, read_all
 
 __all__ = [
     "COLUMNS",
@@ -300,7 +300,7 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     for r in rows:
         w.writerow([_csv_value(r.get(c)) for c in COLUMNS])
     p = Path(path)
-    p.write_text(buf.getvalue(), encoding="utf-8")
+    atomic_write_text(p, buf.getvalue())  # a reader never sees half a summary, a crash never leaves one
     return p
 
 
@@ -381,7 +381,7 @@ def write_markdown(rows: Sequence[Mapping[str, Any]], path: str | Path, title: s
         lines += [noise, ""]
     lines += [LEGEND, ""]
     p = Path(path)
-    p.write_text("\n".join(lines), encoding="utf-8")
+    atomic_write_text(p, "\n".join(lines))
     return p
 
 
