@@ -231,7 +231,8 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
                    *, n_requests: int = 16, new_tokens: int = 2048, prompt_len: int = 128, window: int = 64,
                    regimes: Sequence[str] = ("ample", "tight"), pool_requests: float | None = None,
                    dtype: str | None = None, block_size: int | None = None, in_process: bool = True,
-                   seed: int = 0, log=print, **params: Any) -> list[VllmBenchRow]:
+                   seed: int = 0, engine_kwargs: dict | None = None, skip_errors: bool = False, log=print,
+                   **params: Any) -> list[VllmBenchRow]:
     """Run every regime x (``full`` + methods x budgets); returns one row per configuration.
 
     Args:
@@ -240,6 +241,10 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
             replaces them with one ``custom`` regime.
         dtype: vLLM's dtype (default float32 on CPU, bfloat16 on GPU).
         in_process: engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` if unset).
+        engine_kwargs: more ``EngineArgs`` (e.g. ``load_format="dummy", skip_tokenizer_init=True`` for random
+            weights from a config-only folder).
+        skip_errors: log a configuration that fails to build or run (e.g. the plugin refusing a platform)
+            and go on with the next, instead of raising.
         params: method parameters (``-p``), passed to every method.
     """
     import torch
@@ -270,13 +275,21 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     for regime, held in plan.items():
         kv = pool_bytes(held, prompt_len, new_tokens, bs, bpt)
         configs = [("full", None)] + [(m, b) for m in methods for b in budgets]
-        regime_rows = [_one(path, regime=regime, method=m, budget=b, window=window, params=params, prompts=prompts,
-                            new_tokens=new_tokens, kv_bytes=kv, dtype=dtype, block_size=block_size,
-                            engine_kwargs={}, log=log) for m, b in configs]
-        full = regime_rows[0]
+        regime_rows = []
+        for m, b in configs:
+            try:
+                regime_rows.append(_one(path, regime=regime, method=m, budget=b, window=window, params=params,
+                                        prompts=prompts, new_tokens=new_tokens, kv_bytes=kv, dtype=dtype,
+                                        block_size=block_size, engine_kwargs=dict(engine_kwargs or {}), log=log))
+            except Exception as e:  # noqa: BLE001 - only with skip_errors
+                if not skip_errors:
+                    raise
+                log(f"{regime} {m} B={b}: failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        full = next((r for r in regime_rows if r.method == "full"), None)
         for r in regime_rows:
-            r.vs_full_tok_s = r.tokens_per_s / full.tokens_per_s if full.tokens_per_s else None
-            r.vs_full_time = full.seconds / r.seconds if r.seconds else None
+            if full is not None:
+                r.vs_full_tok_s = r.tokens_per_s / full.tokens_per_s if full.tokens_per_s else None
+                r.vs_full_time = full.seconds / r.seconds if r.seconds else None
         rows += regime_rows
     return rows
 
