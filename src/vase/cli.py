@@ -384,7 +384,8 @@ def bench(
     methods: Annotated[str, typer.Option(help="Comma-separated eviction methods (full and dynamic are added).")]
     = "vase-attnv,vase-dkv",
     budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "512",
-    lengths: Annotated[str, typer.Option(help="Comma-separated numbers of new tokens.")] = "1024,4096",
+    lengths: Annotated[Optional[str], typer.Option(help="Comma-separated numbers of new tokens (default 1024,4096; "
+                                                   "--engine vllm: one length, default 2048).")] = None,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1",
     window: WindowOpt = 64,
     prompt_length: Annotated[int, typer.Option(help="Random prompt tokens before decoding.")] = 128,
@@ -401,11 +402,32 @@ def bench(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     attn: AttnOpt = "sdpa",
+    engine: Annotated[str, typer.Option(help="transformers, or vllm: N requests at once into one vLLM engine with a "
+                                        "fixed KV pool, stock vLLM (full) vs each method.")] = "transformers",
+    requests: Annotated[int, typer.Option(help="--engine vllm: requests submitted at once.")] = 16,
+    regimes: Annotated[str, typer.Option(help="--engine vllm: KV pool sizes, ample (holds every request at full "
+                                         "length) and/or tight (a quarter of them).")] = "ample,tight",
+    pool_requests: Annotated[Optional[float], typer.Option(help="--engine vllm: instead of --regimes, a pool that "
+                                                           "holds this many requests at full length.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="--engine vllm: KV block size (vLLM's default: 128 on "
+                                                     "CPU, 16 on GPU).")] = None,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
     from .bench.report import write_report
     from .bench.runner import run_bench
 
+    if engine == "vllm":
+        from .bench.vllm_bench import cli_bench
+
+        paths = cli_bench(model, split_list(methods), split_list(budgets, int), split_list(lengths or "2048", int),
+                          requests=requests, prompt_len=prompt_length, window=window, regimes=split_list(regimes),
+                          pool_requests=pool_requests, block_size=block_size, dtype=None if dtype == "auto" else dtype,
+                          params=checked_params(split_list(methods), param), out=out, log=console.print)
+        console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
+        return
+    if engine != "transformers":
+        raise UserError(f"--engine must be transformers or vllm, got {engine!r}")
+    lengths = lengths or "1024,4096"
     method_list = split_list(methods)
     params = {**checked_params(method_list, param, budgets=split_list(budgets, int), window=window),
               **quant_options(kv_bits, None)}
