@@ -44,6 +44,15 @@ def test_engine_is_part_of_the_identity(tmp_path):
     assert run_name(v) != run_name(t)  # the same command on another engine never lands in the same run
 
 
+@pytest.mark.skipif(vllm_available(), reason="checks the message shown where vLLM is not installed")
+def test_without_vllm_eval_stops_before_making_a_run_folder(tmp_path):
+    from vase.eval.runner import run_eval
+
+    with pytest.raises(RuntimeError, match="needs vLLM: pip install"):
+        run_eval(_config(tmp_path), progress=False)
+    assert not any(tmp_path.iterdir())
+
+
 # ----------------------------------------------------------------------------- one run through vLLM
 
 

