@@ -142,3 +142,19 @@ def test_partial_problem_sets_are_flagged():
     assert full["problems_match"] is True and m["problems_match"] is False
     assert m["d_acc_pct"] == 0.0 and m["d_acc_lo_pct"] == 0.0
     assert "different problem set" in conclusion([full, m]) and "not distinguishable" in conclusion([full, m])
+
+
+def test_against_another_method(run_dir, capsys):
+    from vase.eval.report import parse_reference
+
+    assert parse_reference("snapkv:24") == ("snapkv", 24) and parse_reference("full") == ("full", None)
+    with pytest.raises(ValueError, match="integer"):
+        parse_reference("snapkv:x")
+    rows = {(r["method"], r["budget"]): r for r in summarize(run_dir, print_table=False, reference=("snapkv", 24))}
+    assert rows[("snapkv", 24)]["d_acc_pct"] is None and rows[("snapkv", 24)]["reference"] == "snapkv B=24"
+    # Paired the other way round: full minus snapkv B=24 is the negative of snapkv B=24 minus full.
+    vs_full = {(r["method"], r["budget"]): r for r in summarize(run_dir, print_table=False)}
+    assert rows[("full", None)]["d_acc_pct"] == pytest.approx(-vs_full[("snapkv", 24)]["d_acc_pct"])
+    assert (run_dir / "summary-vs-snapkv-24.md").exists()
+    with pytest.raises(ValueError, match="no rows of the reference"):
+        summarize(run_dir, print_table=False, reference=("snapkv", 999))

@@ -346,8 +346,14 @@ def evaluate(
 
 
 @app.command()
-def summarize(run_dir: Annotated[Path, typer.Argument(help="A run folder written by `vase eval`.")]) -> None:
+def summarize(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder written by `vase eval`.")],
+    against: Annotated[Optional[str], typer.Option(help="Pair every row with METHOD:BUDGET instead of full "
+                                                   "(e.g. snapkv:64); writes summary-vs-METHOD-BUDGET.csv/md.")]
+    = None,
+) -> None:
     """Rebuild the table, CSV, Markdown and plots of a run from its JSONL files alone."""
+    from .eval.report import parse_reference
     from .eval.report import summarize as build
 
     if not run_dir.is_dir():

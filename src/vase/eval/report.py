@@ -52,6 +52,7 @@ __all__ = [
     "summarize",
     "summary_rows",
     "conclusion",
+    "parse_reference",
     "write_csv",
     "write_markdown",
     "print_table",
@@ -65,7 +66,7 @@ FULL = "full"
 #: summary.csv columns, in order. ``*_pct`` are percentages; ``*_lo`` / ``*_hi`` bound 95 % bootstrap
 #: intervals over problems; ``d_*`` are paired differences method - full; budget is empty for ``full``.
 COLUMNS: tuple[str, ...] = (
-    "method", "budget", "window", "n_problems", "n_samples", "problems_match",
+    "method", "budget", "window", "reference", "n_problems", "n_samples", "problems_match",
     "pass_at_1_pct", "pass_at_1_stderr_pct", "answered_pct", "cap_pct", "acc_finished_pct", "acc_truncated_pct",
     "d_acc_pct", "d_acc_lo_pct", "d_acc_hi_pct", "only_method_right", "only_full_right", "mcnemar_p",
     "agree_pct", "agree_n_both", "both_none_pct", "only_method_answered_pct", "only_full_answered_pct",
@@ -186,8 +187,12 @@ def _fidelity_columns(row: dict[str, Any], fid: Sequence[Mapping[str, Any]]) -> 
 
 
 def summary_rows(samples: Sequence[Mapping[str, Any]], fidelity: Sequence[Mapping[str, Any]] = (), *,
-                 window: int | None = None) -> list[dict[str, Any]]:
-    """One row per (method, budget) of the records (see :data:`COLUMNS`); ``window`` fills its column."""
+                 window: int | None = None, reference: tuple[str, int | None] = (FULL, None)
+                 ) -> list[dict[str, Any]]:
+    """One row per (method, budget) of the records (see :data:`COLUMNS`); ``window`` fills its column.
+
+    The paired columns compare each row with ``reference`` (method, budget), full by default.
+    """
     samples = sorted(samples, key=_sort_key)
     groups: dict[tuple, list[Mapping[str, Any]]] = defaultdict(list)
     for r in samples:
@@ -197,13 +202,15 @@ def summary_rows(samples: Sequence[Mapping[str, Any]], fidelity: Sequence[Mappin
                                             str(r.get("problem_id")))):
         fid_groups[(r["method"], r.get("budget"))].append(r)
 
-    full = groups.get((FULL, None), [])
+    reference = (reference[0], None if reference[1] is None else int(reference[1]))
+    full = groups.get(reference, [])
     full_problems = {r["problem_id"] for r in full}
     rows = []
     for method, budget in sorted(set(groups) | set(fid_groups), key=lambda k: _group_key(*k)):
         recs = groups.get((method, budget), [])
         row: dict[str, Any] = {c: None for c in COLUMNS}
         row["method"], row["budget"], row["window"] = method, budget, window
+        row["reference"] = _label({"method": reference[0], "budget": reference[1]})
         problems = {r["problem_id"] for r in recs}
         row["n_problems"] = len(problems)
         row["n_samples"] = len(recs)
@@ -225,7 +232,7 @@ def summary_rows(samples: Sequence[Mapping[str, Any]], fidelity: Sequence[Mappin
             row["mean_length"], row["median_length"] = length_stats(recs)
             if full:
                 _paired_columns(row, recs, full)
-                if method == FULL:  # against itself: the paired columns say nothing
+                if (method, budget) == reference:  # against itself: the paired columns say nothing
                     for c in COLUMNS[COLUMNS.index("d_acc_pct"):COLUMNS.index("garbage_pct")]:
                         row[c] = None
                     for c in ("d_length", "d_length_lo", "d_length_hi", "identical_pct", "first_div_median",
@@ -243,6 +250,17 @@ def summary_rows(samples: Sequence[Mapping[str, Any]], fidelity: Sequence[Mappin
     return rows
 
 
+def parse_reference(text: str) -> tuple[str, int | None]:
+    """``"snapkv:64"`` -> ("snapkv", 64); ``"full"`` -> ("full", None)."""
+    method, _, budget = text.partition(":")
+    if not method.strip():
+        raise ValueError(f"bad reference {text!r}: write METHOD:BUDGET, e.g. snapkv:64, or full")
+    try:
+        return method.strip(), (int(budget) if budget.strip() else None)
+    except ValueError:
+        raise ValueError(f"bad reference {text!r}: the budget after ':' must be an integer, e.g. snapkv:64") from None
+
+
 def _label(r: Mapping[str, Any]) -> str:
     return r["method"] if r.get("budget") is None else f"{r['method']} B={r['budget']}"
 
@@ -250,8 +268,9 @@ def _label(r: Mapping[str, Any]) -> str:
 def conclusion(rows: Sequence[Mapping[str, Any]]) -> str:
     """One line: what the paired 95 % intervals of the accuracy difference allow one to conclude."""
     worse, better, unclear = [], [], []
+    ref = next((r["reference"] for r in rows if r.get("reference")), FULL)
     for r in rows:
-        if r["method"] == FULL or r.get("d_acc_lo_pct") is None:
+        if _label(r) == ref or r.get("d_acc_lo_pct") is None:
             continue
         if r["d_acc_hi_pct"] < 0:
             worse.append(f"{_label(r)} ({r['d_acc_pct']:+.0f} pts)")
@@ -262,18 +281,18 @@ def conclusion(rows: Sequence[Mapping[str, Any]]) -> str:
     n = max((r["n_problems"] for r in rows), default=0)
     parts = []
     if worse:
-        parts.append("less accurate than full (95% interval below 0): " + ", ".join(worse))
+        parts.append(f"less accurate than {ref} (95% interval below 0): " + ", ".join(worse))
     if better:
-        parts.append("more accurate than full: " + ", ".join(better))
+        parts.append(f"more accurate than {ref}: " + ", ".join(better))
     if unclear:
-        parts.append(f"not distinguishable from full on accuracy at n = {n} problems (interval contains 0): "
+        parts.append(f"not distinguishable from {ref} on accuracy at n = {n} problems (interval contains 0): "
                      + ", ".join(unclear))
     if not parts:
-        return "No paired comparison with full yet."
+        return f"No paired comparison with {ref} yet."
     flagged = [_label(r) for r in rows if r.get("problems_match") is False]
     line = "; ".join(parts) + "."
     if flagged:
-        line += " Rows marked * were measured on a different problem set than full (partial run): " \
+        line += f" Rows marked * were measured on a different problem set than {ref} (partial run): " \
                 + ", ".join(flagged) + "."
     return line
 
@@ -348,7 +367,7 @@ _CELLS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
 )
 
 LEGEND = (
-    "Δ columns: method minus full on the same (problem, sample) seeds, averaged per problem, 95% paired "
+    "Δ columns: method minus the reference (full unless said otherwise) on the same (problem, sample) seeds, averaged per problem, 95% paired "
     "bootstrap interval over problems; McNemar: exact test on the pairs where exactly one side is right. "
     "agree: same answer as full (math-verify) among pairs where both answered. at cap: hit the token cap. "
     "1st div.: first generated token where the text leaves full's same-seed text. KV peak/avg over full: "
@@ -574,11 +593,14 @@ def run_window(run_dir: str | Path) -> int | None:
         return None
 
 
-def summarize(run_dir: str | Path, *, print_table: bool = True, plots: bool = True) -> list[dict[str, Any]]:
+def summarize(run_dir: str | Path, *, print_table: bool = True, plots: bool = True,
+              reference: tuple[str, int | None] = (FULL, None)) -> list[dict[str, Any]]:
     """Rebuild the summary of a run from its ``samples.rank*.jsonl`` / ``fidelity.rank*.jsonl`` files.
 
     Writes ``summary.csv``, ``summary.md`` and the PNG plots into ``run_dir``; prints a rich
-    table when ``print_table``. Returns the rows (see :data:`COLUMNS`).
+    table when ``print_table``. Returns the rows (see :data:`COLUMNS`). With another ``reference``
+    (method, budget) the paired columns compare with it and the files are
+    ``summary-vs-<method>-<budget>.csv/md`` (no plots).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -587,7 +609,17 @@ def summarize(run_dir: str | Path, *, print_table: bool = True, plots: bool = Tr
     fidelity = read_all(run_dir, FIDELITY)
     if not samples and not fidelity:
         raise FileNotFoundError(f"{run_dir} holds no samples.rank*.jsonl records yet")
-    rows = summary_rows(samples, fidelity, window=run_window(run_dir))
+    rows = summary_rows(samples, fidelity, window=run_window(run_dir), reference=reference)
+    if tuple(reference) != (FULL, None) and not any((r["method"], r["budget"]) == tuple(reference) for r in rows):
+        raise ValueError(f"no rows of the reference {reference[0]} B={reference[1]} in {run_dir}: "
+                         f"choose one of {', '.join(_label(r) for r in rows)}")
+    if tuple(reference) != (FULL, None):
+        stem = f"summary-vs-{reference[0]}-{reference[1]}"
+        write_csv(rows, run_dir / f"{stem}.csv")
+        write_markdown(rows, run_dir / f"{stem}.md", title=f"{run_dir.name} (against {reference[0]} B={reference[1]})")
+        if print_table:
+            _print_table(rows, title=f"{run_dir.name}: against {reference[0]} B={reference[1]}")
+        return rows
     write_csv(rows, run_dir / "summary.csv")
     write_markdown(rows, run_dir / "summary.md", title=run_dir.name)
     if plots:
