@@ -358,10 +358,17 @@ def summarize(
 
     if not run_dir.is_dir():
         raise UserError(f"no such run folder: {run_dir}")
-    rows = build(run_dir)
+    try:
+        reference = parse_reference(against) if against else ("full", None)
+        rows = build(run_dir, reference=reference)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if not rows:
         raise UserError(f"no finished samples in {run_dir}")
-    console.print(f"wrote {run_dir / 'summary.csv'}, {run_dir / 'summary.md'} and plots")
+    if against:
+        console.print(f"wrote {run_dir}/summary-vs-{reference[0]}-{reference[1]}.csv and .md")
+    else:
+        console.print(f"wrote {run_dir / 'summary.csv'}, {run_dir / 'summary.md'} and plots")
 
 
 @app.command()
