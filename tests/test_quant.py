@@ -231,3 +231,30 @@ def test_eval_config_passes_storage_options_to_the_cache_not_the_policy():
     assert specs["vase-kv4"].params == {"kv_bits": 4, "quant_guard": 8}
     assert specs["vase-kv4"].policy == specs["vase-attnv"].policy
     assert specs["full-kv8"].params == {"kv_bits": 8} and not specs["full-kv8"].evicts
+
+
+def test_key_scale_divides_channels_before_per_token_groups():
+    """quant_key_scale: each key channel's error is within half a step of its scaled group, times its scale."""
+    torch.manual_seed(6)
+    b, h, T, d, w = 1, 2, 120, 32, 16
+    keys = torch.randn(b, h, T, d)
+    keys[..., 3] *= 30  # an outlier channel, as in real keys
+    values = torch.randn(b, h, T, d)
+    err = {}
+    for scale in (False, True):
+        cache = EvictionCache(None, "full", window=w, num_layers=1, kv_bits=4, quant_guard=0, quant_key_scale=scale)
+        feed(cache, keys, values, [60] + [1] * (T - 60))
+        layer = cache.layers[0]
+        k, _ = held(layer)
+        quant = layer.precision_map() == 0
+        normal = torch.arange(d) != 3  # the error the outlier channel inflicts on the others
+        err[scale] = float((k - keys)[quant][:, normal].pow(2).mean().sqrt())
+        if scale:
+            s = keys[:, :, :60].abs().amax(2, keepdim=True).half().float()  # from the prompt
+            assert torch.equal(layer.kscale.float(), s)
+            scaled = (keys / s)[quant].view(-1, 1, 32)
+            step = (scaled.amax(-1) - scaled.amin(-1)) / 15
+            bound = step[..., None] * 0.5005 * s.expand_as(keys)[quant].view(-1, 1, 32) + 1e-5
+            assert torch.all((k[quant].view(-1, 1, 32) - keys[quant].view(-1, 1, 32)).abs() <= bound)
+            assert cache.stats()["kv_bytes"] == layer.held_bytes() and layer.held_bytes() % 2 == 0
+    assert err[True] < 0.5 * err[False]

@@ -429,7 +429,8 @@ class EvictionCache(Cache):
     def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int = 512, window: int = 64, *,
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
                  num_layers: int | None = None, kv_bits: int = 16, quant_guard: int | None = None,
-                 quant_group: int | None = None, quant_select: str = "value", flush_every: int = 16, **method_params):
+                 quant_group: int | None = None, quant_select: str = "value", flush_every: int = 16,
+                 quant_key_scale: bool = False, **method_params):
         check_method(method)  # TypeError/ValueError naming the argument, before anything is built
         check_budget_window(budget, window)
         policy = get_policy(method, **method_params)
@@ -457,7 +458,7 @@ class EvictionCache(Cache):
             from .quant_cache import QuantLayer, quant_config
 
             self.quant = quant_config(policy, budget, window, kv_bits, quant_guard, quant_group, quant_select,
-                                      flush_every, seed)
+                                      flush_every, seed, quant_key_scale)
             layer_cls = QuantLayer if self.quant is not None else EvictionLayer
         super().__init__(layers=[layer_cls(self, i) for i in range(num_layers)])
 

@@ -17,7 +17,11 @@ never kept, so between steps only the packed codes and the full-precision reserv
 
 Keys are quantized per token like values. KIVI groups keys per channel across tokens; such a
 group would be broken up by eviction (survivors of one group end up scattered, and requantizing
-them adds error at every eviction), so each token carries its own scales here.
+them adds error at every eviction), so each token carries its own scales here. KIVI's reason
+for per-channel keys (a few key channels are much larger than the rest) is met, optionally, by
+`quant_key_scale=True`: keys are divided by a per-channel scale (the absolute maximum of each
+channel over the prompt, per KV head, fixed at the first flush) before the per-token groups,
+and multiplied back on reading.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from .quant import BITS, Packed, check_format, dequantize, packed_bytes, quantiz
 
 SELECT = ("value", "random")
 #: EvictionCache keywords about storage rather than the policy (eval configs pass them with a method's parameters)
-CACHE_STORAGE_OPTIONS = ("kv_bits", "quant_guard", "quant_group", "quant_select", "flush_every")
+CACHE_STORAGE_OPTIONS = ("kv_bits", "quant_guard", "quant_group", "quant_select", "flush_every", "quant_key_scale")
 
 
 @dataclass(frozen=True)
@@ -47,16 +51,18 @@ class QuantConfig:
     sinks: int
     flush_every: int
     seed: int
+    key_scale: bool = False  # divide keys by a per-channel scale (from the prompt) before per-token groups
 
 
 def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_guard: int | None,
-                 quant_group: int | None, quant_select: str, flush_every: int, seed: int) -> QuantConfig | None:
+                 quant_group: int | None, quant_select: str, flush_every: int, seed: int,
+                 key_scale: bool = False) -> QuantConfig | None:
     """Validate the quantization options; None when kv_bits is 16 (no quantization).
 
     quant_guard None = the method's own reserve (sinks + value guard slots, at least the sinks).
     """
     if kv_bits == 16:
-        if quant_guard is not None or quant_select != "value":
+        if quant_guard is not None or quant_select != "value" or key_scale:
             raise ValueError("quant_guard/quant_select only apply to a quantized cache: pass kv_bits=8, 4 or 2")
         return None
     if getattr(policy, "selects", False):
@@ -78,7 +84,7 @@ def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_g
         check_format(kv_bits, quant_group, quant_group * (8 // kv_bits))
     return QuantConfig(bits=kv_bits, group=quant_group, guard=int(quant_guard), select=quant_select,
                        metric=policy.metric, sinks=policy.sinks, flush_every=flush_every,
-                       seed=seed if isinstance(seed, int) else int(seed[0]))
+                       seed=seed if isinstance(seed, int) else int(seed[0]), key_scale=bool(key_scale))
 
 
 def quant_kwargs(kv_bits: int, quant_guard: int | None = None) -> dict:
@@ -121,6 +127,7 @@ class QuantLayer(EvictionLayer):
         self.qk: Packed | None = None
         self.qv: Packed | None = None
         self.qslot = self.qn = None
+        self.kscale: torch.Tensor | None = None  # [b, h, 1, d] float16 per-channel key scale (key_scale only)
         self.q_hi = 0  # an upper bound on the live quantized entries of any (row, head)
         self.pending: tuple | None = None
         self.unflushed = 0
@@ -197,8 +204,9 @@ class QuantLayer(EvictionLayer):
         _, h, cap, d = self.keys.shape
         self.keys = self.keys[:1].expand(b, h, cap, d)
         self.values = self.values[:1].expand(b, h, cap, self.values.shape[-1])
-        for name in ("fk", "fv", "fslot", "frank", "fn", "qslot", "qn"):
-            setattr(self, name, getattr(self, name)[rows])
+        for name in ("fk", "fv", "fslot", "frank", "fn", "qslot", "qn", "kscale"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[rows])
         for p in (self.qk, self.qv):
             p.codes, p.scale, p.zero = p.codes[rows], p.scale[rows], p.zero[rows]
 
@@ -278,8 +286,14 @@ class QuantLayer(EvictionLayer):
         dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=self.device), trash)
         if int((self.qn + m).max()) > trash:
             raise RuntimeError("quantized store overflow: more old tokens than the cache capacity")
-        for store, src in ((self.qk, ck), (self.qv, cv)):
-            p = quantize(_gather(src, order), self.qcfg.bits, self.group)
+        keys = _gather(ck, order)
+        if self.qcfg.key_scale:
+            if self.kscale is None:  # fixed at the first flush (the prompt): codes never need rescaling
+                live = ck.float().abs().masked_fill(~valid[..., None], 0)
+                self.kscale = live.amax(2, keepdim=True).clamp(min=1e-4).to(torch.float16)
+            keys = keys / self.kscale.to(keys.dtype)
+        for store, src in ((self.qk, keys), (self.qv, _gather(cv, order))):
+            p = quantize(src, self.qcfg.bits, self.group)
             for name in ("codes", "scale", "zero"):
                 buf = getattr(store, name)
                 buf.scatter_(2, dest[..., None].expand(b, h, n_q, buf.shape[-1]), getattr(p, name))
@@ -310,7 +324,10 @@ class QuantLayer(EvictionLayer):
             def head(p: Packed) -> Packed:
                 return Packed(p.codes[:, :, :n], p.scale[:, :, :n], p.zero[:, :, :n], p.bits, p.group)
 
-            place(self.qslot[:, :, :n], dequantize(head(self.qk)), dequantize(head(self.qv)))
+            keys = dequantize(head(self.qk))
+            if self.kscale is not None:
+                keys = keys * self.kscale.float()
+            place(self.qslot[:, :, :n], keys, dequantize(head(self.qv)))
         place(self.fslot, self.fk, self.fv)
         if self.pending is not None:
             k, v, start, end = self.pending
@@ -361,12 +378,15 @@ class QuantLayer(EvictionLayer):
         """K/V bytes held now (one batch row, or all): live quantized entries + live full-precision entries."""
         quant, full = self._entry_bytes()
         qn, fn = (self.qn, self.fn) if row is None else (self.qn[row], self.fn[row])
-        return int(qn.sum()) * quant + int(fn.sum()) * full
+        scales = 0 if self.kscale is None else self.kscale[0].numel() * self.kscale.element_size() * \
+            (self.kscale.shape[0] if row is None else 1)
+        return int(qn.sum()) * quant + int(fn.sum()) * full + scales
 
     def capacity_bytes(self) -> int:
         """K/V bytes allocated: the packed stores (trash entry included) and the full-precision store."""
+        scales = 0 if self.kscale is None else self.kscale.numel() * self.kscale.element_size()
         return (self.qk.nbytes() + self.qv.nbytes() + self.fk.numel() * self.fk.element_size()
-                + self.fv.numel() * self.fv.element_size())
+                + self.fv.numel() * self.fv.element_size() + scales)
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every K/V tensor this layer keeps between steps (for memory checks)."""
