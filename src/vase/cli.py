@@ -614,6 +614,8 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.disable_progress_bar()  # weight-loading bars; vase shows its own progress
     try:
         result = app(args=args, prog_name="vase", standalone_mode=False)
+        if result == 130:  # typer turns Ctrl-C into Exit(130), which comes back as the return value here
+            print(_interrupted_line(args), file=sys.stderr)
         if isinstance(result, int) and result:  # --help and friends return their exit code
             sys.exit(result)
     except typer.Exit as exc:

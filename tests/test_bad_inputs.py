@@ -1,0 +1,556 @@
+"""The bad-input table: every case a careful user tried against the CLI, the Python API, the run store
+and the model cache, as one parametrised test.
+
+Each case must end in one clear line that names the value or the fix (CLI: ``vase: error: ...`` on
+stderr and a non-zero exit; API: the right exception type with a one-line message), never a
+traceback without ``--debug``, and lose nothing (cases with a ``check`` verify what is on disk).
+Everything fails before a model loads, or runs on tiny random models, so the table takes seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import vase
+from tests.conftest import tiny_model, tiny_tokenizer
+from tests.helpers_tiny import tiny_model_and_tokenizer
+from vase.cache import EvictedStateError
+from vase.cli import main
+from vase.eval.config import ConfigError, EvalConfig
+from vase.eval.store import StoreError
+from vase.models import ModelLoadError, load_model, model_fingerprint
+from vase.policies import UnknownMethodError, get_policy
+
+# ----------------------------------------------------------------------------- the fixtures
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Any]:
+    """Files and models the cases point at (built once)."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    w: dict[str, Any] = {"root": root}
+    # A model directory without a chat template (the conftest tokenizer), one with (helpers_tiny).
+    plain = root / "plain-model"
+    tiny_model().save_pretrained(plain)
+    tiny_tokenizer().save_pretrained(plain)
+    chat = root / "chat-model"
+    model, tok = tiny_model_and_tokenizer()
+    model.save_pretrained(chat)
+    tok.save_pretrained(chat)
+    w["plain"], w["chat"] = str(plain), str(chat)
+    (root / "no-config").mkdir()
+    (root / "notes.txt").write_text("not a model\n")
+    (root / "garbage.gguf").write_bytes(b"this is not a gguf file" * 50)
+    w["truncated"] = str(_truncated_gguf(root / "truncated.gguf"))
+    (root / "empty.txt").write_text("\n  \n")
+    (root / "latin1.txt").write_bytes(b"first prompt\ncaf\xe9\n")
+    (root / "latin1.jsonl").write_bytes(b'{"q": "1+1", "a": "2"}\n{"q": "caf\xe9", "a": "1"}\n')
+    (root / "badjson.jsonl").write_text('{"q": "1+1", "a": "2"}\n{"q": oops}\n')
+    configs = {
+        "bad.yaml": "limit: [1\n", "list.yaml": "- 1\n- 2\n", "typo.yaml": "limt: 3\n", "c.txt": "limit: 3\n",
+        "traversal.yaml": "name: ../../x\nbudgets: [128]\n", "slash.yaml": "name: a/b\nbudgets: [128]\n",
+        "dots.yaml": "name: ..\nbudgets: [128]\n", "params.yaml": "budgets: [128]\nmethod_params:\n  snapkv: {}\n",
+        "budgets.yaml": "budgets: abc\n", "limit.yaml": "limit: abc\nbudgets: [128]\n",
+        "greedy.yaml": "greedy: maybe\nbudgets: [128]\n", "mp.yaml": "budgets: [128]\nmethod_params: [1]\n",
+        "bad.toml": "limit = \n", "bad.json": "{limit: 3}",
+    }
+    for name, text in configs.items():
+        (root / name).write_text(text)
+    (root / "latin1.yaml").write_bytes(b"limit: 3\n# caf\xe9\n")
+    return w
+
+
+def _truncated_gguf(path: Path) -> Path:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.write_bytes(path.read_bytes()[:-2000])
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(), tiny_tokenizer()
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass
+class Case:
+    """One bad input: a CLI argument list (``{name}`` filled from the world and ``tmp``), or an API call."""
+
+    id: str
+    expect: str  # a regex the one message line must match (the value and/or the fix)
+    argv: list[str] | None = None
+    api: Callable[..., Any] | None = None  # api(ctx) -> anything; must raise `error`
+    error: type[BaseException] | tuple = ()
+    code: int = 1  # CLI exit code
+    setup: Callable[[dict], None] | None = None  # prepares files under ctx["tmp"] (and may monkeypatch)
+    check: Callable[[dict], None] | None = None  # afterwards: nothing lost
+    stdin: bytes | None = None
+
+
+def cli(id, expect, *argv, code=1, **kw) -> Case:
+    return Case(id, expect, argv=list(argv), code=code, **kw)
+
+
+def api(id, expect, fn, error, **kw) -> Case:
+    return Case(id, expect, api=fn, error=error, **kw)
+
+
+G = ["generate", "hi"]
+E = ["eval", "--output-dir", "{tmp}/runs"]
+EVAL_TINY = [*E, "--model", "{chat}", "--task", "arith", "--limit", "2", "--methods", "snapkv", "--budgets", "24",
+             "--window", "8", "--max-new-tokens", "6", "--batch-size", "1", "--device", "cpu"]
+
+
+def gen(ctx, prompts, **kw):
+    model, tok = ctx["tiny"]
+    return vase.generate(model, tok, prompts, **{"budget": 24, "window": 8, "max_new_tokens": 4,
+                                                 "chat_template": False, **kw})
+
+
+def cache(ctx, **kw):
+    return vase.EvictionCache(ctx["tiny"][0], **{"method": "snapkv", "budget": 24, "window": 8, **kw})
+
+
+def _second_generate(ctx):
+    model, tok = ctx["tiny"]
+    c = cache(ctx)
+    enc = tok(["hello world"], return_tensors="pt")
+    model.generate(**enc, cache=c, max_new_tokens=20, do_sample=False)
+    model.generate(**enc, cache=c, max_new_tokens=20, do_sample=False)
+
+
+def _write_run(path: Path, name: str, text: str) -> None:
+    (path / name).mkdir(parents=True, exist_ok=True)
+    (path / name / "config.json").write_text(text)
+
+
+def _records(run_dir: Path) -> list[tuple]:
+    from vase.eval.store import SAMPLE_KEY, rank_files, read_jsonl
+
+    return [tuple(r[k] for k in SAMPLE_KEY) for p in rank_files(run_dir, "samples") for r in read_jsonl(p)]
+
+
+def _interrupt_after(n: int):
+    """Patch vase.generation.generate to raise KeyboardInterrupt on call n + 1 (Ctrl-C mid-run)."""
+    import vase.generation as generation
+
+    real, calls = generation.generate, []
+
+    def patched(*a, **kw):
+        calls.append(1)
+        if len(calls) > n:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    return patched
+
+
+def _setup_interrupt(ctx):
+    import vase.generation as generation
+
+    ctx["monkeypatch"].setattr(generation, "generate", _interrupt_after(2))
+
+
+def _check_interrupt(ctx):
+    [run_dir] = (ctx["tmp"] / "runs").iterdir()
+    assert len(_records(run_dir)) == 2  # the two finished samples are on disk
+    ctx["monkeypatch"].undo()
+    code, _, err = run_cli([a.format(**ctx) for a in EVAL_TINY], ctx)
+    keys = _records(run_dir)
+    assert code == 0, err
+    assert len(keys) == len(set(keys)) == 2 * 2  # the rerun resumed: each record exactly once
+
+
+def _setup_delete(ctx):
+    import vase.generation as generation
+
+    real, calls = generation.generate, []
+
+    def deleting(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            shutil.rmtree(ctx["tmp"] / "runs")
+        return real(*a, **kw)
+
+    ctx["monkeypatch"].setattr(generation, "generate", deleting)
+
+
+def _setup_summary_fails(ctx):
+    import vase.eval.report as report
+
+    def broken(run_dir, **kw):
+        raise OSError(28, "No space left on device")
+
+    ctx["monkeypatch"].setattr(report, "summarize", broken)
+    (ctx["tmp"] / "runs").mkdir()
+
+
+def _check_no_summary(ctx):
+    [run_dir] = (ctx["tmp"] / "runs").iterdir()
+    assert not (run_dir / "summary.csv").exists() and len(_records(run_dir)) == 4
+
+
+def _samples(ctx, lines: list[str]) -> None:
+    run = ctx["tmp"] / "run"
+    run.mkdir()
+    (run / "samples.rank0.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+GOOD = json.dumps({"method": "full", "budget": None, "problem_id": "p0", "sample": 0, "correct": True, "length": 3,
+                   "failure": "ok", "answer": "1", "text": "x"})
+
+
+def _store_locked(ctx):
+    from vase.eval.store import JsonlStore
+
+    p = ctx["tmp"] / "samples.rank0.jsonl"
+    with JsonlStore(p):
+        JsonlStore(p).open()
+
+
+def _store_deleted(ctx):
+    from vase.eval.store import JsonlStore
+
+    p = ctx["tmp"] / "run" / "samples.rank0.jsonl"
+    with JsonlStore(p) as s:
+        s.append({"method": "full", "budget": None, "problem_id": "p0", "sample": 0})
+        shutil.rmtree(p.parent)
+        s.append({"method": "full", "budget": None, "problem_id": "p1", "sample": 0})
+
+
+def _store_efbig(ctx):
+    from vase.eval.store import JsonlStore
+
+    p = ctx["tmp"] / "samples.rank0.jsonl"
+    with JsonlStore(p) as s:
+        s.append({"method": "full", "budget": None, "problem_id": "p0", "sample": 0})
+        ctx["monkeypatch"].setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(27, "File too large")))
+        s.append({"method": "full", "budget": None, "problem_id": "p1", "sample": 0})
+
+
+def _check_store_kept_first(ctx):
+    from vase.eval.store import read_jsonl
+
+    ctx["monkeypatch"].undo()
+    # p0 is safe; p1 may or may not have reached the disk (it was not confirmed), and the file still parses
+    assert [r["problem_id"] for r in read_jsonl(ctx["tmp"] / "samples.rank0.jsonl")][:1] == ["p0"]
+
+
+def _crop(ctx):
+    c = cache(ctx)
+    gen_cache_fill(ctx, c)
+    c.crop(3)
+
+
+def gen_cache_fill(ctx, c):
+    model, tok = ctx["tiny"]
+    with torch.no_grad():
+        model(**tok(["hello"], return_tensors="pt"), cache=c, use_cache=True)
+
+
+CASES: list[Case] = [
+    # -- the CLI: arguments and flags (typer's usage errors exit 2) --------------------------------------------
+    cli("unknown-command", r"No such command 'frobnicate'", "frobnicate", code=2),
+    cli("budget-not-int", r"Invalid value for '--budget'", *G, "--budget", "abc", code=2),
+    cli("window-not-int", r"Invalid value for '--window'", *G, "--window", "x", code=2),
+    cli("max-new-tokens-float", r"Invalid value for '--max-new-tokens'", *G, "--max-new-tokens", "1.5", code=2),
+    cli("threads-not-int", r"Invalid value for '--threads'", "--threads", "abc", "methods", code=2),
+    cli("unknown-option", r"No such option: --budgit", *G, "--budgit", "3", code=2),
+    cli("eval-samples-not-int", r"Invalid value for '--samples'", *E, "--samples", "two", code=2),
+    # -- methods and parameters (checked before any model loads) -----------------------------------------------
+    cli("unknown-method", r"unknown method 'snapk'\. Did you mean snapkv", *G, "--method", "snapk"),
+    cli("numeric-method", r"unknown method '123'", *G, "--method", "123"),
+    cli("compare-unknown", r"unknown method 'fulll'", *G, "--compare", "fulll"),
+    cli("param-no-equals", r"--param takes KEY=VALUE, got 'rank'", *G, "-p", "rank"),
+    cli("param-no-key", r"--param takes KEY=VALUE, got '=3'", *G, "-p", "=3"),
+    cli("param-unknown", r"takes no parameter 'rank'; it takes", *G, "--method", "snapkv", "-p", "rank=3"),
+    cli("param-yaml-list", r"--param 'sinks=\[1': the value is not a valid YAML scalar", *G, "-p", "sinks=[1"),
+    cli("param-yaml-brace", r"--param 'sinks=\{a': the value is not a valid YAML scalar", *G, "-p", "sinks={{a"),
+    cli("param-bool-maybe", r"parameter sample must be true or false, got 'maybe'", *G, "-p", "sample=maybe"),
+    cli("param-bool-int", r"parameter protect_sinks must be true or false, got 2", *G, "-p", "protect_sinks=2"),
+    cli("param-int-float", r"parameter n_large must be an integer \(or unset\), got 1.5", *G, "-p", "n_large=1.5"),
+    cli("param-int-str", r"parameter sinks must be an integer, got 'abc'", *G, "-p", "sinks=abc"),
+    cli("param-int-bool", r"parameter sinks must be an integer, got True", *G, "-p", "sinks=true"),
+    cli("param-negative", r"sinks must be >= 0, got -1", *G, "-p", "sinks=-1"),
+    cli("param-n-large-negative", r"n_large must be >= 0, got -3", *G, "-p", "n_large=-3"),
+    cli("param-guard-range", r"value_guard is a fraction of the budget in \[0, 1\), got 1.5", *G, "-p",
+        "value_guard=1.5"),
+    cli("param-guard-str", r"parameter value_guard must be a number, got 'abc'", *G, "-p", "value_guard=abc"),
+    cli("param-guard-nan", r"parameter value_guard must be a finite number, got nan", *G, "-p", "value_guard=.nan"),
+    cli("param-metric", r"unknown value metric 'max': use one of range, l2, var", *G, "-p", "metric=max"),
+    cli("param-metric-int", r"parameter metric must be a string, got 3", *G, "-p", "metric=3"),
+    cli("param-temperature", r"temperature must be > 0, got 0", *G, "--method", "snapkv", "-p", "temperature=0"),
+    cli("param-kernel-even", r"smooth_kernel must be an odd number", *G, "--method", "snapkv", "-p",
+        "smooth_kernel=4"),
+    cli("param-rkv-lambda", r"rkv_lambda must be in \[0, 1\], got 2", *G, "--method", "rkv", "-p", "rkv_lambda=2"),
+    cli("param-rank-zero", r"rank must be >= 1, got 0", *G, "--method", "vase-dkv", "-p", "rank=0"),
+    cli("param-rank-float", r"parameter rank must be an integer, got 2.5", *G, "--method", "vase-dkv", "-p",
+        "rank=2.5"),
+    # -- budget, window, sampling (before any model loads) ------------------------------------------------------
+    cli("budget-below-window", r"budget \(20\) must be larger than window \+ protected sinks \(64 \+ 4\)", *G,
+        "--budget", "20"),
+    cli("budget-equals-window", r"budget \(64\) must be larger than window", *G, "--budget", "64", "--method",
+        "snapkv"),
+    cli("budget-zero", r"budget must be a positive number of tokens, got 0", *G, "--budget", "0"),
+    cli("window-zero", r"window must be a positive number of tokens, got 0", *G, "--window", "0"),
+    cli("window-negative", r"window must be a positive number of tokens, got -5", *G, "--window", "-5"),
+    cli("compare-budget", r"budget \(66\) must be larger than window \+ protected sinks \(64 \+ 4\)", *G, "--method",
+        "snapkv", "--budget", "66", "--compare", "vase-attnv"),
+    cli("top-k-zero", r"top_k must be >= 1 \(or None for no top-k\), got 0", *G, "--top-k", "0"),
+    cli("top-k-negative", r"top_k must be >= 1 .*got -1", *G, "--top-k", "-1"),
+    cli("top-p-zero", r"top_p must be in \(0, 1\], got 0", *G, "--top-p", "0"),
+    cli("top-p-big", r"top_p must be in \(0, 1\], got 1.5", *G, "--top-p", "1.5"),
+    cli("temperature-zero", r"temperature must be > 0 \(or greedy=True for argmax\), got 0", *G, "--temperature",
+        "0"),
+    cli("temperature-negative", r"temperature must be > 0 .*got -1", *G, "--temperature", "-1"),
+    cli("max-new-tokens-zero", r"max_new_tokens must be >= 1, got 0", *G, "--max-new-tokens", "0"),
+    cli("batch-size-zero", r"--batch-size must be >= 1", *G, "--batch-size", "0"),
+    cli("engine-unknown", r"unknown --engine 'foo': use transformers or vllm", *G, "--engine", "foo"),
+    cli("bench-budget", r"budget \(20\) must be larger than window", "bench", "--budgets", "20", "--window", "64"),
+    cli("bench-budgets-list", r"expected a comma-separated list of ints, got '12x'", "bench", "--budgets", "12x"),
+    cli("inspect-budget", r"budget \(10\) must be larger than window", "inspect", "hi", "--budget", "10"),
+    # -- prompts ----------------------------------------------------------------------------------------------------
+    cli("no-prompt", r"give a PROMPT, or --file F", "generate"),
+    cli("prompt-and-file", r"give a PROMPT or --file, not both", *G, "--file", "{root}/empty.txt"),
+    cli("prompt-file-missing", r"no such prompt file: /nonexistent/prompts.txt", "generate", "--file",
+        "/nonexistent/prompts.txt"),
+    cli("prompt-file-dir", r"no such prompt file: .*no-config", "generate", "--file", "{root}/no-config"),
+    cli("prompt-file-empty", r"no prompts found \(one prompt per line\)", "generate", "--file", "{root}/empty.txt"),
+    cli("prompt-file-latin1", r"latin1.txt: line 2 is not UTF-8 text .*save the file as UTF-8", "generate", "--file",
+        "{root}/latin1.txt"),
+    cli("stdin-latin1", r"the prompts on stdin are not UTF-8 text", "generate", "-", stdin=b"ok\ncaf\xe9\n"),
+    cli("stdin-empty", r"no prompts found", "generate", "-", stdin=b"\n\n"),
+    cli("empty-prompt-no-chat", r"an empty prompt with --no-chat gives the model nothing", "generate", "",
+        "--no-chat"),
+    cli("empty-prompt-no-template", r"prompt 0 \(''\) encodes to no tokens", "generate", "", "--model", "{plain}",
+        "--budget", "24", "--window", "8"),
+    # -- models (one line, the path and the fix) ------------------------------------------------------------------
+    cli("model-missing", r"no such file or directory: /nonexistent/model", *G, "--model", "/nonexistent/model"),
+    cli("model-not-gguf", r"notes.txt is a file but not a .gguf file", *G, "--model", "{root}/notes.txt"),
+    cli("model-no-config", r"is not a transformers model directory: no config.json", *G, "--model",
+        "{root}/no-config"),
+    cli("model-garbage-gguf", r"could not read the GGUF file .*garbage.gguf", *G, "--model", "{root}/garbage.gguf"),
+    cli("model-truncated-gguf", r"truncated.gguf.*looks truncated or damaged: download it again", *G, "--model",
+        "{truncated}"),
+    cli("dtype-unknown", r"unknown dtype 'float64': use 'auto', 'float32'", *G, "--model", "{plain}", "--dtype",
+        "float64"),
+    cli("device-unknown", r"unknown device 'tpu': use 'cpu', 'cuda' or 'auto'", *G, "--device", "tpu"),
+    cli("device-no-cuda", r"device 'cuda' was asked for but CUDA is not available", *G, "--device", "cuda"),
+    cli("attn-unknown", r"unknown attn_implementation 'flash'", *G, "--attn", "flash"),
+    cli("attn-flash-cpu", r"flash_attention_2.*(flash-attn package|CUDA device)", *G, "--attn", "flash_attention_2"),
+    # -- vase eval: settings ----------------------------------------------------------------------------------------
+    cli("eval-unknown-method", r"unknown method 'snapk'", *E, "--methods", "snapk"),
+    cli("eval-budgets-list", r"expected a comma-separated list of ints, got '12x'", *E, "--budgets", "12x"),
+    cli("eval-budget-window", r"budget 20 must be larger than window \+ 4 sinks \(64 \+ 4\)", *E, "--budgets", "20"),
+    cli("eval-budget-twice", r"budgets lists a budget twice: \[128, 128\]", *E, "--budgets", "128,128"),
+    cli("eval-method-twice", r"methods lists a method twice", *E, "--methods", "snapkv,snapkv", "--budgets", "128"),
+    cli("eval-samples-zero", r"samples must be >= 1, got 0", *E, "--samples", "0"),
+    cli("eval-limit-zero", r"limit must be >= 1 \(or unset", *E, "--limit", "0"),
+    cli("eval-max-new-zero", r"max_new_tokens must be >= 1, got 0", *E, "--max-new-tokens", "0"),
+    cli("eval-temperature", r"temperature must be > 0 \(or set greedy\), got 0", *E, "--temperature", "0"),
+    cli("eval-top-p", r"top_p must be in \(0, 1\], got 2", *E, "--top-p", "2"),
+    cli("eval-batch-zero", r"batch_size must be >= 1, got 0", *E, "--batch-size", "0"),
+    cli("eval-dtype", r"dtype must be one of auto, float32.*got 'float64'", *E, "--dtype", "float64"),
+    cli("eval-attn", r"attn_implementation must be one of sdpa, eager, flash_attention_2, got 'flash'", *E,
+        "--attn", "flash"),
+    cli("eval-param-type", r"method 'vase-attnv': bad parameters .*parameter sample must be true or false, got "
+        r"'maybe'", *E, "--methods", "vase-attnv", "--budgets", "128", "-p", "sample=maybe"),
+    cli("eval-param-yaml", r"--param 'n_large=\[1': the value is not a valid YAML scalar", *E, "-p", "n_large=[1"),
+    cli("eval-unknown-task", r"unknown task 'nope': choose one of", *E, "--task", "nope", "--budgets", "128"),
+    cli("eval-task-file-missing", r"task file not found: /nonexistent.jsonl", *E, "--task-file", "/nonexistent.jsonl",
+        "--budgets", "128"),
+    cli("eval-task-file-latin1", r"latin1.jsonl: line 2 is not UTF-8 text .*save the file as UTF-8", *E,
+        "--task-file", "{root}/latin1.jsonl", "--question-field", "q", "--answer-field", "a", "--budgets", "128"),
+    cli("eval-task-file-json", r"badjson.jsonl: line 2 is not valid JSON", *E, "--task-file", "{root}/badjson.jsonl",
+        "--question-field", "q", "--answer-field", "a", "--budgets", "128"),
+    cli("eval-device-cuda", r"device 'cuda' was asked for but CUDA is not available", *E, "--budgets", "128",
+        "--device", "cuda"),
+    cli("eval-output-dir-file", r"Not a directory: .*notes.txt", "eval", "--output-dir", "{root}/notes.txt",
+        "--budgets", "128"),
+    cli("eval-fidelity-vllm", r"fidelity \(teacher forcing\) runs on the transformers engine only", *E, "--budgets",
+        "128", "--fidelity", "--engine", "vllm"),
+    # -- vase eval: config files --------------------------------------------------------------------------------------
+    cli("config-missing", r"config file not found: /nonexistent.yaml", *E, "-c", "/nonexistent.yaml"),
+    cli("config-bad-yaml", r"cannot read config file .*bad.yaml", *E, "-c", "{root}/bad.yaml"),
+    cli("config-bad-toml", r"cannot read config file .*bad.toml", *E, "-c", "{root}/bad.toml"),
+    cli("config-bad-json", r"cannot read config file .*bad.json", *E, "-c", "{root}/bad.json"),
+    cli("config-list", r"must hold a table of settings, got list", *E, "-c", "{root}/list.yaml"),
+    cli("config-suffix", r"must end in .toml, .yaml, .yml or .json", *E, "-c", "{root}/c.txt"),
+    cli("config-typo", r"unknown setting 'limt' \(did you mean 'limit'\?\)", *E, "-c", "{root}/typo.yaml"),
+    cli("config-latin1", r"latin1.yaml: line 2 is not UTF-8 text", *E, "-c", "{root}/latin1.yaml"),
+    cli("config-name-traversal", r"name must be one folder name .*got '../../x'", *E, "-c",
+        "{root}/traversal.yaml"),
+    cli("config-name-slash", r"name must be one folder name .*got 'a/b'", *E, "-c", "{root}/slash.yaml"),
+    cli("config-name-dots", r"name must be one folder name .*got '..'", *E, "-c", "{root}/dots.yaml"),
+    cli("config-method-params", r"method_params names 'snapkv', which is not in methods", *E, "-c",
+        "{root}/params.yaml"),
+    cli("config-budgets-str", r"budgets must be integers, got 'abc'", *E, "-c", "{root}/budgets.yaml"),
+    cli("config-limit-str", r"limit must be int, got 'abc'", *E, "-c", "{root}/limit.yaml"),
+    cli("config-greedy-str", r"greedy must be bool, got 'maybe'", *E, "-c", "{root}/greedy.yaml"),
+    cli("config-method-params-list", r"method_params must map a method label to its parameters", *E, "-c",
+        "{root}/mp.yaml"),
+    # -- vase eval: the run folder --------------------------------------------------------------------------------------
+    cli("run-config-list", r"config.json is not a vase run config \(a JSON list", *E, "-c", "{tmp}/named.yaml",
+        setup=lambda ctx: ((ctx["tmp"] / "named.yaml").write_text("name: r\nbudgets: [128]\nlimit: 2\n"),
+                           _write_run(ctx["tmp"] / "runs", "r", "[1, 2]"))),
+    cli("run-other-settings", r"already holds a run with different settings .*never overwritten", *E, "-c",
+        "{tmp}/named.yaml",
+        setup=lambda ctx: ((ctx["tmp"] / "named.yaml").write_text("name: r\nbudgets: [128]\nlimit: 2\n"),
+                           _write_run(ctx["tmp"] / "runs", "r", json.dumps({"identity": {"limit": 3}}))),
+        check=lambda ctx: json.loads((ctx["tmp"] / "runs" / "r" / "config.json").read_text()) == {
+            "identity": {"limit": 3}}),
+    cli("run-interrupted", r"^vase: interrupted; every finished sample is saved: run the same command again to "
+        r"resume$", *EVAL_TINY, code=130, setup=_setup_interrupt, check=_check_interrupt),
+    cli("run-folder-deleted", r"samples.rank0.jsonl was deleted or moved while this run was writing to it", *EVAL_TINY,
+        setup=_setup_delete),
+    cli("run-summary-fails", r"writing the summary of .* failed \(OSError: .*No space left on device\); the results "
+        r"are safe", *EVAL_TINY, setup=_setup_summary_fails, check=_check_no_summary),
+    # -- vase summarize -------------------------------------------------------------------------------------------------
+    cli("summarize-missing", r"no such run folder: /nonexistent/run", "summarize", "/nonexistent/run"),
+    cli("summarize-empty", r"holds no samples.rank\*.jsonl records yet", "summarize", "{root}/no-config"),
+    cli("summarize-missing-fields", r"record 2 lacks the field\(s\) 'method', 'budget', 'sample'", "summarize",
+        "{tmp}/run", setup=lambda ctx: _samples(ctx, [GOOD, '{"problem_id": "p1"}'])),
+    cli("summarize-corrupt-line", r"line 2 is not a valid record .*the file is corrupt: remove that line", "summarize",
+        "{tmp}/run", setup=lambda ctx: _samples(ctx, [GOOD, "{oops", GOOD])),
+    cli("summarize-not-object", r"line 1 is not a valid record \(not a JSON object\)", "summarize", "{tmp}/run",
+        setup=lambda ctx: _samples(ctx, ["[1, 2]", GOOD])),
+    # -- the Python API: types at the door -------------------------------------------------------------------------------
+    api("cache-budget-str", r"^budget must be an integer, got 'abc' \(str\)$", lambda c: cache(c, budget="abc"),
+        TypeError),
+    api("cache-budget-float", r"^budget must be an integer, got 40.5 \(float\)$", lambda c: cache(c, budget=40.5),
+        TypeError),
+    api("cache-budget-bool", r"^budget must be an integer, got True", lambda c: cache(c, budget=True), TypeError),
+    api("cache-method-int", r"^method must be a method name .* got 123 \(int\)$", lambda c: cache(c, method=123),
+        TypeError),
+    api("cache-method-none", r"^method must be a method name .* got None", lambda c: cache(c, method=None), TypeError),
+    api("cache-window-zero", r"window must be a positive number of tokens, got 0", lambda c: cache(c, window=0),
+        ValueError),
+    api("cache-window-str", r"window must be an integer, got '8'", lambda c: cache(c, window="8"), TypeError),
+    api("cache-budget-small", r"budget \(12\) must be larger than window \+ protected sinks \(12 \+ 0\)",
+        lambda c: cache(c, budget=12, window=12), ValueError),
+    api("cache-unknown-method", r"unknown method 'snapk'", lambda c: cache(c, method="snapk"),
+        UnknownMethodError),
+    api("cache-unknown-param", r"takes no parameter 'rank'", lambda c: cache(c, rank=3), UnknownMethodError),
+    api("cache-param-type", r"parameter sample must be true or false, got 'yes'", lambda c: cache(c, sample="yes"),
+        (TypeError, ValueError)),
+    api("cache-second-generate", r"already holds a generation .*one-shot.*cache.reset\(\)", _second_generate,
+        EvictedStateError),
+    api("cache-crop", r"cannot be cropped: evicted tokens cannot be restored", _crop, EvictedStateError),
+    api("generate-prompts-none", r"^prompts must be a string or a list of strings, got None", lambda c: gen(c, None),
+        TypeError),
+    api("generate-prompts-int", r"prompts must be a string or a list of strings, got 5", lambda c: gen(c, 5),
+        TypeError),
+    api("generate-prompts-empty", r"prompts is empty", lambda c: gen(c, []), ValueError),
+    api("generate-prompt-item", r"prompts\[1\] must be a string, got None", lambda c: gen(c, ["a", None]),
+        TypeError),
+    api("generate-top-k-negative", r"top_k must be >= 1 .*got -1", lambda c: gen(c, "a", top_k=-1), ValueError),
+    api("generate-top-k-float", r"top_k must be an integer, got 2.5", lambda c: gen(c, "a", top_k=2.5), TypeError),
+    api("generate-top-p", r"top_p must be in \(0, 1\], got 0", lambda c: gen(c, "a", top_p=0), ValueError),
+    api("generate-temperature-str", r"temperature must be a finite number, got 'hot'",
+        lambda c: gen(c, "a", temperature="hot"), TypeError),
+    api("generate-max-new-zero", r"max_new_tokens must be >= 1, got 0", lambda c: gen(c, "a", max_new_tokens=0),
+        ValueError),
+    api("generate-seed-count", r"seed lists 2 seeds for 1 prompts", lambda c: gen(c, "a", seed=[1, 2]), ValueError),
+    api("generate-seed-str", r"seed must be an integer, got 'x'", lambda c: gen(c, "a", seed="x"), TypeError),
+    api("generate-greedy-str", r"greedy must be True or False, got 'yes'", lambda c: gen(c, "a", greedy="yes"),
+        TypeError),
+    api("generate-empty-prompt", r"prompt 1 \(''\) encodes to no tokens", lambda c: gen(c, ["abc", ""]), ValueError),
+    api("generate-budget-float", r"budget must be an integer, got 40.5", lambda c: gen(c, "a", budget=40.5),
+        TypeError),
+    api("generate-param", r"parameter n_large must be an integer \(or unset\), got 1.5",
+        lambda c: gen(c, "a", n_large=1.5), (TypeError, ValueError)),
+    api("policy-param-bool", r"parameter sinks must be an integer, got True",
+        lambda c: get_policy("vase-attnv", sinks=True), (TypeError, ValueError)),
+    # -- the eval config, the store and the model cache from Python -------------------------------------------------------
+    api("api-config-name-traversal", r"name must be one folder name", lambda c: EvalConfig(
+        name="../../x", budgets=[128]), ConfigError),
+    api("config-budgets", r"budgets must be integers", lambda c: EvalConfig(budgets=["abc"]),
+        ConfigError),
+    api("store-locked", r"is being written by another process", _store_locked, StoreError),
+    api("store-deleted", r"was deleted or moved while this run was writing to it", _store_deleted,
+        StoreError),
+    api("store-file-too-large", r"cannot write to .*samples.rank0.jsonl: File too large", _store_efbig,
+        StoreError, check=_check_store_kept_first),
+    api("load-missing", r"no such file or directory: /nonexistent", lambda c: load_model("/nonexistent"),
+        ModelLoadError),
+    api("load-dtype", r"unknown dtype 'int8'", lambda c: load_model(c["plain"], dtype="int8"),
+        ModelLoadError),
+    api("fingerprint-missing", r"no such file or directory: /nonexistent",
+        lambda c: model_fingerprint("/nonexistent"), ModelLoadError),
+]
+
+
+# ----------------------------------------------------------------------------- the test
+
+
+def run_cli(argv: list[str], ctx: dict, stdin: bytes | None = None) -> tuple[int, str, str]:
+    capsys, monkeypatch = ctx["capsys"], ctx["monkeypatch"]
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
+    capsys.readouterr()
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_table_has_every_case():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 95
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, world, tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may land in the repository (e.g. runs/)
+    monkeypatch.setenv("VASE_CACHE_DIR", str(tmp_path / "cache"))
+    ctx = {**world, "tmp": tmp_path, "tiny": tiny, "capsys": capsys, "monkeypatch": monkeypatch}
+    if case.setup is not None:
+        case.setup(ctx)
+    if case.argv is not None:
+        argv = [a.format(**ctx) for a in case.argv]
+        code, out, err = run_cli(argv, ctx, case.stdin)
+        lines = err.strip().splitlines()
+        assert code == case.code, (code, err)
+        assert "Traceback" not in out + err
+        assert len(lines) == 1, err  # one line, nothing else on stderr
+        assert lines[0].startswith(("vase: error: ", "vase: interrupted")), lines[0]
+        assert re.search(case.expect, lines[0]), lines[0]
+        assert "results:" not in out  # never reports a result it did not produce
+    else:
+        with pytest.raises(case.error) as info:
+            case.api(ctx)
+        message = str(info.value)
+        assert len(message.strip().splitlines()) == 1, message
+        assert re.search(case.expect, message), message
+    if case.check is not None:
+        assert case.check(ctx) is not False
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        main(["generate", "hi", "--top-k", "0", "--debug"])
