@@ -421,6 +421,10 @@ class EvictionCache(Cache):
     seed:        one seed, or one per batch row; row r of an int seed uses seed + r.
     sort_kept:   store kept tokens in position order instead of the policy's order.
     max_length:  prompt + new tokens, to preallocate the `full` cache once.
+    kv_bits:     16 (full precision), or 8 / 4 / 2: tokens leaving the window are stored as packed
+                 codes, except the `quant_guard` old tokens per KV head ranked first by the value
+                 guard's ranking (sinks first); quant_group, quant_select ("value" or "random"),
+                 flush_every, quant_key_scale: see `vase.quant_cache` and docs/quantization.md.
     Remaining keyword arguments are the method's parameters.
 
     Building it installs vase's attention function on `model` (see `vase.attention.install`).
