@@ -1,0 +1,101 @@
+"""The vLLM plugin's overhead and memory, on the embedded model (CPU build of vLLM 0.32).
+
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_plugin.py --rounds 3 --tokens 256 --batch 4
+
+1. Hook overhead: decode tok/s of stock vLLM vs the plugin with B so large that nothing evicts
+   (query capture, schedule bookkeeping, physical slot mapping), the two engines alternating
+   within one process so machine load hits both alike; ratio per round and its median.
+2. Blocks held over time: one request decoding `--long` tokens with vase-attnv B=128, w=32,
+   read from vLLM's KV cache manager after each step, against stock vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # to read the KV cache manager
+
+
+def make(path, vase, block_size, pool_bytes, max_len):
+    from vllm import LLM
+
+    return LLM(model=path, max_model_len=max_len, kv_cache_memory_bytes=pool_bytes, block_size=block_size,
+               enforce_eager=True, dtype="float32", seed=0, additional_config=vase or {})
+
+
+def prompts(n, length):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(300, 9000, (length,), generator=g).tolist()} for _ in range(n)]
+
+
+def tok_s(llm, batch, tokens):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    out = llm.generate(prompts(batch, 32), params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return sum(len(o.outputs[0].token_ids) for o in out) / dt
+
+
+def blocks_over_time(llm, n_tokens, every):
+    from vllm import SamplingParams
+
+    llm.llm_engine.add_request("long", prompts(1, 32)[0], SamplingParams(max_tokens=n_tokens, temperature=0.0,
+                                                                          ignore_eos=True))
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    series, step = [], 0
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+        step += 1
+        for rid, blocks in manager.req_to_blocks.items():
+            if step % every == 0:
+                series.append((step, len(blocks)))
+    return series
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--long", type=int, default=1000)
+    ap.add_argument("--block-size", type=int, default=32)
+    args = ap.parse_args()
+
+    from vase.models import model_dir
+    from vase.vllm import additional_config
+
+    path = model_dir()
+    pool = 256 << 20
+    max_len = max(args.tokens, args.long) + 64
+    stock = make(path, None, args.block_size, pool, max_len)
+    plugin = make(path, additional_config("snapkv", 4096, 64), args.block_size, pool, max_len)
+    tok_s(stock, 1, 8), tok_s(plugin, 1, 8)  # warm-up
+    ratios = []
+    for r in range(args.rounds):
+        a, b = tok_s(stock, args.batch, args.tokens), tok_s(plugin, args.batch, args.tokens)
+        ratios.append(b / a)
+        print(f"round {r}: stock {a:.2f} tok/s, plugin (no eviction) {b:.2f} tok/s, ratio {b / a:.3f}", flush=True)
+    print(f"hook overhead: median plugin/stock tok/s ratio {statistics.median(ratios):.3f} "
+          f"(batch {args.batch}, {args.tokens} new tokens, {args.rounds} rounds)")
+    evicting = make(path, additional_config("vase-attnv", 128, 32), args.block_size, pool, max_len)
+    every = 50
+    theirs = dict(blocks_over_time(stock, args.long, every))
+    ours = dict(blocks_over_time(evicting, args.long, every))
+    print(f"blocks held (block size {args.block_size}), vase-attnv B=128 w=32 vs stock, one request, "
+          f"{args.long} tokens:")
+    print("step  stock  vase")
+    for step in sorted(ours):
+        print(f"{step:4d}  {theirs.get(step, '-'):>5}  {ours[step]:>4}")
+
+
+if __name__ == "__main__":
+    main()
