@@ -28,6 +28,11 @@ def test_pool_bytes_holds_whole_requests_plus_the_null_block():
     assert pool_bytes(0.25 * 16, 128, 2048, 128, bpt) == (4 * 17 + 1) * 128 * bpt
 
 
+def test_pool_smaller_than_one_request_is_refused():
+    with pytest.raises(ValueError, match="at least one request"):
+        pool_bytes(0.5, 32, 96, 32, 46080)
+
+
 def test_time_mean_weights_each_value_by_how_long_it_held():
     assert _time_mean([0.0, 1.0, 3.0], [4, 2, 0], 4.0) == pytest.approx((4 * 1 + 2 * 2 + 0 * 1) / 4)
     assert _time_mean([], [], 1.0) == 0.0
@@ -63,6 +68,25 @@ def rows():
     got = run_vllm_bench(None, ["vase-attnv"], [B], n_requests=N, new_tokens=NEW, prompt_len=PROMPT, window=W,
                          pool_requests=2, block_size=BS, log=lambda *a: None)
     return {r.method: r for r in got}
+
+
+@needs_vllm
+def test_gpu_script_runs_tiny_on_cpu(tmp_path, rows):
+    """benchmarks/gpu_vllm_bench.py at toy size: random weights from a config-only folder (vLLM's dummy loader)."""
+    import importlib.util as iu
+    from pathlib import Path
+
+    spec = iu.spec_from_file_location("gpu_vllm_bench", Path(__file__).parents[1] / "benchmarks" / "gpu_vllm_bench.py")
+    script = iu.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rc = script.main(["--shape", "smollm2-135m", "--num-layers", "2", "--requests", "4", "--new-tokens", "48",
+                      "--prompt", "16", "--budgets", "40", "--window", "8", "--block-size", "32", "--regimes", "tight",
+                      "--out", str(tmp_path)])
+    assert rc == 0
+    table = list(csv.DictReader((tmp_path / "vllm_bench.csv").open()))
+    assert [r["method"] for r in table] == ["full", "vase-attnv"]
+    assert all(int(r["output_tokens"]) == 4 * 48 for r in table)
+    assert (tmp_path / "vllm_bench.png").is_file() and (tmp_path / "meta.json").is_file()
 
 
 @needs_vllm

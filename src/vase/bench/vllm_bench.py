@@ -100,6 +100,9 @@ def kv_geometry(model_path: str, dtype: str) -> tuple[int, int]:
 def pool_bytes(pool_requests: float, prompt_len: int, new_tokens: int, block_size: int, bytes_per_token: int) -> int:
     """``kv_cache_memory_bytes`` for a pool that holds ``pool_requests`` requests at full length (whole blocks),
     plus the null block vLLM reserves."""
+    if pool_requests < 1:
+        raise ValueError(f"the KV pool must hold at least one request at full length (vLLM refuses less), got "
+                         f"{pool_requests}: raise --pool-requests")
     blocks = math.floor(pool_requests * _cdiv(prompt_len + new_tokens, block_size)) + 1
     return blocks * block_size * bytes_per_token
 
@@ -270,7 +273,7 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(n_requests)]
     plan = ({"custom": pool_requests} if pool_requests is not None
-            else {r: REGIMES[r] * n_requests for r in regimes})
+            else {r: max(1.0, REGIMES[r] * n_requests) for r in regimes})  # vLLM needs one whole request
     rows: list[VllmBenchRow] = []
     for regime, held in plan.items():
         kv = pool_bytes(held, prompt_len, new_tokens, bs, bpt)
