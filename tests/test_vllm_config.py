@@ -48,3 +48,13 @@ def test_request_stats_follow_the_schedule():
     # A prompt longer than B is kept whole until the first eviction.
     assert request_stats(cfg, 300, 20, bs).stored_tokens == 319
     assert request_stats(cfg, 300, 34, bs).stored_tokens == 129
+
+
+def test_other_vllm_versions_are_refused():
+    from vase.vllm.plugin import check_vllm_version
+
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.3")
+    for version in ("0.33.0", "0.31.2", "0.320.0", "1.0.0"):
+        with pytest.raises(VaseConfigError, match=f"supports vLLM 0.32.x, found {version}"):
+            check_vllm_version(version)

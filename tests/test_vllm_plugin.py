@@ -306,3 +306,17 @@ def test_default_multiprocess_engine_matches_in_process(snap, model_path, tmp_pa
     theirs = json.loads(lines[-1][len("RESULT "):])
     ours = snap.generate([{"prompt_token_ids": ids}], greedy(120))[0].outputs[0].token_ids
     assert theirs == list(ours)
+
+
+def test_vase_generate_engine_vllm_prints_the_summary_line():
+    """`vase generate --engine vllm` (a child process, the default engine path of vase.eval's vLLM engine)."""
+    import re
+
+    cmd = [sys.executable, "-m", "vase.cli", "generate", "What is 17 * 23?", "--engine", "vllm", "--method", "snapkv",
+           "--budget", "16", "--window", "4", "--max-new-tokens", "40", "--greedy"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = re.search(r"snapkv: (\d+) tokens, [\d.]+ tok/s, (\d+) evictions, KV held [\d.]+ \w+ vs [\d.]+ \w+ full",
+                     proc.stdout)
+    assert line, proc.stdout[-2000:]
+    assert int(line.group(1)) > 6 and int(line.group(2)) >= 1  # a long chat prompt with B=16 evicts early
