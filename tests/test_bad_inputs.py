@@ -331,6 +331,8 @@ CASES: list[Case] = [
     cli("bench-budget", r"budget \(20\) must be larger than window", "bench", "--budgets", "20", "--window", "64"),
     cli("bench-budgets-list", r"expected a comma-separated list of ints, got '12x'", "bench", "--budgets", "12x"),
     cli("inspect-budget", r"budget \(10\) must be larger than window", "inspect", "hi", "--budget", "10"),
+    cli("randomness-budget", r"budget \(18\) must be larger than window \+ protected sinks \(16 \+ 4\)", "analyze",
+        "randomness", "--budget", "18", "--window", "16"),
     # -- prompts ----------------------------------------------------------------------------------------------------
     cli("no-prompt", r"give a PROMPT, or --file F", "generate"),
     cli("prompt-and-file", r"give a PROMPT or --file, not both", *G, "--file", "{root}/empty.txt"),
@@ -554,3 +556,20 @@ def test_bad_input(case: Case, world, tiny, tmp_path, capsys, monkeypatch):
 def test_debug_shows_the_traceback(capsys):
     with pytest.raises(ValueError, match="top_k must be >= 1"):
         main(["generate", "hi", "--top-k", "0", "--debug"])
+
+
+def test_reset_makes_a_filled_cache_reusable(tiny):
+    """The documented way to reuse a cache: reset() gives exactly what a fresh cache gives."""
+    model, tok = tiny
+    enc = tok(["hello world, hello"], return_tensors="pt")
+    kw = dict(max_new_tokens=40, do_sample=False)
+    c = vase.EvictionCache(model, method="vase-attnv", budget=24, window=8, seed=3)
+    first = model.generate(**enc, cache=c, **kw)
+    assert c.stats()["evictions"] > 0
+    with pytest.raises(EvictedStateError, match="one-shot"):
+        model.generate(**enc, cache=c, **kw)
+    c.reset()
+    again = model.generate(**enc, cache=c, **kw)
+    fresh = model.generate(**enc, cache=vase.EvictionCache(model, method="vase-attnv", budget=24, window=8, seed=3),
+                           **kw)
+    assert torch.equal(again, first) and torch.equal(fresh, first)

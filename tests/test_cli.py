@@ -113,3 +113,38 @@ def test_prompts_from_stdin_are_batched(model_dir, capsys, monkeypatch):
 def test_console_script_is_installed():
     result = subprocess.run([sys.executable, "-m", "vase.cli", "methods"], capture_output=True, text=True)
     assert result.returncode == 0 and "vase-attnv" in result.stdout
+
+
+def test_ctrl_c_during_eval_says_how_to_resume(tmp_path):
+    """A real SIGINT to `vase eval`: one line saying the same command resumes, exit 130, samples kept."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from tests.helpers_tiny import tiny_model_and_tokenizer
+    from vase.eval.store import read_all
+
+    model, tok = tiny_model_and_tokenizer()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    argv = [sys.executable, "-m", "vase.cli", "--threads", "1", "eval", "--model", str(tmp_path / "model"), "--task",
+            "arith", "--limit", "40", "--methods", "snapkv", "--budgets", "24", "--window", "8", "--max-new-tokens",
+            "40", "--batch-size", "1", "--device", "cpu", "--output-dir", str(tmp_path / "runs")]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:  # wait for the first finished sample
+        files = list((tmp_path / "runs").glob("*/samples.rank0.jsonl"))
+        if files and files[0].stat().st_size > 0:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == ("vase: interrupted; every finished sample is saved: run the same "
+                                            "command again to resume")
+    assert "Traceback" not in err
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert 0 < len(read_all(run_dir)) < 40 * 2  # what finished is there, and the run really was cut short

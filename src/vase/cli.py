@@ -560,6 +560,7 @@ def analyze_randomness(
     from .analysis.randomness import print_report, run_randomness
     from .analysis.sweep import task_prompts
 
+    checked_params(["snapkv", "vase-attnv"], None, budgets=[budget], window=window)  # before the model loads
     prompts = task_prompts(task, data_dir=data_dir, limit=limit)
     mdl, tok = load(model, dtype, device, attn)
     report = run_randomness(mdl, tok, prompts, out, budget=budget, window=window, seeds=seeds,
@@ -645,7 +646,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _interrupted_line(args: list[str]) -> str:
     """What Ctrl-C prints: `vase eval` keeps every finished sample, so the same command resumes."""
-    if "eval" in args[:1]:
+    rest = list(args)
+    while rest and rest[0].startswith("-"):  # global options before the command (--threads N)
+        rest = rest[2:] if rest[0] == "--threads" else rest[1:]
+    if rest[:1] == ["eval"]:
         return "vase: interrupted; every finished sample is saved: run the same command again to resume"
     return "vase: interrupted"
 
