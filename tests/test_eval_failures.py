@@ -1,124 +1,112 @@
-"""Failure classes on crafted completions, including the boundaries of each rule."""
+"""Failure classes: the rules on hand-made edge cases, and the confusion counts on a labelled fixture.
+
+tests/fixtures/failures.jsonl holds constructed completions (``source: constructed``) and real ones
+from runs of the embedded SmolLM2-135M (``source: real ...``), each labelled by hand.
+"""
 
 from __future__ import annotations
 
-import random
-import time
+import json
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from vase.eval.failures import (
     FAILURE_CLASSES,
     classify_failure,
-    has_phrase_loop,
+    has_loop,
     is_garbage,
+    is_truncated,
+    loop_start,
 )
 
+FIXTURE = Path(__file__).parent / "fixtures" / "failures.jsonl"
 
-def filler(n: int, seed: int = 0) -> str:
-    """Non-repeating lowercase ASCII text: random letters and spaces, no loops, no dominant char."""
-    rng = random.Random(seed)
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+
+def load_fixture() -> list[dict]:
+    return [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def test_classes_tuple() -> None:
     assert FAILURE_CLASSES == ("garbage", "phrase_loop", "truncated", "ok")
 
 
-def test_ok_and_filler_is_clean() -> None:
-    text = filler(2000) + " so the answer is \\boxed{42}."
+def test_fixture_confusion_counts() -> None:
+    entries = load_fixture()
+    assert len(entries) >= 30 and sum(e["source"].startswith("real") for e in entries) >= 10
+    confusion = Counter((e["label"], classify_failure(e["text"], e["hit_length_cap"])) for e in entries)
+    # (label, predicted) -> count.
+    assert dict(confusion) == EXPECTED_CONFUSION, dict(confusion)
+    assert sum(EXPECTED_CONFUSION.values()) == len(entries)
+
+
+# Measured on the 47 entries (26 constructed, 21 real). The one miss is real: "Then, we multiply 1.33 by
+# 1.33, which equals 1.33. Finally, we multiply ..." varies its first word, then leaves the loop for
+# "So, the final answer is" at the cap: neither sentence blocks nor back-to-back phrases repeat exactly.
+EXPECTED_CONFUSION = {
+    ("phrase_loop", "phrase_loop"): 8,
+    ("phrase_loop", "truncated"): 1,
+    ("ok", "ok"): 22,
+    ("truncated", "truncated"): 10,
+    ("garbage", "garbage"): 6,
+}
+
+
+def test_sentence_loop_with_changing_numbers() -> None:
+    text = "Let me count. " + " ".join(f"She has now {n} - 1 = {n - 1} cards remaining." for n in range(16, 12, -1))
+    assert has_loop(text)  # 4 copies once digits are normalised
+    three = "Let me count. " + " ".join(f"She has now {n} - 1 = {n - 1} cards remaining." for n in range(16, 13, -1))
+    assert not has_loop(three)  # a 40-character block needs 4 copies
+    assert loop_start(text) == len("Let me count. ")
+
+
+def test_long_block_needs_three_copies_and_must_reach_the_end() -> None:
+    para = "To find the total we multiply the number of boxes by the coins in each box and add the rest. "
+    assert len(para) >= 80
+    assert has_loop("Intro. " + para * 3)
+    assert not has_loop("Intro. " + para * 2)
+    assert not has_loop("Intro. " + para * 5 + "Then the answer is different, so we stop here. The answer is 4.")
+
+
+def test_loop_cut_mid_copy_by_the_cap() -> None:
+    assert has_loop("Intro. " + "We know that the red box holds 12 coins. " * 4 + "We know that the re")
+    assert has_loop("so " + "and then " * 6 + "and th")
+
+
+@pytest.mark.parametrize("text", [
+    "The matrix is\n" + "\n".join(["[0, 0, 0]"] * 10),
+    "1/3 = 0." + "3" * 200,
+    " + ".join(["1"] * 80),
+    "x = " + " + ".join(["\\frac{1}{3}"] * 8),
+    "0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0",
+])
+def test_no_false_loop_or_garbage_on_number_patterns(text: str) -> None:
     assert classify_failure(text, hit_length_cap=False) == "ok"
-    assert classify_failure("5", hit_length_cap=False) == "ok"  # short is not garbage
-    assert classify_failure("", hit_length_cap=False) == "ok"
 
 
-@pytest.mark.parametrize("n_non_ascii, expected", [(30, "ok"), (31, "garbage")])
-def test_non_ascii_boundary(n_non_ascii: int, expected: str) -> None:
-    # Interleave the non-ASCII characters with ASCII filler inside the last 100 characters.
-    chars = ["é"] * n_non_ascii + list(filler(100 - n_non_ascii, seed=1))
-    random.Random(2).shuffle(chars)
-    text = filler(300, seed=3) + "".join(chars)
-    assert sum(ord(c) > 127 for c in text[-100:]) == n_non_ascii
-    assert classify_failure(text, hit_length_cap=False) == expected
+def test_no_garbage_on_code_or_other_scripts() -> None:
+    code = "def f(x):\n" + "".join(f"        if x > {i}:\n            return g(x, {i})\n" for i in range(5))
+    assert not is_garbage(code + " " * 150)
+    assert not is_garbage("这是一个用中文写的推理过程，我们先计算每个盒子里的硬币，然后把它们加起来得到答案。" * 2)
+    assert not is_garbage("Ответ: сначала считаем монеты, потом складываем их. Итого двадцать семь монет.")
+    assert not is_garbage("Die Antwort lautet: zuerst zählen wir die Münzen, dann addieren wir. Ergebnis: 27.")
 
 
-def test_non_ascii_before_window_does_not_count() -> None:
-    text = "é" * 80 + filler(100, seed=4)
-    assert not is_garbage(text)
+def test_garbage_rules() -> None:
+    assert is_garbage("The box has " + "\ufffd" * 6)
+    assert not is_garbage("The box has " + "\ufffd" * 5)
+    assert is_garbage("x" + "жд漢字αβابكم" * 12)  # Cyrillic, CJK, Greek, Arabic mixed
+    assert is_garbage("so\n" + "####\n" * 20)  # 80 '#' of 80 non-space characters
+    assert not is_garbage("|---|---|---|\n" * 3)  # a table rule: too few to be garbage
 
 
-@pytest.mark.parametrize("count, expected", [(100, False), (101, True)])
-def test_dominant_char_boundary(count: int, expected: bool) -> None:
-    chars = ["x"] * count + list(filler(200 - count, seed=5).replace("x", "y"))
-    random.Random(6).shuffle(chars)
-    text = filler(500, seed=7) + "".join(chars)
-    assert is_garbage(text) is expected
-
-
-def test_dominant_char_is_garbage_before_loop() -> None:
-    # "!!!!" also contains a repeated 10-char unit; garbage is checked first.
-    assert classify_failure(filler(300) + "!" * 300, hit_length_cap=True) == "garbage"
-
-
-@pytest.mark.parametrize("copies, expected", [(4, "ok"), (5, "phrase_loop"), (12, "phrase_loop")])
-def test_phrase_loop_copies_boundary(copies: int, expected: str) -> None:
-    # Digits around a letters-only phrase: no rotation of the phrase extends the run.
-    phrase = "wait, so we"  # 11 characters
-    text = filler(300, seed=8) + "7" + phrase * copies + "31415926535"
-    assert classify_failure(text, hit_length_cap=False) == expected
-
-
-@pytest.mark.parametrize("unit_len, expected", [(9, False), (10, True), (40, True), (41, False)])
-def test_phrase_loop_unit_length(unit_len: int, expected: bool) -> None:
-    # A unit of all-distinct characters has no shorter period, so 5 copies of a 9-char unit
-    # (45 chars) hold no 10-40 char unit 5 times (an 18-char one would need 90 chars), and
-    # 5 copies of a 41-char unit hold none either.
-    alphabet = [chr(c) for c in range(0x21, 0x7F) if not chr(c).isdigit()]
-    unit = "".join(random.Random(unit_len).sample(alphabet, unit_len))
-    assert has_phrase_loop("0" + unit * 5 + "1") is expected
-
-
-def test_short_unit_loop_counts_when_long_enough() -> None:
-    # "ab" x 25 = 50 chars holds "ababababab" (10 chars) x 5: a loop by the definition.
-    assert has_phrase_loop("0" + "ab" * 25 + "1")
-    assert not has_phrase_loop("0" + "ab" * 24 + "1")
-
-
-def test_loop_across_lines() -> None:
-    assert has_phrase_loop(filler(100) + "Let me check.\n" * 6)
-
-
-def test_loop_outside_last_500_does_not_count() -> None:
-    loop = "Let me recompute. " * 20
-    assert classify_failure(loop + filler(500, seed=9), hit_length_cap=False) == "ok"
-    # Five whole copies reaching into the window still count.
-    assert classify_failure(loop + filler(400, seed=9), hit_length_cap=False) == "phrase_loop"
-
-
-def test_loop_wins_over_truncated() -> None:
-    text = filler(200) + "and then again " * 10
-    assert classify_failure(text, hit_length_cap=True, end_marker="</think>") == "phrase_loop"
-
-
-def test_truncated() -> None:
-    body = filler(1000, seed=10)
+def test_truncated_and_order() -> None:
+    body = "We reason about the boxes one at a time and keep going"
+    assert is_truncated(body, hit_length_cap=True)
+    assert not is_truncated(body, hit_length_cap=False)
     assert classify_failure(body, hit_length_cap=True) == "truncated"
-    assert classify_failure(body, hit_length_cap=False) == "ok"
     assert classify_failure(body, hit_length_cap=True, end_marker="</think>") == "truncated"
-    done = "<think>" + body + "</think> the answer is \\boxed{3}"
-    assert classify_failure(done, hit_length_cap=True, end_marker="</think>") == "ok"
-    assert classify_failure(body, hit_length_cap=False, end_marker="</think>") == "ok"
-
-
-def test_loop_check_is_fast() -> None:
-    # Near-loops (4 copies, then a break) at every offset are the regex's worst case.
-    rng = random.Random(11)
-    parts = []
-    while sum(map(len, parts)) < 5000:
-        unit = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(10, 40)))
-        parts.append(unit * 4 + "#")
-    text = "".join(parts)
-    t0 = time.perf_counter()
-    for _ in range(100):
-        classify_failure(text, hit_length_cap=True)
-    assert (time.perf_counter() - t0) / 100 < 0.05
+    assert classify_failure("<think>" + body + "</think> 3", hit_length_cap=True, end_marker="</think>") == "ok"
+    loop = "Intro. " + "Let me check the answer again. " * 6
+    assert classify_failure(loop, hit_length_cap=True) == "phrase_loop"  # a loop wins over truncated
