@@ -21,8 +21,11 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# The main job: the embedded recall task (a value, 3 unrelated steps, the question), greedy, B = 16, w = 8, so
+# every method evicts several times before the answer is written; then the HTML report of the run.
 eval: $(STAMP)
-	$(BIN)/vase eval --limit 6 --samples 1 --methods streamingllm,snapkv,rkv,vase-attnv,vase-dkv --budgets 64 --window 32 --max-new-tokens 192 --fidelity
+	$(BIN)/vase --threads 1 eval --task recall-3 --limit 10 --samples 1 --greedy --methods streamingllm,snapkv,rkv,vase-attnv,vase-dkv --budgets 16 --window 8 --max-new-tokens 96 --batch-size 10 --fidelity --output-dir runs/make-eval
+	$(BIN)/vase report "$$(ls -td runs/make-eval/*/ | head -1)"
 
 bench: $(STAMP)
 	$(BIN)/vase bench
