@@ -11,9 +11,9 @@ __all__ = ["MATH_SUFFIX", "GSM8K_SUFFIX", "RECALL_SUFFIX", "prompt_suffix", "bui
 # Exactly the paper's strings (ALGORITHMS.md section 7); note the newline vs the space.
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 GSM8K_SUFFIX = " Put your final answer within \\boxed{}."
-# The embedded recall task: small models do not box, but they do write "The answer is N." when asked;
-# writing the steps out first puts the answer after the first evictions.
-RECALL_SUFFIX = " First write out each step on its own line, then write 'The answer is N.'"
+# The embedded recall task: small models do not box, but they do write "The answer is N." when asked
+# (SmolLM2-135M answers 9 of 10 this way, 1 of 10 when asked to write the steps out first).
+RECALL_SUFFIX = " Reply in one sentence: 'The answer is N.'"
 
 
 def prompt_suffix(task: str) -> str:

@@ -429,10 +429,10 @@ def generate_recall(n: int = ARITH_DEFAULT_SIZE, *, steps: int = RECALL_DEFAULT_
     """Generate ``n`` recall problems: a value first, ``steps`` unrelated actions, then the question.
 
     Example (steps=2): "Leo has a box with 47 coins. Then Leo reads a book. Then Leo bakes bread.
-    How many coins are in the box?" (answer 47). The prompt (:mod:`vase.eval.prompts`) asks the
-    model to write out each step before "The answer is N.", so the answer is written after the
-    first evictions of a small budget and depends on whether the value was kept. Values are
-    11..99; one ``random.Random(seed)`` is drawn from in order (prefix-stable like arith).
+    How many coins are in the box?" (answer 47). The prompt (:mod:`vase.eval.prompts`) asks for
+    "The answer is N."; with a window ``w`` of 4 the first eviction comes before the number is
+    written, so the answer depends on whether the value was kept. Values are 11..99; one
+    ``random.Random(seed)`` is drawn from in order (prefix-stable like arith).
     """
     if not 1 <= steps <= len(_ACTIONS):
         raise TaskError(f"recall needs 1 to {len(_ACTIONS)} steps, got {steps}")
