@@ -208,3 +208,21 @@ def test_bench_reports_quest_as_selection_not_eviction():
     assert quest["evictions"] == 0 and quest["eviction_fired"] is None and quest["budget"] == 40
     assert quest["kv_bytes"] == full["kv_bytes"]  # no memory saved: the whole cache stays
     assert "selection" in quest["flag"]
+
+
+@torch.no_grad()
+def test_dense_layers_attend_everything_and_the_rest_select():
+    model = tiny_model("qwen3", "sdpa")
+    torch.manual_seed(6)
+    prompt = torch.randint(0, 90, (1, 60))
+    kw = dict(budget=36, window=16, page_size=8)
+    tokens = [5]
+    cache = EvictionCache(model, "quest", dense_layers=1, **kw)
+    model(input_ids=prompt, cache=cache)
+    query = torch.randn(1, 4, 1, 16)
+    model(input_ids=torch.tensor([[tokens[0]]]), cache=cache)
+    assert cache.layers[0].selection_mask(query) is None  # layer 0 dense
+    mask = cache.layers[1].selection_mask(query)
+    assert mask is not None and int(mask.sum(-1).max()) <= 36
+    with pytest.raises(ValueError, match="dense_layers"):
+        get_policy("quest", dense_layers=-1)

@@ -36,10 +36,11 @@ def test_retrieval_problems_state_the_asked_codes_far_back():
 def test_run_sweep_on_a_tiny_model(tmp_path):
     model, tok = tiny_model("qwen3", "sdpa"), tiny_tokenizer()
     tasks = {"short": ["Tell me a story about a cat", "Count to ten please"]}
-    report = run_sweep(model, tok, tmp_path, tasks=tasks, methods=["full", "snapkv", "quest"], compressions=[2, 3],
+    report = run_sweep(model, tok, tmp_path, tasks=tasks, methods=["full", "snapkv", "quest", "quest:dense_layers=1"], compressions=[2, 3],
                        window=16, max_new_tokens=80, chat_template=False)
     rows = {(r["method"], r["compression"]): r for r in report["rows"]}
-    assert set(rows) == {(m, c) for m in ("full", "snapkv", "quest") for c in (2, 3)}
+    assert set(rows) == {(m, c) for m in ("full", "snapkv", "quest", "quest:dense_layers=1") for c in (2, 3)}
+    assert rows[("quest:dense_layers=1", 2)]["kl"] != rows[("quest", 2)]["kl"]  # the parameter reached the cache
     for c in (2, 3):
         assert rows[("full", c)]["kl"] == 0.0 and rows[("full", c)]["top1"] == 1.0  # the reference against itself
         assert rows[("snapkv", c)]["kl"] > 0 and rows[("quest", c)]["kl"] > 0

@@ -248,6 +248,8 @@ class EvictionLayer(CacheLayerMixin):
         q = query.shape[2]
         if not getattr(policy, "selects", False) or self.seen == q:  # the first forward is the prefill
             return None
+        if self.layer_idx < getattr(policy, "dense_layers", 0):
+            return None
         b, h_q = query.shape[:2]
         L, h_kv = self.length, self.keys.shape[1]
         pads = self.pad or [0] * b

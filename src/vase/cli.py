@@ -574,7 +574,8 @@ def analyze_randomness(
 def analyze_sweep(
     tasks: Annotated[str, typer.Option(help="Comma-separated: retrieval (embedded long-context), arith, gsm8k, "
                                        "math500, ...")] = "arith,retrieval",
-    methods: Annotated[str, typer.Option(help="Comma-separated methods (eviction and quest).")] =
+    methods: Annotated[str, typer.Option(help="Comma-separated methods (eviction and quest); "
+                                         "parameters as name:key=value;key=value.")] =
         "streamingllm,snapkv,rkv,vase-attnv,vase-dkv,quest",
     compressions: Annotated[str, typer.Option(help="Comma-separated compression targets (run length / B).")] =
         "4,8,16",

@@ -103,8 +103,23 @@ def sweep_budget(run_length: int, compression: float, window: int) -> tuple[int,
     return (b, False) if b >= floor else (floor, True)
 
 
+def parse_method(spec: str) -> tuple[str, dict]:
+    """`name` or `name:key=value;key=value` (values as YAML scalars) -> (name, params)."""
+    import yaml
+
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split(";")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"method {spec!r}: parameters are key=value, got {item!r}")
+        params[key.strip()] = yaml.safe_load(value)
+    return name.strip(), params
+
+
 def _selects(method: str) -> bool:
-    return bool(getattr(get_policy(method), "selects", False))
+    name, params = parse_method(method)
+    return bool(getattr(get_policy(name, **params), "selects", False))
 
 
 def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[str]],
@@ -114,6 +129,7 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
     """Fidelity of every method at every compression on every task's prompts; writes sweep.json,
     sweep.csv, sweep.md and sweep.png into `out_dir` and returns the report.
 
+    methods: names, or `name:key=value;key=value` for parameters (e.g. `quest:dense_layers=2`).
     tasks: task name -> prompts (user messages). max_new_tokens: full's trajectory length cap,
     one for all tasks or per task.
     """
@@ -123,7 +139,7 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for m in methods:
-        get_policy(m)  # fail before any work on an unknown method
+        get_policy(*parse_method(m)[:1], **parse_method(m)[1])  # fail before any work on an unknown method
     compressions = [int(c) if float(c).is_integer() else float(c) for c in compressions]
     for c in compressions:
         sweep_budget(1000, c, window)  # fail before any work on a bad compression
@@ -161,7 +177,9 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
                 for m in methods:
                     b = budget + window // 2 if _selects(m) else budget
                     say(f"{task} {i}: {m} at {c}x (B = {b})")
-                    lp = forced_log_probs(model, prompt_ids, targets, method=m, budget=b, window=window, seed=seed)
+                    name, params = parse_method(m)
+                    lp = forced_log_probs(model, prompt_ids, targets, method=name, budget=b, window=window, seed=seed,
+                                          **params)
                     cells.setdefault((task, m, c), []).append(fidelity_metrics(full_lp[t0:], lp[t0:], target_t[t0:]))
                     del lp
             del full_lp

@@ -113,12 +113,15 @@ def quest_mask(keys: torch.Tensor, queries: torch.Tensor, q_start: int, budget: 
 class Quest(Policy):
     """Query-aware page selection over the full cache (Tang et al., 2024); see the module docstring.
 
-    page_size: tokens per page (16 in Quest).
-    sinks:     first tokens always attended (4).
+    page_size:    tokens per page (16 in Quest).
+    sinks:        first tokens always attended (4).
+    dense_layers: the first layers attend densely (Quest's paper leaves early layers, which are far
+                  less sparse, dense; 0 here so every layer keeps the stated sparsity).
     The recent window is the cache's `window`; the budget `B` caps the attended tokens per query.
     """
 
     page_size: int = 16
+    dense_layers: int = 0
 
     name = "quest"
     summary = "Selection, no eviction: attend sinks, window and the top 16-token pages by a q.k upper bound."
@@ -129,6 +132,8 @@ class Quest(Policy):
         super().__post_init__()
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token, got {self.page_size}")
+        if self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
 
     def check(self, budget: int, window: int) -> None:
         """Reject a budget/window this selection cannot honour, with the fix."""
