@@ -6,6 +6,10 @@ length reaches `B + w`, the next update first evicts down to `B` (the policy kee
 of the older candidates, the `w` most recent stay) by compacting survivors to the front
 of the same buffers. Stored tensors: [batch, kv_heads, length, head_dim].
 
+When each row evicts follows `vase.schedule` (the same pure functions the vLLM plugin uses);
+the policy's own state (per-slot and per-layer) is kept through the hooks documented on
+`vase.policies.Policy`, with no policy-specific code here.
+
 Logical length (tokens seen, used for positions) and physical length (slots stored, used
 for masks) are kept apart. Left padding is owned here: row r's first `pad[r]` slots are
 padding; eviction keeps them at the front (and drops them once the row has enough real
