@@ -230,6 +230,7 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
 
 def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 5.5))
@@ -242,7 +243,8 @@ def plot(rows: list[dict], path: Path) -> None:
     markers = "osD^v<>ph*"
     for i, fam in enumerate(families):
         pts = sorted([(r["bytes_frac"], r["kl"]) for r in main if r["family"] == fam])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=fam, alpha=0.8)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=fam, alpha=0.8,
+                color=colormaps["tab20"](i % 20))
     front = pareto([(r["bytes_frac"], r["kl"]) for r in main])
     fp = sorted((main[i]["bytes_frac"], main[i]["kl"]) for i in front)
     ax.step([p[0] for p in fp], [p[1] for p in fp], where="post", color="black", lw=2, alpha=0.5,

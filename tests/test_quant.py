@@ -258,3 +258,15 @@ def test_key_scale_divides_channels_before_per_token_groups():
             assert torch.all((k[quant].view(-1, 1, 32) - keys[quant].view(-1, 1, 32)).abs() <= bound)
             assert cache.stats()["kv_bytes"] == layer.held_bytes() and layer.held_bytes() % 2 == 0
     assert err[True] < 0.5 * err[False]
+
+
+def test_bench_passes_kv_bits_to_the_methods_only():
+    from vase.bench.runner import run_bench
+
+    model = tiny_model()
+    kw = dict(prompt_length=16, window=16, warmup=0, include_dynamic=False)
+    plain = {r["method"]: r for r in run_bench(model, ["vase-attnv"], [48], [64], [1], **kw)}
+    quant = {r["method"]: r for r in run_bench(model, ["vase-attnv"], [48], [64], [1], kv_bits=4, **kw)}
+    assert quant["full"]["kv_bytes"] == plain["full"]["kv_bytes"]  # the baseline stays in full precision
+    assert quant["vase-attnv"]["evictions"] == plain["vase-attnv"]["evictions"] > 0
+    assert quant["vase-attnv"]["kv_bytes"] < plain["vase-attnv"]["kv_bytes"]
