@@ -195,6 +195,9 @@ def test_registered_with_parameters_and_clear_errors():
         EvictionCache(model, "quest", budget=20, window=16)
     with pytest.raises(ValueError, match="page_size must be"):
         get_policy("quest", page_size=0)
+    for modifier in ({"sample": True}, {"value_guard": 0.25}, {"n_large": 8}, {"protect_sinks": True}):
+        with pytest.raises(ValueError, match="modifiers"):
+            get_policy("quest", **modifier)
 
 
 def test_bench_reports_quest_as_selection_not_eviction():

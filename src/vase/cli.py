@@ -116,7 +116,7 @@ def methods() -> None:
     for name, cls in POLICIES.items():
         params = get_policy(name).params()
         shown = ", ".join(f"{k}={v}" for k, v in params.items())
-        table.add_row(name, cls.summary, shown if cls.evicts else "-")
+        table.add_row(name, cls.summary, shown if cls.evicts or getattr(cls, "selects", False) else "-")
     console.print(table)
     console.print("Modifiers compose with any method: -p value_guard=0.25 (or n_large=N), -p sample=true, "
                   "-p protect_sinks=true.")

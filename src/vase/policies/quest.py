@@ -134,6 +134,9 @@ class Quest(Policy):
             raise ValueError(f"page_size must be >= 1 token, got {self.page_size}")
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
+        if self.sample or self.guarded or self.protect_sinks:
+            raise ValueError("quest selects pages and evicts nothing: the eviction modifiers (sample, value_guard, "
+                             "n_large, protect_sinks) do not apply; its parameters are page_size, sinks, dense_layers")
 
     def check(self, budget: int, window: int) -> None:
         """Reject a budget/window this selection cannot honour, with the fix."""
