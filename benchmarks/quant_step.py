@@ -18,6 +18,7 @@ import torch
 
 from vase.bench.shapes import build_random_model
 from vase.cache import EvictionCache
+from vase.compat import cache_kwargs
 from vase.quant_cache import QuantLayer
 
 CONFIGS = [("full", 16), ("full", 8), ("full", 4), ("full", 2), ("vase-attnv", 16), ("vase-attnv", 4)]
@@ -45,13 +46,13 @@ def run(model, method: str, bits: int, prompt: torch.Tensor, new_tokens: int, bu
         spent: dict) -> tuple[float, float, int]:
     kw = {"kv_bits": bits} if bits != 16 else {}
     cache = EvictionCache(model, method, budget, window, max_length=prompt.shape[1] + new_tokens + 1, **kw)
-    out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     tok = out.logits[:, -1].argmax(-1, keepdim=True)
     pos = prompt.shape[1]
     spent.clear()
     t = time.perf_counter()
     for _ in range(new_tokens):
-        out = model(input_ids=tok, position_ids=torch.tensor([[pos]]), cache=cache, use_cache=True)
+        out = model(input_ids=tok, position_ids=torch.tensor([[pos]]), **cache_kwargs(cache), use_cache=True)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         pos += 1
     total = time.perf_counter() - t
