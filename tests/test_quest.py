@@ -221,9 +221,9 @@ def test_dense_layers_attend_everything_and_the_rest_select():
     kw = dict(budget=36, window=16, page_size=8)
     tokens = [5]
     cache = EvictionCache(model, "quest", dense_layers=1, **kw)
-    model(input_ids=prompt, cache=cache)
+    model(input_ids=prompt, **cache_kwargs(cache))
     query = torch.randn(1, 4, 1, 16)
-    model(input_ids=torch.tensor([[tokens[0]]]), cache=cache)
+    model(input_ids=torch.tensor([[tokens[0]]]), **cache_kwargs(cache))
     assert cache.layers[0].selection_mask(query) is None  # layer 0 dense
     mask = cache.layers[1].selection_mask(query)
     assert mask is not None and int(mask.sum(-1).max()) <= 36
