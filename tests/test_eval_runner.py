@@ -173,7 +173,7 @@ def test_two_process_run_equals_one_process_run(tmp_path, reference):
     # Rank 0 wrote the summary after the barrier: it matches the one-process summary but for speed.
     ref_csv = (ref_dir / "summary.csv").read_text().splitlines()
     got_csv = (run_dir / "summary.csv").read_text().splitlines()
-    col = ref_csv[0].split(",").index("tokens_per_s")
+    col = ref_csv[0].split(",").index("batch_tokens_per_s")
 
     def drop(lines):
         return [",".join(v for i, v in enumerate(line.split(",")) if i != col) for line in lines]
