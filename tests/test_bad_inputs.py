@@ -137,8 +137,8 @@ def _second_generate(ctx):
     model, tok = ctx["tiny"]
     c = cache(ctx)
     enc = tok(["hello world"], return_tensors="pt")
-    model.generate(**enc, cache=c, max_new_tokens=20, do_sample=False)
-    model.generate(**enc, cache=c, max_new_tokens=20, do_sample=False)
+    model.generate(**enc, **vase.cache_kwargs(c), max_new_tokens=20, do_sample=False)
+    model.generate(**enc, **vase.cache_kwargs(c), max_new_tokens=20, do_sample=False)
 
 
 def _write_run(path: Path, name: str, text: str) -> None:
@@ -267,7 +267,7 @@ def _crop(ctx):
 def gen_cache_fill(ctx, c):
     model, tok = ctx["tiny"]
     with torch.no_grad():
-        model(**tok(["hello"], return_tensors="pt"), cache=c, use_cache=True)
+        model(**tok(["hello"], return_tensors="pt"), **vase.cache_kwargs(c), use_cache=True)
 
 
 CASES: list[Case] = [
@@ -564,12 +564,12 @@ def test_reset_makes_a_filled_cache_reusable(tiny):
     enc = tok(["hello world, hello"], return_tensors="pt")
     kw = dict(max_new_tokens=40, do_sample=False)
     c = vase.EvictionCache(model, method="vase-attnv", budget=24, window=8, seed=3)
-    first = model.generate(**enc, cache=c, **kw)
+    first = model.generate(**enc, **vase.cache_kwargs(c), **kw)
     assert c.stats()["evictions"] > 0
     with pytest.raises(EvictedStateError, match="one-shot"):
-        model.generate(**enc, cache=c, **kw)
+        model.generate(**enc, **vase.cache_kwargs(c), **kw)
     c.reset()
-    again = model.generate(**enc, cache=c, **kw)
-    fresh = model.generate(**enc, cache=vase.EvictionCache(model, method="vase-attnv", budget=24, window=8, seed=3),
+    again = model.generate(**enc, **vase.cache_kwargs(c), **kw)
+    fresh = model.generate(**enc, **vase.cache_kwargs(vase.EvictionCache(model, method="vase-attnv", budget=24, window=8, seed=3)),
                            **kw)
     assert torch.equal(again, first) and torch.equal(fresh, first)

@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "EvictedStateError": "cache", "EvictionCache": "cache",
     "GenerationOutput": "generation", "Sampler": "generation", "forced_log_probs": "generation",
-    "generate": "generation",
+    "generate": "generation", "cache_kwargs": "compat",
     "UnknownMethodError": "policies", "get_policy": "policies", "method_names": "policies",
 }
 
@@ -28,6 +28,7 @@ __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:
     from .cache import EvictedStateError, EvictionCache
+    from .compat import cache_kwargs
     from .generation import GenerationOutput, Sampler, forced_log_probs, generate
     from .policies import UnknownMethodError, get_policy, method_names
 
