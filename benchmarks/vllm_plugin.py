@@ -1,6 +1,6 @@
 """The vLLM plugin's overhead and memory, on the embedded model (CPU build of vLLM 0.32).
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_plugin.py --rounds 3 --tokens 256 --batch 4
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vllm_plugin.py --rounds 3 --tokens 256 --batch 4
 
 1. Hook overhead: decode tok/s of stock vLLM vs the plugin with B so large that nothing evicts
    (query capture, schedule bookkeeping, physical slot mapping), the two engines alternating
