@@ -21,7 +21,7 @@ from .checks import check_prompts, check_sampling, check_seed
 from .compat import cache_kwargs
 from .policies import Policy
 
-#: Sampling defaults of the paper's evaluation (ALGORITHMS.md section 7).
+#: Sampling defaults of the paper's evaluation (the VaSE paper, arXiv 2606.03928).
 PAPER_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": None}
 
 

@@ -214,7 +214,7 @@ class Arm:
         return get_policy(self.method, **self.params).stochastic
 
 
-#: Deterministic / stochastic pairs of the same scorer (ALGORITHMS.md section 6 ablations).
+#: Deterministic / stochastic pairs of the same scorer (the VaSE paper's ablations, docs/methods.md).
 DEFAULT_ARMS = (
     Arm("snapkv", "snapkv"),
     Arm("snapkv-sample", "snapkv-sample"),

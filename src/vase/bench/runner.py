@@ -20,7 +20,7 @@ What is measured (per run; a row reports the median over `repeats` runs after `w
 - tok_s = (N - 1) x batch / (last stamp - first stamp); `segments` splits the N - 1 steps into
   equal parts and reports the rate of each (`seg_tok_s`, ';'-joined, first to last).
 - Evictions: `cache.stats()["evictions"]` (events per layer; every layer evicts at the same
-  step). `expected_evictions` is what the schedule (ALGORITHMS.md section 1) predicts;
+  step). `expected_evictions` is what the schedule (`vase.schedule`, docs/methods.md) predicts;
   `eviction_fired` is False for an evicting method that never evicted (prompt + output too
   short for its budget): such a row gets a `flag` and NO speed-up ratios.
 - Time per eviction event (all layers), two ways:
@@ -170,7 +170,7 @@ def _dynamic_kv_bytes(cache) -> int:
 
 
 def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window: int) -> int:
-    """Eviction events the schedule predicts for one unpadded row (ALGORITHMS.md section 1).
+    """Eviction events the schedule predicts for one unpadded row (`vase.schedule`, docs/methods.md).
 
     After prefill the cache holds P tokens; the N new tokens need N - 1 more forwards (the
     last token is never fed back). The first eviction runs before the token that would pass

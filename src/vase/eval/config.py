@@ -47,7 +47,7 @@ _DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _ATTN = ("sdpa", "eager", "flash_attention_2")
 #: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.eval.vllm_engine).
 _ENGINES = ("transformers", "vllm")
-# Attention sinks every budget must leave room for (ALGORITHMS.md section 1: B > w + sinks).
+# Attention sinks every budget must leave room for (docs/methods.md: B > w + sinks).
 _MIN_SINKS = 4
 
 

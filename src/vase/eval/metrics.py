@@ -188,7 +188,7 @@ def agreement_split(records_method: Sequence[Record], records_full: Sequence[Rec
 
 def kv_schedule(prompt_length: int, seen: int, *, budget: int | None, window: int,
                 evicts: bool) -> dict[str, float | int]:
-    """One sequence's stored K/V length over time, from the eviction schedule (ALGORITHMS.md section 1).
+    """One sequence's stored K/V length over time, from the eviction schedule (`vase.schedule`, docs/methods.md).
 
     The cache holds the prompt, grows by one slot per fed token until it would pass
     ``max(P, B) + w`` (then ``B + w``) and drops to ``B`` just before the token that would pass.

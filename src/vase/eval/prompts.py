@@ -8,7 +8,7 @@ from vase.eval.tasks import Problem, task_kind
 
 __all__ = ["MATH_SUFFIX", "GSM8K_SUFFIX", "RECALL_SUFFIX", "prompt_suffix", "build_user_message", "build_prompt"]
 
-# Exactly the paper's strings (ALGORITHMS.md section 7); note the newline vs the space.
+# Exactly the paper's strings (the VaSE paper, arXiv 2606.03928); note the newline vs the space.
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 GSM8K_SUFFIX = " Put your final answer within \\boxed{}."
 # The embedded recall task: small models do not box, but they do write "The answer is N." when asked

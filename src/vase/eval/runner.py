@@ -144,7 +144,7 @@ def kv_bytes_per_token(model) -> int:
 
 def row_cache_stats(prompt_length: int, n_generated: int, finished: bool, *, budget: int | None, window: int,
                     evicts: bool, bytes_per_token: int) -> dict[str, int]:
-    """What one sequence's cache held, from the eviction schedule (ALGORITHMS.md section 1).
+    """What one sequence's cache held, from the eviction schedule (`vase.schedule`, docs/methods.md).
 
     ``generate``'s stats describe the whole batch at its end (finished rows have left), so the
     per-sequence numbers are derived: tokens fed = prompt + generated (the token sampled at the
