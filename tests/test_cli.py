@@ -132,7 +132,14 @@ def test_ctrl_c_during_eval_says_how_to_resume(tmp_path):
             "arith", "--limit", "400", "--methods", "snapkv", "--budgets", "24", "--window", "8", "--max-new-tokens",
             "40", "--batch-size", "1", "--device", "cpu", "--output-dir", str(tmp_path / "runs")]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Earlier tests in the same pytest process may leave SIGINT ignored or blocked (children inherit both, and
+    # Python then installs no KeyboardInterrupt handler): give the child what a terminal's Ctrl-C meets.
+    def default_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:  # wait for the first finished sample
         files = list((tmp_path / "runs").glob("*/samples.rank0.jsonl"))
