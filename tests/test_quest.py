@@ -10,13 +10,16 @@ from vase.cache import EvictionCache
 from vase.compat import cache_kwargs
 from vase.generation import forced_log_probs
 from vase.policies import get_policy
-from vase.policies.quest import page_bounds, page_scores, quest_mask
+from vase.policies.quest import page_bounds, page_scores, prefix_bounds, quest_mask
 
 from .conftest import tiny_model
 
 
 def _reference_mask(keys, queries, q_start, budget, window, sinks, page_size):
-    """Quest, one query, KV head and page at a time, straight from the definition."""
+    """Quest, one query, KV head and page at a time, straight from the definition: with more than
+    `budget` slots visible, the sinks, the window and `budget - sinks - window` candidate slots
+    taken page by page (pages counted from slot `sinks`, each scored on its candidate slots) in
+    the order of the bound, earlier page first on ties, the last page taken cut to its first slots."""
     b, h_kv, L, d = keys.shape
     h_q, q = queries.shape[1], queries.shape[2]
     group = h_q // h_kv
@@ -24,28 +27,27 @@ def _reference_mask(keys, queries, q_start, budget, window, sinks, page_size):
     for r in range(b):
         for h in range(h_kv):
             for i in range(q):
-                t = q_start + i
-                n = t + 1
+                n = q_start + i + 1
                 if n <= budget:
                     out[r, h, i, :n] = True
                     continue
-                always = {s for s in range(n) if s < sinks or s >= n - window}
+                candidates = range(sinks, n - window)
                 scored = []
                 for p in range(-(-L // page_size)):
-                    page = list(range(p * page_size, min((p + 1) * page_size, L)))
-                    if not any(s < n and s not in always for s in page):
+                    page = [s for s in range(sinks + p * page_size, sinks + (p + 1) * page_size) if s in candidates]
+                    if not page:
                         continue
-                    kmin = keys[r, h, page].amin(0)
-                    kmax = keys[r, h, page].amax(0)
+                    kmin, kmax = keys[r, h, page].amin(0), keys[r, h, page].amax(0)
                     bound = 0.0
                     for g in range(group):  # GQA: the group's bounds summed
                         qv = queries[r, h * group + g, i]
                         bound += float(torch.maximum(qv * kmin, qv * kmax).sum())
-                    scored.append((bound, p))
-                n_pages = (budget - sinks - window) // page_size
-                chosen = {p for _, p in sorted(scored, reverse=True)[:n_pages]}
+                    scored.append((-bound, p, page))
+                taken = []
+                for _, _, page in sorted(scored, key=lambda x: (x[0], x[1])):
+                    taken += page[:budget - sinks - window - len(taken)]
                 for s in range(n):
-                    out[r, h, i, s] = s in always or s // page_size in chosen
+                    out[r, h, i, s] = s < sinks or s >= n - window or s in taken
     return out
 
 
@@ -62,12 +64,55 @@ def test_selected_pages_are_the_top_ones_by_the_bound(h_q, h_kv):
         assert int(attended.max()) <= budget  # the sparsity it promises
 
 
+def test_each_query_attends_exactly_the_budget_whatever_the_page_size():
+    """min(visible, B) tokens per query, also when B - sinks - w is no multiple of the page size."""
+    torch.manual_seed(7)
+    keys, queries = torch.randn(1, 2, 120, 8), torch.randn(1, 4, 50, 8)
+    for budget, window, sinks, page in [(37, 16, 4, 16), (32, 16, 4, 16), (61, 8, 3, 7), (45, 16, 0, 16)]:
+        mask = quest_mask(keys, queries, 70, budget, window, sinks, page)
+        visible = 71 + torch.arange(50)
+        assert torch.equal(mask.sum(-1), visible.clamp(max=budget).expand(1, 2, 50)), (budget, window, sinks, page)
+        assert mask[..., :sinks].all() and all(mask[0, :, i, 71 + i - window:71 + i].all() for i in range(50))
+
+
+def test_sinks_and_window_are_not_page_candidates():
+    """The page the window starts in scores high only through its window slots: it must not win."""
+    d, L, page, window, sinks = 4, 64, 8, 12, 0
+    keys = torch.zeros(1, 1, L, d)
+    keys[0, 0, 8:16, 1] = 1.0  # page 1: a moderate match everywhere
+    keys[0, 0, 52:56, 0] = 9.0  # page 6 (slots 48..55): strong, but 52.. lie in the window of 12
+    queries = torch.zeros(1, 1, 1, d)
+    queries[0, 0, 0, 0], queries[0, 0, 0, 1] = 1.0, 0.5
+    mask = quest_mask(keys, queries, L - 1, budget=window + 8, window=window, sinks=sinks, page_size=page)[0, 0, 0]
+    assert mask[8:16].all() and not mask[48:52].any() and int(mask.sum()) == window + 8
+    # Sinks do not share a page with candidates: pages start at slot `sinks`.
+    keys = torch.zeros(1, 1, L, d)
+    keys[0, 0, 0:4, 0] = 9.0  # the sinks point where the query looks
+    keys[0, 0, 20:28, 0] = 1.0  # candidates at slots 20..27 = page 2 when counted from slot 4
+    mask = quest_mask(keys, queries, L - 1, budget=4 + 16 + 8, window=16, sinks=4, page_size=8)[0, 0, 0]
+    assert mask[:4].all() and mask[20:28].all() and not mask[4:20].any()
+
+
+def test_a_budget_below_one_page_of_candidates_still_selects():
+    """B' = 32 with 4 sinks, w = 16 and 16-token pages (arith at 16x): 12 candidate tokens, not none."""
+    d, L = 4, 90
+    keys = torch.zeros(1, 1, L, d)
+    keys[0, 0, 36:52, 0] = 1.0  # page 2 counted from slot 4 (slots 36..51)
+    queries = torch.zeros(1, 1, 1, d)
+    queries[0, 0, 0, 0] = 1.0
+    mask = quest_mask(keys, queries, L - 1, budget=32, window=16, sinks=4, page_size=16)[0, 0, 0]
+    assert int(mask.sum()) == 32 and mask[36:48].all() and not mask[48:52].any()
+
+
 def test_bound_is_an_upper_bound_and_uses_partial_last_page():
     torch.manual_seed(1)
     keys, q = torch.randn(1, 1, 37, 6), torch.randn(1, 1, 1, 6)
     kmin, kmax = page_bounds(keys, 8)
     assert kmin.shape == (1, 1, 5, 6)  # ceil(37 / 8)
     assert torch.equal(kmax[0, 0, 4], keys[0, 0, 32:].amax(0))
+    assert torch.equal(kmin[0, 0, 1], keys[0, 0, 8:16].amin(0))
+    run_min, run_max = prefix_bounds(keys, 8)
+    assert torch.equal(run_max[0, 0, 13], keys[0, 0, 8:14].amax(0)) and torch.equal(run_min[0, 0, 8], keys[0, 0, 8])
     bounds = page_scores(q, kmin, kmax)[0, 0, 0]
     dots = (keys[0, 0] @ q[0, 0, 0])
     for p in range(5):
@@ -91,12 +136,14 @@ def test_a_chunk_of_queries_gets_the_masks_of_one_query_at_a_time():
     """What teacher forcing (one chunk) sees equals what decoding (one token, growing cache) sees."""
     torch.manual_seed(2)
     keys, queries = torch.randn(1, 2, 90, 8), torch.randn(1, 4, 30, 8)
-    chunk = quest_mask(keys, queries, 60, budget=44, window=16, sinks=4, page_size=8)
-    for i in range(30):
-        n = 61 + i
-        alone = quest_mask(keys[:, :, :n], queries[:, :, i:i + 1], n - 1, budget=44, window=16, sinks=4, page_size=8)
-        assert torch.equal(chunk[:, :, i:i + 1, :n], alone), i
-        assert not chunk[:, :, i, n:].any()
+    for budget, window, page in [(44, 16, 8), (41, 6, 16)]:  # also a window shorter than a page
+        chunk = quest_mask(keys, queries, 60, budget=budget, window=window, sinks=4, page_size=page)
+        for i in range(30):
+            n = 61 + i
+            alone = quest_mask(keys[:, :, :n], queries[:, :, i:i + 1], n - 1, budget=budget, window=window, sinks=4,
+                               page_size=page)
+            assert torch.equal(chunk[:, :, i:i + 1, :n], alone), (budget, i)
+            assert not chunk[:, :, i, n:].any()
 
 
 def _decode_logits(model, prompt, steps, **cache_kw):
@@ -189,8 +236,7 @@ def test_registered_with_parameters_and_clear_errors():
     assert policy.params()["page_size"] == 16 and policy.sinks == 4 and not policy.evicts
     assert get_policy("quest", page_size=32).page_size == 32
     model = tiny_model("qwen3", "sdpa")
-    with pytest.raises(ValueError, match="page_size"):
-        EvictionCache(model, "quest", budget=64, window=8)
+    EvictionCache(model, "quest", budget=64, window=8)  # a window shorter than a page is fine
     with pytest.raises(ValueError, match="budget"):
         EvictionCache(model, "quest", budget=20, window=16)
     with pytest.raises(ValueError, match="page_size must be"):

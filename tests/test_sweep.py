@@ -5,8 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from vase.analysis.sweep import markdown_table, retrieval_problems, run_sweep, sweep_budget, task_prompts
+from vase.analysis.sweep import (
+    equal_sparsity_budget,
+    evicting_attended_sum,
+    markdown_table,
+    retrieval_problems,
+    run_sweep,
+    selection_attended_sum,
+    sweep_budget,
+    task_prompts,
+)
 
 from .conftest import tiny_model, tiny_tokenizer
 
@@ -17,6 +27,52 @@ def test_budget_from_compression_and_run_length():
     assert sweep_budget(300, 16, 16) == (24, True)  # round(18.75) = 19 < w + 8: clamped and marked
     with pytest.raises(ValueError, match="compression"):
         sweep_budget(100, 1, 16)
+
+
+def test_attended_tokens_per_step_by_hand():
+    """P = 10, B = 24, w = 16: the first eviction comes after target 30, so rows 31..46 attend 25..40
+    tokens (mean 32.5 = B + (w + 1) / 2), and Quest runs at K = 33."""
+    assert evicting_attended_sum(10, 47, 24, 16, 31) == sum(range(25, 41)) == 520
+    assert evicting_attended_sum(10, 48, 24, 16, 31) == 520 + 25  # row 47: evicted again, back to B + 1
+    assert equal_sparsity_budget(10, 47, 24, 16, 31) == 33
+    assert equal_sparsity_budget(10, 33, 24, 16, 31) == 26  # rows 31, 32 attend 25, 26: mean 25.5
+    # Quest at K = 33 with 1 of 2 layers dense: rows see n = 41..56 tokens, (n + 33) / 2 per row.
+    assert selection_attended_sum(10, 47, 33, 31, n_layers=2, dense_layers=1) == (sum(range(41, 57)) + 16 * 33) / 2
+    assert selection_attended_sum(10, 47, 33, 31, n_layers=2) == 16 * 33
+    with pytest.raises(ValueError, match="first_row"):
+        evicting_attended_sum(10, 47, 24, 16, 0)
+
+
+@torch.no_grad()
+def test_quest_attends_what_the_sweep_reports(monkeypatch):
+    """Count the tokens Quest's masks really let each scored row attend in a forced run."""
+    import vase.policies.quest as quest
+
+    from vase.eval.metrics import first_evicted_target
+    from vase.generation import forced_log_probs
+
+    seen: dict[int, list[int]] = {}  # n visible -> tokens attended, one entry per layer and head
+    real = quest.quest_mask
+
+    def counting(keys, queries, q_start, *args):
+        mask = real(keys, queries, q_start, *args)
+        for i in range(mask.shape[2]):
+            seen.setdefault(q_start + i + 1, []).extend(mask[0, :, i].sum(-1).tolist())
+        return mask
+
+    monkeypatch.setattr(quest, "quest_mask", counting)
+    model = tiny_model("qwen3", "sdpa")
+    P, T, B, w = 12, 70, 24, 16
+    torch.manual_seed(0)
+    prompt, targets = torch.randint(0, 90, (P,)), torch.randint(0, 90, (T,))
+    t0 = first_evicted_target(P, budget=B, window=w, evicts=True)
+    K = equal_sparsity_budget(P, T, B, w, t0)
+    forced_log_probs(model, prompt, targets, method="quest", budget=K, window=w, page_size=8)
+    per_row = [sum(seen[P + t]) / len(seen[P + t]) if P + t in seen else P + t for t in range(t0, T)]
+    n_layers = model.config.num_hidden_layers
+    assert all(len(seen[P + t]) == n_layers * model.config.num_key_value_heads for t in range(t0, T))
+    assert sum(per_row) == selection_attended_sum(P, T, K, t0, n_layers=n_layers)
+    assert abs(sum(per_row) / (T - t0) - evicting_attended_sum(P, T, B, w, t0) / (T - t0)) <= 0.5
 
 
 def test_retrieval_problems_state_the_asked_codes_far_back():
@@ -47,10 +103,13 @@ def test_run_sweep_on_a_tiny_model(tmp_path):
         assert rows[("quest", c)]["selection"] and not rows[("snapkv", c)]["selection"]
     # a higher compression is a smaller budget
     assert rows[("snapkv", 3)]["budget_mean"] < rows[("snapkv", 2)]["budget_mean"]
+    for c in (2, 3):  # equal sparsity: Quest attends as many tokens per scored step as the evicting cache
+        assert abs(rows[("quest", c)]["attended_mean"] - rows[("snapkv", c)]["attended_mean"]) <= 0.5
+        assert rows[("full", c)]["attended_mean"] > rows[("snapkv", c)]["attended_mean"]
     for name in ("sweep.json", "sweep.csv", "sweep.md", "sweep.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "sweep.json").read_text())["config"]["window"] == 16
-    assert "| quest |" in markdown_table(report)
+    assert "| quest |" in markdown_table(report) and "tokens attended per step" in markdown_table(report)
 
 
 @pytest.fixture(scope="module")

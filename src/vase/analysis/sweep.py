@@ -10,9 +10,11 @@ clamped to at least `window + 8` (the report marks clamped budgets). The fidelit
 the targets after the first eviction (the same targets for Quest): mean KL(full || method) and
 top-1 agreement with full, pooled over the problems' tokens.
 
-Equal sparsity: an evicting cache at budget B attends to B..B+w tokens (B + w/2 on average,
-counting the window it refills between evictions); Quest at budget B' attends to at most B'
-tokens, so it runs at B' = B + w // 2.
+Equal sparsity: after its first eviction an evicting cache at budget B attends to B + 1 .. B + w
+tokens (it refills its window between evictions). Quest at budget K attends exactly K tokens per
+query once more than K are visible, so each problem runs it at K = the evicting cache's mean over
+the scored steps, rounded (`equal_sparsity_budget`). The table reports the tokens each method
+attends per scored step (mean over steps, and over layers for Quest's dense layers).
 
 Tasks: `arith` (embedded reasoning problems), any task `vase.eval.tasks.load_task` knows
 (`gsm8k`, `math500` with a data dir), and `retrieval`: the embedded long-context task below, where
@@ -32,6 +34,7 @@ import torch
 
 from ..eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target
 from ..policies import get_policy
+from ..schedule import physical_length
 
 DEFAULT_METHODS = ("streamingllm", "snapkv", "rkv", "vase-attnv", "vase-dkv", "quest")
 DEFAULT_COMPRESSIONS = (4, 8, 16)
@@ -103,6 +106,35 @@ def sweep_budget(run_length: int, compression: float, window: int) -> tuple[int,
     return (b, False) if b >= floor else (floor, True)
 
 
+def evicting_attended_sum(prompt_len: int, n_targets: int, budget: int, window: int, first_row: int) -> int:
+    """Tokens an evicting cache attends, summed over the forced rows `first_row .. n_targets - 1`.
+
+    Row t predicts target t with `prompt_len + t` tokens written, so its query attends the
+    schedule's stored length `physical_length(P, B, w, t)` (itself included)."""
+    if not 1 <= first_row <= n_targets:
+        raise ValueError(f"first_row ({first_row}) must be in 1..{n_targets}")
+    return sum(physical_length(prompt_len, budget, window, t) for t in range(first_row, n_targets))
+
+
+def equal_sparsity_budget(prompt_len: int, n_targets: int, budget: int, window: int, first_row: int) -> int:
+    """Quest's budget K for one problem: the tokens the evicting cache at `budget` attends per
+    scored row (rows `first_row ..`), on average, rounded. Quest then attends exactly K per row."""
+    total = evicting_attended_sum(prompt_len, n_targets, budget, window, first_row)
+    return int(total / (n_targets - first_row) + 0.5) if n_targets > first_row else budget
+
+
+def selection_attended_sum(prompt_len: int, n_targets: int, budget: int, first_row: int, *, n_layers: int,
+                           dense_layers: int = 0) -> float:
+    """Tokens a selection (Quest) at `budget` attends, summed over rows `first_row .. n_targets - 1`
+    and averaged over layers: `min(P + t, budget)` in a selecting layer, `P + t` in a dense one."""
+    dense = min(dense_layers, n_layers)
+    total = 0.0
+    for t in range(first_row, n_targets):
+        n = prompt_len + t
+        total += (dense * n + (n_layers - dense) * min(n, budget)) / n_layers
+    return total
+
+
 def parse_method(spec: str) -> tuple[str, dict]:
     """`name` or `name:key=value;key=value` (values as YAML scalars) -> (name, params)."""
     import yaml
@@ -147,6 +179,8 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
     device = next(model.parameters()).device
     cells: dict[tuple, list[dict]] = {}
     budgets: dict[tuple, list[tuple[int, bool]]] = {}
+    attended: dict[tuple, list[float]] = {}  # (task, method, c) -> [attended tokens summed over rows, rows]
+    n_layers = int(model.config.num_hidden_layers)
     skipped: list[dict] = []
     trajectories = []
     for task, prompts in tasks.items():
@@ -174,13 +208,25 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
                                     "reason": f"no eviction before the end ({P} + {T} tokens, B = {budget})"})
                     continue
                 budgets.setdefault((task, c), []).append((budget, clamped))
+                quest_budget = equal_sparsity_budget(P, T, budget, window, t0)
                 for m in methods:
-                    b = budget + window // 2 if _selects(m) else budget
-                    say(f"{task} {i}: {m} at {c}x (B = {b})")
                     name, params = parse_method(m)
+                    policy = get_policy(name, **params)
+                    if _selects(m):
+                        b = quest_budget
+                        seen = selection_attended_sum(P, T, b, t0, n_layers=n_layers,
+                                                      dense_layers=getattr(policy, "dense_layers", 0))
+                    elif policy.evicts:
+                        b, seen = budget, evicting_attended_sum(P, T, budget, window, t0)
+                    else:  # full: everything visible
+                        b, seen = budget, sum(P + t for t in range(t0, T))
+                    say(f"{task} {i}: {m} at {c}x (B = {b})")
                     lp = forced_log_probs(model, prompt_ids, targets, method=name, budget=b, window=window, seed=seed,
                                           **params)
                     cells.setdefault((task, m, c), []).append(fidelity_metrics(full_lp[t0:], lp[t0:], target_t[t0:]))
+                    acc = attended.setdefault((task, m, c), [0.0, 0])
+                    acc[0] += seen
+                    acc[1] += T - t0
                     del lp
             del full_lp
     rows = []
@@ -190,10 +236,11 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
         rows.append({"task": task, "method": m, "compression": c, "kl": agg["kl_mean"], "top1": agg["top1_agree"],
                      "dnll": agg["dnll_mean"], "tokens": agg["n_tokens"], "problems": agg["n_problems"],
                      "budget_mean": sum(b for b, _ in bs) / len(bs), "clamped": sum(cl for _, cl in bs),
+                     "attended_mean": attended[(task, m, c)][0] / attended[(task, m, c)][1],
                      "selection": _selects(m)})
     report = {"config": {"methods": list(methods), "compressions": list(compressions), "window": window,
                          "max_new_tokens": max_new_tokens, "seed": seed, "tasks": {k: len(v) for k, v in tasks.items()},
-                         "quest_budget": "B + window // 2"},
+                         "quest_budget": "per problem: round(mean tokens the evicting cache attends per scored row)"},
               "rows": rows, "trajectories": trajectories, "skipped": skipped,
               "seconds": round(time.perf_counter() - start, 1),
               "cpu_seconds": round(time.process_time() - cpu_start, 1)}  # wall time depends on the machine's load
@@ -201,11 +248,12 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
     return report
 
 
-CSV_COLUMNS = ("task", "method", "compression", "budget_mean", "clamped", "kl", "top1", "dnll", "tokens", "problems")
+CSV_COLUMNS = ("task", "method", "compression", "budget_mean", "clamped", "attended_mean", "kl", "top1", "dnll",
+               "tokens", "problems")
 
 
 def markdown_table(report: dict) -> str:
-    """One table per task: methods x compression, cells 'KL / top-1'."""
+    """One table per task: methods x compression, cells 'KL / top-1 / tokens attended per step'."""
     rows = report["rows"]
     comps = report["config"]["compressions"]
     lines = []
@@ -213,7 +261,8 @@ def markdown_table(report: dict) -> str:
         by = {(r["method"], r["compression"]): r for r in rows if r["task"] == task}
         bs = {c: next((r["budget_mean"] for r in rows if r["task"] == task and r["compression"] == c), None)
               for c in comps}
-        lines.append(f"**{task}**: KL(full || method) after the first eviction / top-1 agreement with full")
+        lines.append(f"**{task}**: KL(full || method) after the first eviction / top-1 agreement with full / "
+                     "tokens attended per step (mean)")
         lines.append("")
         lines.append("| method | " + " | ".join(f"{c}x (B={bs[c]:.0f})" if bs[c] else f"{c}x" for c in comps) + " |")
         lines.append("|---|" + "---|" * len(comps))
@@ -221,7 +270,7 @@ def markdown_table(report: dict) -> str:
             cells = []
             for c in comps:
                 r = by.get((m, c))
-                cells.append("-" if r is None else f"{r['kl']:.3f} / {r['top1']:.1%}")
+                cells.append("-" if r is None else f"{r['kl']:.3f} / {r['top1']:.1%} / {r['attended_mean']:.1f}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -1,17 +1,21 @@
 """Quest (Tang et al., 2024): query-aware page selection over a full cache (selection, not eviction).
 
-Nothing is evicted. Keys are grouped in pages of `page_size` consecutive tokens, each page
-summarised by its elementwise minimum and maximum key. At every decode step, each KV head
-scores every page by an upper bound on `q . k` over the page,
+Nothing is evicted. The slots after the first `sinks` are grouped in pages of `page_size`
+consecutive tokens, each page summarised by its elementwise minimum and maximum key. At every
+decode step, each KV head scores every page by an upper bound on `q . k` over the page,
 
     bound(q, page) = sum_c max(q_c * kmin_c, q_c * kmax_c)
                    = relu(q) . kmax + min(q, 0) . kmin          (two matmuls),
 
-and attends only to: the first `sinks` tokens, the `window` most recent tokens, and the
-top `(budget - sinks - window) // page_size` pages by the bound among the pages holding any
-other token. When the visible context is at most `budget` tokens, everything is attended.
-So each query attends to at most `budget` tokens, the same sparsity as an eviction cache
-holding `budget` tokens.
+and attends exactly `budget` tokens: the first `sinks` tokens, the `window` most recent tokens,
+and `budget - sinks - window` of the tokens between them (the candidates), taken page by page
+in the order of the bound. Pages are sized to the target (**choice made here**; Quest rounds the
+budget down to whole pages): the last page taken is cut to its earliest candidate tokens, so the
+count is exactly `budget` whatever the page size. Sinks and window never count as candidates:
+pages start after the sinks, and the page the window starts in is scored on its tokens before
+the window only. When the visible context is at most `budget` tokens, everything is attended.
+So a query attends `min(visible, budget)` tokens: give `budget` the mean number of tokens an
+evicting cache attends per step (`B + (w + 1) / 2` in its steady state) for equal sparsity.
 
 GQA (Quest's reference targets multi-head models; **choice made here**): the KV heads of a
 group share one selection; a page's score is the *sum* over the group's query heads of the
@@ -42,16 +46,25 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     keys [b, h, L, d] -> (kmin, kmax), each [b, h, ceil(L / page_size), d] float32; the last
     page may be partial and is summarised over the tokens it holds.
     """
+    kmin, kmax = prefix_bounds(keys, page_size)
+    last = torch.arange(0, keys.shape[2], page_size, device=keys.device).add(page_size - 1).clamp(max=keys.shape[2] - 1)
+    return kmin[:, :, last], kmax[:, :, last]
+
+
+def prefix_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running min and max of the keys from the start of each slot's page up to the slot.
+
+    keys [b, h, L, d] -> (kmin, kmax), each [b, h, L, d] float32: entry s summarises slots
+    `page_size * (s // page_size) .. s`, i.e. the part of s's page that is at or before s.
+    """
     b, h, L, d = keys.shape
     n_pages = -(-L // page_size)
     k = keys.float()
-    full = (L // page_size) * page_size
-    kmin = k[:, :, :full].reshape(b, h, -1, page_size, d).amin(3)
-    kmax = k[:, :, :full].reshape(b, h, -1, page_size, d).amax(3)
-    if full < L:  # the partial last page
-        kmin = torch.cat([kmin, k[:, :, full:].amin(2, keepdim=True)], dim=2)
-        kmax = torch.cat([kmax, k[:, :, full:].amax(2, keepdim=True)], dim=2)
-    assert kmin.shape[2] == n_pages
+    if n_pages * page_size > L:  # pad the partial last page; the padding lies after every real slot
+        k = torch.cat([k, k.new_zeros(b, h, n_pages * page_size - L, d)], dim=2)
+    k = k.view(b, h, n_pages, page_size, d)
+    kmin = k.cummin(3).values.view(b, h, -1, d)[:, :, :L]
+    kmax = k.cummax(3).values.view(b, h, -1, d)[:, :, :L]
     return kmin, kmax
 
 
@@ -70,17 +83,28 @@ def page_scores(queries: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -
     return bound.view(b, h_kv, group, q, -1).sum(2)
 
 
+def _own_page_scores(queries: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """The bound of query i against its own summary i: queries [b, h_q, q, d], kmin/kmax
+    [b, h_kv, q, d] -> [b, h_kv, q] float32 (summed over each KV head's query group)."""
+    b, h_q, q, d = queries.shape
+    h_kv = kmin.shape[1]
+    qf = queries.float().view(b, h_kv, h_q // h_kv, q, d)
+    bound = (qf.clamp(min=0) * kmax[:, :, None]).sum(-1) + (qf.clamp(max=0) * kmin[:, :, None]).sum(-1)
+    return bound.sum(2)
+
+
 def quest_mask(keys: torch.Tensor, queries: torch.Tensor, q_start: int, budget: int, window: int, sinks: int,
                page_size: int) -> torch.Tensor:
     """Which stored slots each query attends under Quest: bool [b, kv_heads, q, L].
 
     keys [b, h_kv, L, d] (all stored slots), queries [b, h_q, q, d]; query i sits at slot
-    `q_start + i` and sees slots `0 .. q_start + i`. Each query attends to the sinks, its
-    `window` most recent slots and the top pages by `page_scores` among the pages that hold
-    any other visible slot, `(budget - sinks - window) // page_size` of them; to every
-    visible slot when at most `budget` are visible. With `window >= page_size`, a chunk of
-    queries gets exactly the masks that one query at a time would (the pages they score
-    differently, being still incomplete, lie inside the always-attended window).
+    `q_start + i` and sees the `n = q_start + i + 1` slots `0 .. q_start + i`. When `n <= budget`
+    it attends all of them. Otherwise it attends exactly `budget`: the `sinks` first slots, its
+    `window` most recent ones, and `budget - sinks - window` of the candidates between them,
+    taken page by page (pages of `page_size` slots counted from slot `sinks`) in the order of
+    `page_scores`, the last page taken cut to its earliest candidate slots. The page the window
+    starts in is scored on its candidate slots only. Every slot a query's selection reads lies
+    before its window, so a chunk of queries gets exactly the masks one query at a time would.
     """
     b, h_kv, L, _ = keys.shape
     q = queries.shape[2]
@@ -88,24 +112,37 @@ def quest_mask(keys: torch.Tensor, queries: torch.Tensor, q_start: int, budget: 
         raise ValueError(f"queries at slots {q_start}..{q_start + q - 1} do not fit in {L} stored slots")
     device = keys.device
     slots = torch.arange(L, device=device)
-    t = q_start + torch.arange(q, device=device)  # the slot of each query
-    visible = slots[None, :] <= t[:, None]  # [q, L]
-    n_visible = t + 1
+    n_visible = q_start + 1 + torch.arange(q, device=device)  # [q]
+    visible = slots[None, :] < n_visible[:, None]  # [q, L]
     always = (slots[None, :] < sinks) | (slots[None, :] >= (n_visible - window)[:, None])
-    kmin, kmax = page_bounds(keys, page_size)
-    n_pages = kmin.shape[2]
-    first = torch.arange(n_pages, device=device) * page_size  # first slot of each page
-    # A page competes when it holds a visible slot that is neither a sink nor in the window.
-    candidate = (first[None, :] < (n_visible - window)[:, None]) & (first[None, :] + page_size > sinks)  # [q, P]
-    n_select = min(max((budget - sinks - window) // page_size, 0), n_pages)
-    chosen = torch.zeros(b, h_kv, q, n_pages, dtype=torch.bool, device=device)
-    if n_select > 0:
-        scores = page_scores(queries, kmin, kmax).masked_fill(~candidate, float("-inf"))
-        top = scores.topk(n_select, dim=-1).indices
-        chosen.scatter_(-1, top, True)
-        chosen &= candidate  # fewer candidates than slots: the -inf picks are not pages
-    attend = chosen[..., slots // page_size] | always  # [b, h_kv, q, L]
-    attend |= (n_visible <= budget)[:, None]  # short contexts: everything
+    attend = (always & visible).expand(b, h_kv, q, L).clone()
+    quota = budget - sinks - window  # candidate slots each restricted query attends
+    # Candidates: slots sinks .. n - w - 1, in pages counted from slot `sinks`.
+    end = n_visible - window - sinks  # [q] candidate slots (relative to `sinks`) per query
+    restricted = n_visible > budget
+    if quota > 0 and bool(restricted.any()) and L > sinks:
+        kmin_run, kmax_run = prefix_bounds(keys[:, :, sinks:], page_size)  # [b, h_kv, L - sinks, d]
+        Lc = L - sinks
+        n_pages = -(-Lc // page_size)
+        last = (torch.arange(n_pages, device=device) * page_size + page_size - 1).clamp(max=Lc - 1)
+        scores = page_scores(queries, kmin_run[:, :, last], kmax_run[:, :, last])  # [b, h_kv, q, P]
+        # The page the candidates end in is scored on its candidate slots only (those before the window).
+        e = (end - 1).clamp(min=0)  # last candidate slot per query
+        cut = e // page_size  # [q]
+        own = _own_page_scores(queries, kmin_run[:, :, e], kmax_run[:, :, e])  # [b, h_kv, q]
+        pages = torch.arange(n_pages, device=device)
+        scores = torch.where(pages == cut[:, None], own[..., None], scores)
+        count = (end[:, None] - pages * page_size).clamp(min=0, max=page_size)  # [q, P] candidate slots per page
+        scores = scores.masked_fill(count == 0, float("-inf"))
+        order = scores.argsort(dim=-1, descending=True, stable=True)  # ties: the earlier page first
+        c_sorted = count.expand(b, h_kv, q, n_pages).gather(-1, order)
+        before = c_sorted.cumsum(-1) - c_sorted
+        take_sorted = (quota - before).clamp(min=0).minimum(c_sorted)
+        take = torch.zeros_like(take_sorted).scatter_(-1, order, take_sorted)  # [b, h_kv, q, P] slots per page
+        rel = slots[sinks:] - sinks
+        chosen = (rel % page_size) < take[..., rel // page_size]  # [b, h_kv, q, Lc]; implies a candidate slot
+        attend[..., sinks:] |= chosen
+    attend |= restricted.logical_not()[:, None] & visible  # short contexts: everything
     return attend & visible
 
 
@@ -117,16 +154,17 @@ class Quest(Policy):
     sinks:        first tokens always attended (4).
     dense_layers: the first layers attend densely (Quest's paper leaves early layers, which are far
                   less sparse, dense; 0 here so every layer keeps the stated sparsity).
-    The recent window is the cache's `window`; the budget `B` caps the attended tokens per query.
+    The recent window is the cache's `window`; the budget `B` is the tokens each query attends once
+    more than `B` are visible.
     """
 
     page_size: int = 16
     dense_layers: int = 0
 
     name = "quest"
-    summary = "Selection, no eviction: attend sinks, window and the top 16-token pages by a q.k upper bound."
+    summary = "Selection, no eviction: attend sinks, window and the top 16-token pages by a q.k upper bound (B tokens)."
     evicts = False
-    selects: ClassVar[bool] = True
+    selects = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,14 +176,17 @@ class Quest(Policy):
             raise ValueError("quest selects pages and evicts nothing: the eviction modifiers (sample, value_guard, "
                              "n_large, protect_sinks) do not apply; its parameters are page_size, sinks, dense_layers")
 
+    @property
+    def protected_slots(self) -> int:
+        """The sinks are always attended (Quest has no `protect_sinks` switch)."""
+        return self.sinks
+
+    def attends_densely(self, layer_idx: int) -> bool:
+        return layer_idx < self.dense_layers
+
     def check(self, budget: int, window: int) -> None:
-        """Reject a budget/window this selection cannot honour, with the fix."""
-        if budget <= window + self.sinks:
-            raise ValueError(f"quest: budget ({budget}) must be larger than window + sinks ({window} + {self.sinks}): "
-                             "raise --budget or lower --window")
-        if window < self.page_size:
-            raise ValueError(f"quest: window ({window}) must be at least page_size ({self.page_size}) so the "
-                             "incomplete last page is always attended: raise --window or lower -p page_size")
+        """The budget rule of every policy, and a window that covers the incomplete last page."""
+        super().check(budget, window)
 
     def attend_mask(self, keys: torch.Tensor, queries: torch.Tensor, q_start: int, budget: int,
                     window: int) -> torch.Tensor:
