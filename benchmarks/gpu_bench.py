@@ -23,7 +23,7 @@ per step, i.e. 2-4 minutes per configuration at 8,192 tokens and 10-20 minutes f
 (not measured here: the script was only run tiny on a CPU). For a shorter run use
 --new-tokens 4096, --methods vase-attnv, --no-dynamic or --num-layers.
 
-Paper reference (ALGORITHMS.md section 7; Qwen3-14B, batch 16, 16k output, B = 4096,
+Paper reference (arXiv 2606.03928, its speed table; Qwen3-14B, batch 16, 16k output, B = 4096,
 FlashAttention-2): Full 133 tok/s at 68.7 GB, VaSE-AttnV 333 tok/s (2.5x) at 39.6 GB,
 VaSE-DKV 365 tok/s (2.7x) at 38.9 GB, R-KV 278 tok/s (2.1x) at 42.4 GB.
 """

@@ -1,4 +1,4 @@
-"""Eviction policies checked against references written here from ALGORITHMS.md (sections 2-6).
+"""Eviction policies checked against references written here from docs/methods.md (the selection, the score and each method).
 
 The references are plain loops / tensor code in float64 and use none of the library's
 helpers (no vase.policies.scores, no base helpers); only the public `select`,

@@ -79,7 +79,7 @@ def _check_layer(layer, run: dict, rows: list[int], generated: int) -> None:
         pad = layer.pad[i]
         real = pos[i, :, pad:layer.length]  # [h, n]
         n = layer.length - pad
-        # Stored length and eviction count are exactly the schedule's (ALGORITHMS.md section 1).
+        # Stored length and eviction count are exactly the schedule's (docs/methods.md, "The setting").
         assert n == schedule.physical_length(P, B, w, generated), (r, n, P, generated)
         assert layer.row_evictions[i] == schedule.num_evictions(P, B, w, generated)
         assert n <= max(P, B) + w and (layer.row_evictions[i] == 0 or n <= B + w)

@@ -101,3 +101,18 @@ def test_cache_follows_the_schedule_per_row(method):
                 evicted_now = [a != b for a, b in zip(layer.row_evictions, was)]
                 assert evicted_now == [is_eviction_step(p, B, w, n - 1) for p in prefill]
     assert min(cache.layers[0].row_evictions) >= 5
+
+
+@pytest.mark.parametrize("P,B,w", [(10, 20, 6), (30, 16, 4), (0, 8, 1), (5, 5, 3), (64, 32, 16)])
+def test_stored_length_sum_is_the_sum_of_physical_lengths(P, B, w):
+    from vase.schedule import stored_length_sum
+
+    for n in range(0, 70):
+        assert stored_length_sum(P, B, w, n) == sum(physical_length(P, B, w, j) for j in range(1, n + 1)), n
+
+
+def test_blocks():
+    from vase.schedule import cdiv, max_blocks
+
+    assert [cdiv(a, 16) for a in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+    assert max_blocks(128, 32, 16) == 10 and max_blocks(120, 10, 16) == 9

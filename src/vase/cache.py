@@ -250,9 +250,9 @@ class EvictionLayer(CacheLayerMixin):
         bool [b, q_heads, q, L] over the stored slots, or None (other policies, and the dense prefill)."""
         policy = self.cfg.policy
         q = query.shape[2]
-        if not getattr(policy, "selects", False) or self.seen == q:  # the first forward is the prefill
+        if not policy.selects or self.seen == q:  # the first forward is the prefill
             return None
-        if self.layer_idx < getattr(policy, "dense_layers", 0):
+        if policy.attends_densely(self.layer_idx):
             return None
         b, h_q = query.shape[:2]
         L, h_kv = self.length, self.keys.shape[1]
@@ -442,16 +442,9 @@ class EvictionCache(Cache):
                  quant_group: int | None = None, quant_select: str = "value", flush_every: int = 16,
                  quant_key_scale: bool = False, **method_params):
         check_method(method)  # TypeError/ValueError naming the argument, before anything is built
-        check_budget_window(budget, window)
+        check_budget_window(budget, window)  # types and ranges first, before the policy is built
         policy = get_policy(method, **method_params)
-        if window <= 0:
-            raise ValueError(f"window must be a positive number of tokens, got {window}")
-        sinks = policy.sinks if policy.protect_sinks else 0
-        if policy.evicts and budget <= window + sinks:
-            raise ValueError(f"budget ({budget}) must be larger than window + protected sinks ({window} + {sinks}): "
-                             f"raise --budget or lower --window")
-        if hasattr(policy, "check"):  # selection policies (Quest) validate budget and window themselves
-            policy.check(budget, window)
+        check_budget_window(budget, window, policy)
         if model is not None:
             install(model)  # the cache needs vase's attention function to mask and score
             num_layers = model.config.get_text_config().num_hidden_layers

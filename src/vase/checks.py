@@ -36,15 +36,12 @@ def check_method(method: Any) -> None:
 
 
 def check_budget_window(budget: Any, window: Any, policy: Any = None) -> None:
-    """Budget B and window w: integers, w >= 1, and B > w + protected sinks when ``policy`` evicts."""
+    """Budget B and window w: integers >= 1, then ``policy.check(B, w)`` (the budget rule, owned by the policy)."""
     for name, value in (("budget", budget), ("window", window)):
         if check_int(name, value) < 1:
             raise ValueError(f"{name} must be a positive number of tokens, got {value}")
-    if policy is not None and getattr(policy, "evicts", True):
-        sinks = policy.sinks if policy.protect_sinks else 0
-        if budget <= window + sinks:
-            raise ValueError(f"budget ({budget}) must be larger than window + protected sinks ({window} + {sinks}): "
-                             f"raise --budget or lower --window")
+    if policy is not None:
+        policy.check(budget, window)
 
 
 def check_prompts(prompts: Any) -> list[str]:

@@ -23,8 +23,8 @@ the eviction steps (the count of generated tokens stored when the eviction runs)
 from __future__ import annotations
 
 __all__ = [
-    "eviction_steps", "first_eviction_step", "first_limit", "is_eviction_step", "must_evict", "num_evictions",
-    "peak_length", "physical_length", "room", "steady_limit",
+    "cdiv", "eviction_steps", "first_eviction_step", "first_limit", "is_eviction_step", "max_blocks", "must_evict",
+    "num_evictions", "peak_length", "physical_length", "room", "steady_limit", "stored_length_sum",
 ]
 
 
@@ -99,3 +99,27 @@ def must_evict(stored: int, incoming: int, limit: int, budget: int) -> bool:
 def room(stored: int, limit: int) -> int:
     """Tokens a sequence can write before it must evict (0: the next write evicts first)."""
     return max(limit - stored, 0)
+
+
+def stored_length_sum(prefill_len: int, budget: int, window: int, n_generated: int) -> int:
+    """Sum of `physical_length(P, B, w, j)` over j = 1..n: stored tokens summed over the decode steps.
+
+    Divide by n for the time-averaged stored length; multiply by bytes per token for the bytes a
+    sequence held, summed over its steps. Closed form (no loop over steps)."""
+    _check(prefill_len, budget, window, n_generated)
+    first = first_eviction_step(prefill_len, budget, window)
+    grow = min(n_generated, first)  # steps before the first eviction: P + 1 .. P + grow
+    total = grow * prefill_len + grow * (grow + 1) // 2
+    after = n_generated - grow  # steps after it: B + 1 .. B + w, repeated
+    cycles, rest = divmod(after, window)
+    return total + after * budget + cycles * window * (window + 1) // 2 + rest * (rest + 1) // 2
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for non-negative integers (blocks needed for `a` tokens of block size `b`)."""
+    return -(-a // b)
+
+
+def max_blocks(budget: int, window: int, block_size: int) -> int:
+    """Paged-cache blocks a sequence needs once it has evicted: ceil((B + w) / block_size)."""
+    return cdiv(steady_limit(budget, window), block_size)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vase.checks import check_budget_window
 from vase.policies import Policy, UnknownMethodError, get_policy
 from vase.quant_cache import CACHE_STORAGE_OPTIONS
 
@@ -33,6 +34,9 @@ __all__ = [
     "load_config",
     "identity",
     "identity_hash",
+    "identity_changes",
+    "whole_number",
+    "check_reserves",
     "runtime_identity",
     "RUNTIME_FIELDS",
     "problems_digest",
@@ -47,8 +51,6 @@ _DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _ATTN = ("sdpa", "eager", "flash_attention_2")
 #: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.eval.vllm_engine).
 _ENGINES = ("transformers", "vllm")
-# Attention sinks every budget must leave room for (docs/methods.md: B > w + sinks).
-_MIN_SINKS = 4
 
 
 class ConfigError(ValueError):
@@ -82,6 +84,38 @@ _SCALARS: dict[str, type] = {
     "top_k": int, "temperature": float, "top_p": float, "greedy": bool, "chat_template": bool,
     "numeric_fallback": bool, "fidelity": bool,
 }
+
+
+#: Integer settings torch must be able to hold (a larger budget or length overflows a C long deep inside torch).
+_INT_MAX = 2**31 - 1
+_SEED_MAX = 2**63 - 1
+
+
+def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
+    """``value`` as an int when it is one (``32.0`` -> 32); ConfigError for a bool, a fraction or a number past
+    ``maximum``. Anything else (None, a string) is returned as it is, for the caller's own check."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r} (a true/false value): write a number")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{name} must be a whole number, got {value!r}")
+        value = int(value)
+    if isinstance(value, int) and abs(value) > maximum:
+        raise ConfigError(f"{name} {value} is too large (at most {maximum})")
+    return value
+
+
+def check_reserves(label: str, budget: int, policy: Policy, storage: Mapping[str, Any] | None = None) -> None:
+    """Slots a method reserves must fit in the budget: ``n_large`` (the value guard) and ``quant_guard``
+    (old tokens kept in full precision). ConfigError naming the parameter, the budget and the fix."""
+    n_large = getattr(policy, "n_large", None)
+    if policy.evicts and n_large is not None and n_large > budget:
+        raise ConfigError(f"{label}: n_large ({n_large}) is larger than the budget ({budget}): the value guard "
+                          f"reserves slots inside the budget; lower -p n_large or raise the budget")
+    guard = (storage or {}).get("quant_guard")
+    if isinstance(guard, int) and not isinstance(guard, bool) and guard > budget:
+        raise ConfigError(f"{label}: quant_guard ({guard}) is larger than the budget ({budget}): it counts old "
+                          f"tokens kept in full precision inside the budget; lower --quant-guard")
 
 
 def _parse_scalar(text: str, kind: type) -> Any:
@@ -163,6 +197,13 @@ class EvalConfig:
     def __post_init__(self) -> None:
         self._coerce()
         self._validate()
+        self._check_reserves()
+
+    def _check_reserves(self) -> None:
+        """Every method's reserved slots (n_large, quant_guard) fit in every budget."""
+        for spec in self.method_specs().values():
+            for b in self.budgets:
+                check_reserves(spec.label, b, spec.policy, spec.params)
 
     # -- normalisation ---------------------------------------------------------------------------
     def _coerce(self) -> None:
@@ -171,12 +212,25 @@ class EvalConfig:
             v = getattr(self, name)
             if isinstance(v, str):
                 try:
-                    setattr(self, name, _parse_scalar(v, kind))
+                    v = _parse_scalar(v, kind)
                 except ValueError as e:
                     raise ConfigError(f"{name} must be {kind.__name__}, got {v!r}") from e
+            # Types before ranges: a bool is no count (samples = true), 8.9 is no window, 1 is no switch.
+            if kind is int:
+                v = whole_number(name, v, maximum=_SEED_MAX if name == "seed" else _INT_MAX)
+                if v is not None and not isinstance(v, int):
+                    raise ConfigError(f"{name} must be an integer, got {v!r}")
+            elif kind is float and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ConfigError(f"{name} must be a number, got {v!r}")
+            elif kind is bool and v is not None and not isinstance(v, bool):
+                raise ConfigError(f"{name} must be true or false, got {v!r}")
+            setattr(self, name, v)
+        if isinstance(self.methods, (list, tuple)) and any(not isinstance(m, str) for m in self.methods):
+            raise ConfigError(f"methods must be method names, got {self.methods!r}")
         self.methods = [canonical_label(m) for m in _split_list(self.methods)]
+        budgets = [whole_number("budgets", b) for b in _split_list(self.budgets)]  # 32.5 is no budget
         try:
-            self.budgets = [int(b) for b in _split_list(self.budgets)]
+            self.budgets = [int(b) for b in budgets]
         except (TypeError, ValueError) as e:
             raise ConfigError(f"budgets must be integers, got {self.budgets!r}") from e
         if self.method_params is None:
@@ -246,14 +300,11 @@ class EvalConfig:
             need(bool(self.budgets), f"budgets is empty but {evicting[0].label!r} evicts: give --budgets")
         need(len(set(self.budgets)) == len(self.budgets), f"budgets lists a budget twice: {self.budgets}")
         for b in self.budgets:
-            if b <= self.window + _MIN_SINKS:
-                raise ConfigError(f"budget {b} must be larger than window + {_MIN_SINKS} sinks "
-                                  f"({self.window} + {_MIN_SINKS}): raise the budget or lower --window")
-            for s in evicting:
-                sinks = s.policy.sinks if s.policy.protect_sinks else 0
-                if b <= self.window + sinks:
-                    raise ConfigError(f"budget {b} must be larger than window + protected sinks of {s.label!r} "
-                                      f"({self.window} + {sinks})")
+            for s in specs.values():
+                try:
+                    check_budget_window(b, self.window, s.policy)
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"{s.label}: {exc}") from exc
 
     def method_specs(self) -> dict[str, MethodSpec]:
         """Label -> MethodSpec, ``full`` first, then ``methods`` in order. Raises ConfigError."""
@@ -447,6 +498,28 @@ def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
         dtype, kernel = config.dtype, config.engine
     return {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
             "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def identity_changes(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """The settings that differ between two identities, one ``dotted.path: old -> new`` each (leaves only, so a
+    changed parameter reads ``methods.snapkv.params.sinks: 4 -> 2`` rather than two whole method tables)."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        out: list[str] = []
+        for k in sorted(set(old) | set(new), key=str):
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if k not in old:
+                out.append(f"{path}: (none) -> {_short(new[k])}")
+            elif k not in new:
+                out.append(f"{path}: {_short(old[k])} -> (none)")
+            elif old[k] != new[k]:
+                out.extend(identity_changes(old[k], new[k], path))
+        return out
+    return [] if old == new else [f"{prefix or 'identity'}: {_short(old)} -> {_short(new)}"]
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def identity_hash(ident: Mapping[str, Any]) -> str:

@@ -129,7 +129,10 @@ class Policy:
     nonnegative_scores: ClassVar[bool] = True
     #: names of per-slot state (hook 1 in the class docstring), e.g. H2O's ("accumulated",)
     slot_state: ClassVar[tuple[str, ...]] = ()
+    #: drops K/V pairs from the cache once it passes B + w
     evicts: ClassVar[bool] = True
+    #: keeps the whole cache but attends a B-token selection at every step (Quest)
+    selects: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_parameter_types(self)  # types first (from the field annotations), so the range checks below can compare
@@ -150,6 +153,24 @@ class Policy:
     @property
     def guarded(self) -> bool:
         return self.n_large is not None or self.value_guard > 0
+
+    @property
+    def protected_slots(self) -> int:
+        """Slots kept besides the window whatever the scores say: the sinks when protected."""
+        return self.sinks if self.protect_sinks else 0
+
+    def check(self, budget: int, window: int) -> None:
+        """Refuse a budget B and window w this policy cannot honour: ValueError naming the fix.
+
+        The one owner of the budget rule, asked by the cache, `vase generate`, `vase eval`, the bench and the
+        vLLM config alike: a policy that evicts or selects needs B > w + `protected_slots`."""
+        if (self.evicts or self.selects) and budget <= window + self.protected_slots:
+            raise ValueError(f"budget ({budget}) must be larger than window + protected sinks "
+                             f"({window} + {self.protected_slots}): raise --budget or lower --window")
+
+    def attends_densely(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` skips the policy and attends its whole cache (Quest's dense first layers)."""
+        return False
 
     def reserve_size(self, n_keep: int, budget: int | None = None) -> int:
         """Slots reserved before scoring: the value guard (sinks included) or the protected sinks."""

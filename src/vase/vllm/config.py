@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import check_budget_window
 from ..policies import Policy, get_policy
 
 #: The key of vase's section in vLLM's `additional_config`.
@@ -73,12 +74,10 @@ class VaseVllmConfig:
         if not policy.evicts:
             raise VaseConfigError(f"vase config: method {policy.name!r} does not evict, so the plugin has nothing "
                                   f"to do: drop additional_config[\"vase\"] to run stock vLLM")
-        if window < 1:
-            raise VaseConfigError(f"vase config: window must be a positive number of tokens, got {window}")
-        sinks = policy.sinks if policy.protect_sinks else 0
-        if budget <= window + sinks:
-            raise VaseConfigError(f"vase config: budget ({budget}) must be larger than window + protected sinks "
-                                  f"({window} + {sinks}): raise budget or lower window")
+        try:
+            check_budget_window(budget, window, policy)
+        except ValueError as exc:
+            raise VaseConfigError(f"vase config: {exc}") from exc
         return cls(method=policy.name, budget=budget, window=window, seed=seed, sort_kept=sort_kept,
                    params=params)
 
