@@ -2,14 +2,24 @@
 
 No vLLM import: the tests run it against the dense `EvictionLayer` without an engine.
 
-Layout (one attention layer): `key_cache`, `value_cache`: [num_blocks, kv_heads, block_size, head_dim]
-(views of vLLM's cache tensor); a request's slot s lives in block `block_ids[s // block_size]` at
-offset `s % block_size`. Slots are physical: slot s holds the s-th stored token, whatever its
-logical position (RoPE was applied before the keys were written).
+Layout (one attention layer): `key_cache`, `value_cache`: the logical view
+[num_blocks, kv_heads, block_size, head_dim] of vLLM's cache, with any strides. vLLM 0.32 gives
+every GPU backend (FlashAttention, FlashInfer, Triton attention) one logical per-layer tensor
+[num_blocks, kv_heads, block_size, 2 * head_dim] whose memory order is one of six
+`KVCacheLayout`s; `vase.vllm.layouts.split_kv` cuts it into the two views used here. Reads and
+writes index the view directly (no `.view`), so they land where the kernel reads, whatever the
+memory order.
 
-Inside one (block, KV head) the kernel may store its `block_size x head_dim` elements in its own
-order (vLLM's CPU kernel packs keys for its dot products): a `Layout` gives, for each
-(offset, dim), the element's index in that block's storage, so reads and writes go through it.
+A request's slot s lives in block `block_ids[s // block_size]` at offset `s % block_size`, with
+`block_size` the scheduler's (manager) block size. When vLLM splits each manager block into
+kernel blocks (the cache's dim 2 is smaller), manager block b is kernel blocks b * ratio ..
+b * ratio + ratio - 1, so slot s is at flat position `block * block_size + offset` either way.
+Slots are physical: slot s holds the s-th stored token, whatever its logical position (RoPE was
+applied before the keys were written).
+
+vLLM's CPU kernel packs the `block_size x head_dim` elements of each (block, KV head) in its own
+order: a `Layout` gives, for each (offset, dim), the element's index in that block's storage,
+and `gather`/`scatter` go through it. That packed adapter is the only path that reshapes.
 """
 
 from __future__ import annotations
@@ -21,10 +31,18 @@ import torch
 from ..policies import Policy
 
 
-def slot_index(block_ids: torch.Tensor, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of slots 0..n-1 of a request whose blocks are `block_ids` [n_blocks]: two [n] int64."""
+def slot_index(block_ids: torch.Tensor, n: int, block_size: int,
+               cache_block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) in the cache of slots 0..n-1 of a request whose blocks are `block_ids` [n_blocks]: two [n] int64.
+
+    `block_size`: the block size of `block_ids` (the scheduler's); `cache_block_size`: the cache's
+    dim 2 when vLLM split blocks into smaller kernel blocks (default: the same)."""
     slots = torch.arange(n, device=block_ids.device)
-    return block_ids.long()[slots // block_size], slots % block_size
+    flat = block_ids.long()[slots // block_size] * block_size + slots % block_size
+    cbs = cache_block_size or block_size
+    if block_size % cbs:
+        raise ValueError(f"cache block size {cbs} must divide the scheduler's block size {block_size}")
+    return flat // cbs, flat % cbs
 
 
 @dataclass(frozen=True)
@@ -40,23 +58,31 @@ class Layout:
         return cls(index, index)
 
 
-def _flat(cache: torch.Tensor) -> torch.Tensor:
+def _packed(cache: torch.Tensor) -> torch.Tensor:
+    """The packed adapter: each (block, head) of `cache` as its bs*d storage elements (CPU kernel caches only)."""
     nb, h, bs, d = cache.shape
-    return cache.view(nb, h, bs * d)  # each (block, head) is bs*d contiguous elements
+    return cache.view(nb, h, bs * d)  # raises unless each (block, head) is bs*d contiguous elements
 
 
-def gather(cache: torch.Tensor, where: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def gather(cache: torch.Tensor, where: torch.Tensor | None, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Slots (`blocks`, `offsets`) [n] of `cache` [num_blocks, h, bs, d] as plain rows [1, h, n, d].
 
-    `where`: the layout's [bs, d] storage index of each (offset, dim) (`Layout.key` or `.value`)."""
-    rows = _flat(cache)[blocks[:, None], :, where[offsets]]  # [n, d, h]
+    `where`: None for a logical view (any strides, indexed directly), or a packed layout's [bs, d]
+    storage index of each (offset, dim) (`Layout.key` or `.value`)."""
+    if where is None:
+        rows = cache[blocks, :, offsets]  # [n, h, d]: advanced indices split by a slice go first
+        return rows.permute(1, 0, 2).unsqueeze(0)
+    rows = _packed(cache)[blocks[:, None], :, where[offsets]]  # [n, d, h]
     return rows.permute(2, 0, 1).unsqueeze(0)
 
 
-def scatter(cache: torch.Tensor, where: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+def scatter(cache: torch.Tensor, where: torch.Tensor | None, blocks: torch.Tensor, offsets: torch.Tensor,
             rows: torch.Tensor) -> None:
-    """Write plain `rows` [h, n, d] into slots (`blocks`, `offsets`) [n] of `cache`, in its layout."""
-    _flat(cache)[blocks[:, None], :, where[offsets]] = rows.permute(1, 2, 0).to(cache.dtype)
+    """Write plain `rows` [h, n, d] into slots (`blocks`, `offsets`) [n] of `cache`, in place (see `gather`)."""
+    if where is None:
+        cache[blocks, :, offsets] = rows.permute(1, 0, 2).to(cache.dtype)
+        return
+    _packed(cache)[blocks[:, None], :, where[offsets]] = rows.permute(1, 2, 0).to(cache.dtype)
 
 
 @dataclass
@@ -71,20 +97,24 @@ class RequestPolicyState:
 
 def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
                 queries: torch.Tensor | None, policy: Policy, budget: int, window: int, state: RequestPolicyState,
-                layer: int, sort_kept: bool = False, layout: Layout | None = None) -> torch.Tensor:
+                layer: int, sort_kept: bool = False, layout: Layout | None = None,
+                block_size: int | None = None) -> torch.Tensor:
     """Evict one request in one layer: its `length` stored slots become `budget`, compacted in place.
 
+    key_cache, value_cache: [num_blocks, kv_heads, cache_block_size, head_dim] logical views (any
+    strides), or the CPU kernel's packed blocks when `layout` is given. block_ids: [n_blocks] the
+    request's blocks, of `block_size` tokens (default: the cache's dim 2).
     Candidates are slots 0..length-w-1 (sinks first); the policy keeps B - w of them and the w
     most recent follow, exactly as `EvictionLayer.evict` does for one row without padding.
     queries: [1, q_heads, w, head_dim] post-RoPE, in time order (None when the policy needs none).
     Returns the kept slot indices [1, kv_heads, B] (in their new order).
     """
-    bs = key_cache.shape[2]
-    layout = layout or Layout.plain(bs, key_cache.shape[3])
+    cache_bs = key_cache.shape[2]
+    where_k, where_v = (None, None) if layout is None else (layout.key, layout.value)
     n_cand = length - window
-    blocks, offsets = slot_index(block_ids, length, bs)
-    keys = gather(key_cache, layout.key, blocks, offsets)
-    values = gather(value_cache, layout.value, blocks, offsets)
+    blocks, offsets = slot_index(block_ids, length, block_size or cache_bs, cache_bs)
+    keys = gather(key_cache, where_k, blocks, offsets)
+    values = gather(value_cache, where_v, blocks, offsets)
     h = keys.shape[1]
     extra: dict[str, torch.Tensor] = {}
     slot_state = state.slot_state.setdefault(layer, {})
@@ -106,7 +136,7 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     head = torch.arange(h, device=index.device)[:, None]
     new_blocks, new_offsets = blocks[:budget], offsets[:budget]
     # Read every survivor before writing: the targets (slots 0..B-1) overlap the sources.
-    for cache, where, rows in ((key_cache, layout.key, keys), (value_cache, layout.value, values)):
+    for cache, where, rows in ((key_cache, where_k, keys), (value_cache, where_v, values)):
         scatter(cache, where, new_blocks, new_offsets, rows[0, head, index[0]])  # survivors [h, B, d]
     for name, tensor in slot_state.items():  # moves with its slot; slots B.. are new tokens from now on
         moved = torch.zeros_like(tensor)
