@@ -58,6 +58,7 @@ import torch
 from ..cache import EvictionCache
 from ..generation import Sampler, decode
 from ..policies import get_policy
+from ..schedule import num_evictions
 
 __all__ = ["BASELINES", "add_ratios", "expected_evictions", "run_bench", "run_one"]
 
@@ -176,11 +177,7 @@ def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window:
     last token is never fed back). The first eviction runs before the token that would pass
     max(P, B) + w, then one every w tokens.
     """
-    fed = new_tokens - 1
-    first = max(prompt_length, budget) + window - prompt_length  # tokens that fit before the first eviction
-    if fed <= first:
-        return 0
-    return 1 + (fed - first - 1) // window
+    return num_evictions(prompt_length, budget, window, max(new_tokens - 1, 0))
 
 
 class _EvictTimer:
