@@ -101,3 +101,43 @@ def test_run_randomness_writes_report_and_plots(tmp_path):
     for name in ("randomness.json", "randomness.csv", "attn_error.png", "mechanisms.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "randomness.json").read_text())["config"]["budget"] == 24
+
+
+def test_bootstrap_ratio_on_hand_made_problems():
+    from vase.analysis.randomness import bootstrap_ratio, bootstrap_ratio_difference
+
+    assert bootstrap_ratio([1.0, 2.0, 3.0], [2.0, 4.0, 6.0]) == (0.5, 0.5, 0.5)  # every resample: 0.5
+    # Two problems, ratios 1 and 0: resamples give 1 (both the first), 0.5 or 0 (both the second).
+    ratio, lo, hi = bootstrap_ratio([1.0, 0.0], [1.0, 1.0])
+    assert (ratio, lo, hi) == (0.5, 0.0, 1.0)
+    ratio, lo, hi = bootstrap_ratio([0.7, 0.8, 0.75, 0.9], [1.0, 1.0, 1.0, 1.0], level=0.5)
+    assert lo < ratio < hi and 0.7 <= lo and hi <= 0.9
+    # Paired: the same draws for both, so identical inputs differ by exactly 0 in every resample.
+    assert bootstrap_ratio_difference([1.0, 0.0], [1.0, 1.0], [1.0, 0.0], [1.0, 1.0]) == (0.0, 0.0, 0.0)
+    diff, lo, hi = bootstrap_ratio_difference([0.5, 0.6], [1.0, 1.0], [0.9, 1.0], [1.0, 1.0])
+    assert diff == pytest.approx(-0.4) and lo == pytest.approx(-0.4) and hi == pytest.approx(-0.4)
+    with pytest.raises(ValueError, match="one value per problem"):
+        bootstrap_ratio_difference([1.0], [1.0, 2.0], [1.0], [1.0])
+
+
+def test_neighbouring_budget_control_mixes_deterministic_runs(tmp_path):
+    """The control: top-k at 4 budgets, mixed like seeds. Jensen alone puts its ratio below 1."""
+    from vase.analysis.randomness import Control
+
+    model, tok = tiny_model("qwen3", "sdpa"), tiny_tokenizer()
+    arms = (Arm("snapkv-sample", "snapkv-sample"),)
+    controls = (Control("snapkv@B±", "snapkv", "snapkv-sample", offsets=(-2, 0, 2, 4)),)
+    report = run_randomness(model, tok, ["Tell me a story", "Count to ten", "abc"], tmp_path, arms=arms,
+                            controls=controls, budget=24, window=8, seeds=2, max_new_tokens=48, loop_tokens=0,
+                            chat_template=False)
+    (ctl,) = report["controls"]
+    assert ctl["budgets"] == [22, 24, 26, 28] and ctl["problems"] == len(report["problems"])
+    assert ctl["ensemble_ratio"] < 1  # the budgets keep different tokens: a mixture gains by convexity alone
+    assert ctl["ensemble_ratio_lo"] <= ctl["ensemble_ratio"] <= ctl["ensemble_ratio_hi"]
+    (cmp,) = report["comparisons"]
+    assert cmp["arm"] == "snapkv-sample" and cmp["difference"] == pytest.approx(cmp["arm_ratio"] - cmp["control_ratio"])
+    assert cmp["difference_lo"] <= cmp["difference"] <= cmp["difference_hi"]
+    assert "snapkv@B±" in (tmp_path / "randomness.csv").read_text()
+    with pytest.raises(ValueError, match="not a stochastic arm"):
+        run_randomness(model, tok, ["abc"], tmp_path, arms=(Arm("snapkv", "snapkv"),), controls=controls, budget=24,
+                       window=8, seeds=2, max_new_tokens=48, loop_tokens=0, chat_template=False)

@@ -9,8 +9,10 @@ tokens) and the same budget, each method is traced while it evicts exactly as in
   and survived at least one eviction; overlap: the Jaccard index of the candidates kept by
   consecutive evictions (top-k that keeps starving the same entries has overlap near 1);
 - the ensemble hypothesis: over K seeds, KL(full || seed-averaged next-token distribution)
-  against the mean single-seed KL (convexity makes the first <= the second; a much smaller
-  mixture KL means the seeds err in different directions, like an ensemble of sub-caches);
+  against the mean single-seed KL. Convexity (Jensen) makes the first <= the second for *any*
+  caches that differ, so the ratio alone says nothing about randomness: the control mixes K
+  deterministic (top-k) runs at neighbouring budgets, whose differences owe nothing to a seed,
+  and the study compares the two ratios (bootstrapped over problems, paired on the same rows);
 - loop onset in free generation (sampling) per method, with the failure classes' loop rule.
 
 Tensor layouts: kept/candidate sets are bool [..., N] over sequence positions; log-probs are
@@ -94,6 +96,46 @@ def ensemble_kl(full_lp: torch.Tensor, seed_lps: Sequence[torch.Tensor]) -> tupl
         mix.add(lp)
         singles.append(token_kl(full_lp, lp))
     return token_kl(full_lp, mix.log_probs()), torch.stack(singles).mean(0)
+
+
+def bootstrap_ratio(num: Sequence[float], den: Sequence[float], *, n_boot: int = 2000, seed: int = 0,
+                    level: float = 0.95) -> tuple[float, float, float]:
+    """(ratio, lo, hi): sum(num) / sum(den) over problems and its percentile bootstrap interval,
+    resampling problems with replacement. num, den: one value per problem (e.g. the mean mixture
+    KL and the mean single-seed KL of each problem)."""
+    return _bootstrap(lambda idx: _ratio(num, den, idx), len(num), len(den), n_boot, seed, level)
+
+
+def bootstrap_ratio_difference(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float],
+                               den_b: Sequence[float], *, n_boot: int = 2000, seed: int = 0,
+                               level: float = 0.95) -> tuple[float, float, float]:
+    """(ratio_a - ratio_b, lo, hi), the same problems drawn for both in each resample (paired)."""
+    n = len(num_a)
+    if not n == len(den_a) == len(num_b) == len(den_b):
+        raise ValueError(f"paired ratios need one value per problem in each list, got {len(num_a)}, {len(den_a)}, "
+                         f"{len(num_b)}, {len(den_b)}")
+    return _bootstrap(lambda idx: _ratio(num_a, den_a, idx) - _ratio(num_b, den_b, idx), n, n, n_boot, seed, level)
+
+
+def _ratio(num: Sequence[float], den: Sequence[float], idx: Sequence[int]) -> float:
+    d = sum(den[i] for i in idx)
+    return sum(num[i] for i in idx) / d if d > 0 else math.nan
+
+
+def _bootstrap(stat: Callable[[Sequence[int]], float], n: int, n_den: int, n_boot: int, seed: int,
+               level: float) -> tuple[float, float, float]:
+    if n == 0 or n != n_den:
+        raise ValueError(f"bootstrap needs one numerator and one denominator per problem, got {n} and {n_den}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    gen = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, n, (n_boot, n), generator=gen).tolist()
+    values = torch.tensor(sorted(stat(d) for d in draws), dtype=torch.float64)
+    values = values[~values.isnan()]
+    if values.numel() == 0:
+        return stat(range(n)), math.nan, math.nan
+    lo, hi = torch.quantile(values, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return stat(range(n)), lo, hi
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -223,28 +265,58 @@ DEFAULT_ARMS = (
 )
 
 
+@dataclass(frozen=True)
+class Control:
+    """The Jensen control of a seed mixture: a deterministic method run at `budget + offset` for each
+    offset, its runs mixed like seeds. `versus` names the stochastic arm it is compared with."""
+
+    label: str
+    method: str
+    versus: str
+    params: dict = field(default_factory=dict)
+    offsets: tuple[int, ...] = (-6, -2, 2, 6)
+
+
+#: Top-k at 4 neighbouring budgets (mean B), against the 4-seed mixtures of the sampled twins.
+DEFAULT_CONTROLS = (
+    Control("snapkv@B±2,6", "snapkv", "snapkv-sample"),
+    Control("vase-attnv-topk@B±2,6", "vase-attnv", "vase-attnv", {"sample": False}),
+)
+
+
 def _mean(xs: Sequence[float]) -> float | None:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     return sum(xs) / len(xs) if xs else None
 
 
 def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path, *, arms: Sequence[Arm] = DEFAULT_ARMS,
-                   budget: int = 96, window: int = 16, seeds: int = 4, max_new_tokens: int = 256, seed: int = 0,
-                   loop_tokens: int | None = None, chat_template: bool = True,
-                   progress: Callable[[str], None] | None = None) -> dict:
+                   controls: Sequence[Control] | None = None, budget: int = 96, window: int = 16, seeds: int = 4,
+                   max_new_tokens: int = 256, seed: int = 0, loop_tokens: int | None = None,
+                   chat_template: bool = True, progress: Callable[[str], None] | None = None) -> dict:
     """Run the study on `prompts` and write `randomness.json`, `randomness.csv` and the plots into `out_dir`.
 
     Trajectories: the full cache's own sample (temperature 0.6, top-p 0.95, `seed`) of up to
     `max_new_tokens` per prompt. Stochastic arms run `seeds` eviction seeds, deterministic ones
-    one. Loop onset: each arm generates freely (same sampling and seed) for `loop_tokens`
-    (default `max_new_tokens`) tokens; 0 skips it. Returns the report dict.
+    one. Each control mixes its method's runs at `budget + offset` (default: those of
+    `DEFAULT_CONTROLS` whose arm runs); it is compared with its `versus` arm on the rows after the last of their first evictions. Loop onset: each arm
+    generates freely (same sampling and seed) for `loop_tokens` (default `max_new_tokens`)
+    tokens; 0 skips it. Returns the report dict.
     """
     from ..eval.failures import classify_failure
-    from ..generation import encode_prompts, eos_ids, generate
+    from ..eval.metrics import first_evicted_target
+    from ..generation import encode_prompts, eos_ids, forced_log_probs, generate
     from .loops import loop_onset
 
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    stochastic = {a.label for a in arms if a.stochastic}
+    if controls is None:
+        controls = [c for c in DEFAULT_CONTROLS if c.versus in stochastic and seeds > 1]
+    for c in controls:
+        if c.versus not in stochastic:
+            raise ValueError(f"control {c.label!r} compares with arm {c.versus!r}, which is not a stochastic arm "
+                             f"of this study ({', '.join(sorted(stochastic)) or 'none'})")
+        get_policy(c.method, **c.params).check(budget + min(c.offsets), window)
     say = progress or (lambda msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -259,6 +331,9 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     per_arm: dict[str, dict] = {a.label: {"kl": [], "top1": [], "kl_mix": [], "kl_single": [], "err_layer": [],
                                           "err_time": [], "coverage": [], "overlap": [], "evictions": []}
                                 for a in arms}
+    # per problem: (first scored row, mixture KL per row, mean single KL per row) of every mixed arm and control
+    mixed: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {a.label: [] for a in arms}
+    mixed.update({c.label: [] for c in controls})
     problems = []
     for i, prompt in enumerate(prompts):
         ids, _ = encode_prompts(tokenizer, [prompt], chat_template, device)
@@ -293,8 +368,21 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
                 acc["overlap"].append(float(consecutive_overlap(tr.kept).mean()) if len(tr.kept) > 1 else math.nan)
                 acc["evictions"].append(len(tr.kept))
             if n_seeds > 1:
-                acc["kl_mix"].append(float(token_kl(ref.log_probs[t0:], mix.log_probs()).mean()))
-                acc["kl_single"].append(float(torch.stack(singles).mean()))
+                mix_kl, single_kl = token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)
+                acc["kl_mix"].append(float(mix_kl.mean()))
+                acc["kl_single"].append(float(single_kl.mean()))
+                mixed[arm.label].append((t0, mix_kl, single_kl))
+        for ctl in controls:
+            budgets = [budget + o for o in ctl.offsets]
+            t0 = max(first_evicted_target(len(prompt_ids), budget=b, window=window, evicts=True) for b in budgets)
+            mix, singles = Mixture(), []
+            for b in budgets:
+                say(f"prompt {i}: control {ctl.label} at B = {b}")
+                lp = forced_log_probs(model, prompt_ids, targets, method=ctl.method, budget=b, window=window,
+                                      seed=seed, **ctl.params)[t0:].cpu()
+                mix.add(lp)
+                singles.append(token_kl(ref.log_probs[t0:], lp))
+            mixed[ctl.label].append((t0, token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)))
         del ref
     if not problems:
         raise ValueError(f"no trajectory was long enough to evict (budget {budget} + window {window}): lower "
@@ -314,10 +402,47 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     report = _summarise(per_arm, arms, loops, problems, dict(
         budget=budget, window=window, seeds=seeds, max_new_tokens=max_new_tokens, loop_tokens=loop_tokens,
         seed=seed, prompts=len(prompts), eos=eos_ids(model, tokenizer)))
+    report["controls"], report["comparisons"] = _controls(mixed, controls, budget, seed)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # wall time depends on the machine's load
     _write(report, per_arm, out_dir)
     return report
+
+
+def _sums_from(rows: list[tuple[int, torch.Tensor, torch.Tensor]], start: Sequence[int]) -> tuple[list, list]:
+    """Per problem, the mixture and single KL averaged over its rows from `start[p]` on."""
+    num, den = [], []
+    for (t0, mix_kl, single_kl), s in zip(rows, start):
+        num.append(float(mix_kl[s - t0:].mean()))
+        den.append(float(single_kl[s - t0:].mean()))
+    return num, den
+
+
+def _controls(mixed: dict, controls: Sequence[Control], budget: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Each control's mixture / single ratio with its bootstrap interval, and each control against its
+    arm: both ratios on the same rows (after the later of their first evictions), their difference
+    bootstrapped over problems with the same draws for both."""
+    out, comparisons = [], []
+    for ctl in controls:
+        rows = mixed[ctl.label]
+        entry = {"method": ctl.label, "registered": ctl.method, "params": ctl.params, "versus": ctl.versus,
+                 "budgets": [budget + o for o in ctl.offsets], "problems": len(rows)}
+        if rows:
+            num, den = _sums_from(rows, [t for t, _, _ in rows])
+            ratio, lo, hi = bootstrap_ratio(num, den, seed=seed)
+            entry.update(ensemble_kl_mixture=sum(num) / len(num), ensemble_kl_single_mean=sum(den) / len(den),
+                         ensemble_ratio=ratio, ensemble_ratio_lo=lo, ensemble_ratio_hi=hi)
+        out.append(entry)
+        arm_rows = mixed[ctl.versus]
+        if rows and len(arm_rows) == len(rows):
+            start = [max(a[0], c[0]) for a, c in zip(arm_rows, rows)]
+            num_a, den_a = _sums_from(arm_rows, start)
+            num_c, den_c = _sums_from(rows, start)
+            diff, lo, hi = bootstrap_ratio_difference(num_a, den_a, num_c, den_c, seed=seed)
+            comparisons.append({"arm": ctl.versus, "control": ctl.label, "problems": len(rows),
+                                "arm_ratio": sum(num_a) / sum(den_a), "control_ratio": sum(num_c) / sum(den_c),
+                                "difference": diff, "difference_lo": lo, "difference_hi": hi})
+    return out, comparisons
 
 
 def _summarise(per_arm: dict, arms: Sequence[Arm], loops: dict, problems: list, config: dict) -> dict:
@@ -326,6 +451,9 @@ def _summarise(per_arm: dict, arms: Sequence[Arm], loops: dict, problems: list, 
         acc = per_arm[arm.label]
         layer_err = torch.stack(acc["err_layer"]).mean(0) if acc["err_layer"] else None
         mix, single = _mean(acc["kl_mix"]), _mean(acc["kl_single"])
+        lo = hi = None
+        if acc["kl_mix"]:
+            _, lo, hi = bootstrap_ratio(acc["kl_mix"], acc["kl_single"])
         onsets = [r["loop_onset"] for r in loops.get(arm.label, [])]
         rows.append({
             "method": arm.label, "registered": arm.method, "params": arm.params, "stochastic": arm.stochastic,
@@ -336,6 +464,7 @@ def _summarise(per_arm: dict, arms: Sequence[Arm], loops: dict, problems: list, 
             "evictions": _mean(acc["evictions"]),
             "ensemble_kl_mixture": mix, "ensemble_kl_single_mean": single,
             "ensemble_ratio": mix / single if mix is not None and single else None,
+            "ensemble_ratio_lo": lo, "ensemble_ratio_hi": hi,
             "loop_share": (sum(o is not None for o in onsets) / len(onsets)) if onsets else None,
             "loop_onsets": onsets,
         })
@@ -343,7 +472,8 @@ def _summarise(per_arm: dict, arms: Sequence[Arm], loops: dict, problems: list, 
 
 
 CSV_COLUMNS = ("method", "stochastic", "kl_after_eviction", "top1_agree", "attn_err_mean", "coverage", "overlap",
-               "evictions", "ensemble_kl_mixture", "ensemble_kl_single_mean", "ensemble_ratio", "loop_share")
+               "evictions", "ensemble_kl_mixture", "ensemble_kl_single_mean", "ensemble_ratio", "ensemble_ratio_lo",
+               "ensemble_ratio_hi", "loop_share")
 
 
 def _fmt(v) -> str:
@@ -355,8 +485,8 @@ def _fmt(v) -> str:
 def _write(report: dict, per_arm: dict, out_dir: Path) -> None:
     (out_dir / "randomness.json").write_text(json.dumps(report, indent=2))
     lines = [",".join(CSV_COLUMNS)]
-    for row in report["methods"]:
-        lines.append(",".join(_fmt(row[c]) for c in CSV_COLUMNS))
+    for row in report["methods"] + report.get("controls", []):  # controls: the ensemble columns only
+        lines.append(",".join(_fmt(row.get(c)) for c in CSV_COLUMNS))
     (out_dir / "randomness.csv").write_text("\n".join(lines) + "\n")
     plot_randomness(report, per_arm, out_dir)
 
@@ -389,7 +519,7 @@ def plot_randomness(report: dict, per_arm: dict, out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    fig, axes = plt.subplots(1, 4, figsize=(14.5, 3.4))
     names = [r["method"] for r in rows]
     x = range(len(rows))
     colors = ["tab:orange" if r["stochastic"] else "tab:blue" for r in rows]
@@ -403,9 +533,20 @@ def plot_randomness(report: dict, per_arm: dict, out_dir: Path) -> list[Path]:
     axes[2].bar([i + 0.2 for i in x], mix, width=0.4, label="seed mixture", color="tab:green")
     axes[2].set_title("KL(full || .) after first eviction")
     axes[2].legend(fontsize=7)
-    for ax in axes:
+    for ax in axes[:3]:
         ax.set_xticks(list(x))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    # Mixture / single with bootstrap intervals: seed mixtures (orange) against the top-k controls (blue).
+    ratios = [r for r in rows if r.get("ensemble_ratio") is not None] + \
+        [c for c in report.get("controls", []) if c.get("ensemble_ratio") is not None]
+    for i, r in enumerate(ratios):
+        lo, hi = r.get("ensemble_ratio_lo"), r.get("ensemble_ratio_hi")
+        err = [[r["ensemble_ratio"] - lo], [hi - r["ensemble_ratio"]]] if lo is not None and not math.isnan(lo) else None
+        axes[3].bar(i, r["ensemble_ratio"], yerr=err, capsize=3, color="tab:orange" if r.get("stochastic") else "tab:blue")
+    axes[3].axhline(1.0, color="k", lw=0.5)
+    axes[3].set_xticks(range(len(ratios)))
+    axes[3].set_xticklabels([r["method"] for r in ratios], rotation=30, ha="right", fontsize=8)
+    axes[3].set_title("mixture / single KL (95% bootstrap)")
     fig.tight_layout()
     paths.append(out_dir / "mechanisms.png")
     fig.savefig(paths[-1], dpi=100)
@@ -423,6 +564,7 @@ def print_report(report: dict, console) -> None:
     cols = [("method", "method", None), ("KL", "kl_after_eviction", ".4f"), ("top-1", "top1_agree", ".3f"),
             ("attn err", "attn_err_mean", ".4f"), ("coverage", "coverage", ".3f"), ("overlap", "overlap", ".3f"),
             ("KL mixture", "ensemble_kl_mixture", ".4f"), ("mix/single", "ensemble_ratio", ".3f"),
+            ("lo", "ensemble_ratio_lo", ".3f"), ("hi", "ensemble_ratio_hi", ".3f"),
             ("loops", "loop_share", ".2f")]
     for name, _, _ in cols:
         table.add_column(name)
@@ -430,3 +572,11 @@ def print_report(report: dict, console) -> None:
         table.add_row(*[str(row[k]) if f is None else ("-" if row[k] is None else format(row[k], f))
                         for _, k, f in cols])
     console.print(table)
+    for c in report.get("controls", []):
+        if c.get("ensemble_ratio") is not None:
+            console.print(f"control {c['method']} (top-k at B = {', '.join(map(str, c['budgets']))}): mixture / single "
+                          f"{c['ensemble_ratio']:.3f} [{c['ensemble_ratio_lo']:.3f}, {c['ensemble_ratio_hi']:.3f}]")
+    for c in report.get("comparisons", []):
+        console.print(f"{c['arm']} seeds vs {c['control']} on the same rows: ratio {c['arm_ratio']:.3f} vs "
+                      f"{c['control_ratio']:.3f}, difference {c['difference']:+.3f} "
+                      f"[{c['difference_lo']:+.3f}, {c['difference_hi']:+.3f}] ({c['problems']} problems)")
