@@ -34,8 +34,7 @@ from vase.eval.prompts import build_prompt
 from vase.eval.tasks import load_task
 from vase.generation import Sampler, decode, encode_prompts, eos_ids
 from vase.models import load_model
-from vase.quant import packed_bytes
-from vase.quant_cache import QuantLayer
+from vase.quant_cache import QuantLayer, entry_bytes
 
 WINDOW = 8  # small runs (a few hundred tokens) need a small window to reach 1/16 of the full cache
 FLUSH = 8
@@ -55,12 +54,14 @@ class Config:
     tag: str = ""  # the question it answers
 
 
-def entry_units(bits: int, d: int = 64) -> float:
-    """Bytes of one quantized (token, head) K+V entry over one 16-bit entry."""
-    return packed_bytes(1, d, bits, GROUP) / (2 * d)
+def entry_units(bits: int, capacity: int, d: int = 64) -> tuple[float, float]:
+    """Bytes of one (token, head) entry of a quantized cache, tags included, over one 16-bit K+V entry:
+    (quantized, full precision)."""
+    quant, full = entry_bytes(d, d, bits, GROUP, 2, capacity)
+    return quant / (4 * d), full / (4 * d)
 
 
-def budget_for(target: float, bits: int, guard_fraction: float, sinks: int = 4) -> int:
+def budget_for(target: float, bits: int, guard_fraction: float, prompt_len: int, sinks: int = 4) -> int:
     """The largest B whose peak (B + w stored tokens) fits `target` 16-bit token-equivalents."""
     best = None
     for B in range(WINDOW + sinks + 1, 4096):
@@ -70,7 +71,8 @@ def budget_for(target: float, bits: int, guard_fraction: float, sinks: int = 4) 
         else:
             reserve = max(round(guard_fraction * B), sinks)
             fp = min(reserve + WINDOW + FLUSH - 1, stored)
-            units = fp + entry_units(bits) * (stored - fp)
+            q_units, fp_units = entry_units(bits, max(prompt_len, B) + WINDOW)
+            units = fp * fp_units + q_units * (stored - fp)
         if units > target:
             break
         best = B
@@ -84,12 +86,12 @@ def held_bytes(cache: EvictionCache, full_bytes: int) -> int:
         if not layer.is_initialized:
             continue
         b, h, _, d = layer.keys.shape
-        fp_entry = 2 * d * full_bytes
-        if isinstance(layer, QuantLayer):
-            q_entry = 2 * packed_bytes(1, d, layer.qcfg.bits, layer.group)
-            total += int(layer.qn.sum()) * q_entry + int(layer.fn.sum()) * fp_entry
+        if isinstance(layer, QuantLayer):  # entries with their slot tags (and reserve ranks), and key scales
+            q_entry, fp_entry = entry_bytes(d, d, layer.qcfg.bits, layer.group, full_bytes, layer.qslot.shape[2] - 1)
+            scales = 0 if layer.kscale is None else layer.kscale.numel() * layer.kscale.element_size()
+            total += int(layer.qn.sum()) * q_entry + int(layer.fn.sum()) * fp_entry + scales
         else:
-            total += sum(layer.length - p for p in (layer.pad or [0] * b)) * h * fp_entry
+            total += sum(layer.length - p for p in (layer.pad or [0] * b)) * h * 2 * d * full_bytes
     return total
 
 
@@ -370,7 +372,7 @@ def main() -> None:
         for t, ref in zip(trajs, refs):
             T = len(t["prompt"]) + len(t["target"])
             guard_frac = 0.0 if cfg.params.get("value_guard") == 0.0 or cfg.method != "vase-attnv" else 0.25
-            budget = budget_for(T / cfg.fraction, cfg.bits, guard_frac) if cfg.fraction else 512
+            budget = budget_for(T / cfg.fraction, cfg.bits, guard_frac, len(t["prompt"])) if cfg.fraction else 512
             r = forced(model, t["prompt"], t["target"], cfg, budget, args.seed)
             start = r["first_evict"] if r["first_evict"] is not None else 0
             kl, top1 = kl_top1(ref, r["logprobs"], start)

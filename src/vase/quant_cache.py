@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import EvictionLayer
+from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
 from .quant import BITS, Packed, check_format, dequantize, packed_bytes, quantize
 
@@ -113,6 +114,78 @@ def _left_pack(mask: torch.Tensor, m: int) -> torch.Tensor:
     return torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :m]
 
 
+def slot_dtype(capacity: int) -> torch.dtype:
+    """The narrowest signed integer type that holds the slot tags -1 .. capacity (capacity = the trash entry)."""
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        if capacity <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return (torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)).bits // 8
+
+
+RANK_DTYPE = torch.float32  # the reserve ranking of each full-precision entry (value magnitude, or random)
+
+
+def entry_bytes(head_dim: int, v_head_dim: int, bits: int, group: int, full_element_bytes: int,
+                capacity: int) -> tuple[int, int]:
+    """Bytes of one (token, KV head) entry of a quantized layer with `capacity` slots, tags included.
+
+    Returns (quantized: packed K and V codes, scales and zeros, and the slot tag;
+             full precision: K and V at `full_element_bytes` per element, the slot tag and the reserve rank)."""
+    tag = _itemsize(slot_dtype(capacity))
+    quant = packed_bytes(1, head_dim, bits, group) + packed_bytes(1, v_head_dim, bits, group) + tag
+    return quant, (head_dim + v_head_dim) * full_element_bytes + tag + _itemsize(RANK_DTYPE)
+
+
+def full_precision_entries(length: int, unflushed: int, window: int, guard: int) -> int:
+    """Entries per KV head a quantized layer holds in full precision with `length` tokens stored.
+
+    The window, the `unflushed` tokens fed since the last flush that left it, and the reserve
+    (`guard` of the older tokens, all of them when fewer). Exact while no full-precision token has
+    been evicted (always for `full`); after an eviction that dropped some, the layer holds fewer."""
+    recent = min(length, window + unflushed)
+    return recent + min(guard, length - recent)
+
+
+@dataclass(frozen=True)
+class QuantBytes:
+    """The bytes a quantized cache holds for one sequence (all layers), from its configuration and stored length.
+
+    The same entry sizes as `QuantLayer.held_bytes` (tags included), for the eval's per-sequence
+    accounting where only the eviction schedule is known (`vase.schedule`)."""
+
+    cfg: QuantConfig
+    window: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    full_element_bytes: int  # the model's dtype (2 for bf16, 4 for fp32)
+
+    @property
+    def group(self) -> int:
+        return self.cfg.group or min(32, self.head_dim)
+
+    def held(self, length: int, steps: int, capacity: int) -> int:
+        """Bytes held with `length` tokens stored (per KV head), `steps` tokens fed after the prompt."""
+        quant, full = entry_bytes(self.head_dim, self.head_dim, self.cfg.bits, self.group, self.full_element_bytes,
+                                  capacity)
+        fp = full_precision_entries(length, steps % self.cfg.flush_every, self.window, self.cfg.guard)
+        scales = self.head_dim * _itemsize(torch.float16) if self.cfg.key_scale else 0
+        return self.layers * self.kv_heads * (fp * full + (length - fp) * quant + scales)
+
+    def allocated(self, capacity: int) -> int:
+        """Bytes a layer set with `capacity` slots allocates (`QuantLayer.capacity_bytes`, all layers)."""
+        quant, full = entry_bytes(self.head_dim, self.head_dim, self.cfg.bits, self.group, self.full_element_bytes,
+                                  capacity)
+        n_fp = self.cfg.guard + self.window + self.cfg.flush_every
+        scales = self.head_dim * _itemsize(torch.float16) if self.cfg.key_scale else 0
+        counters = 2 * _itemsize(torch.long)  # qn, fn
+        return self.layers * self.kv_heads * ((capacity + 1) * quant + n_fp * full + counters + scales)
+
+
 class QuantLayer(EvictionLayer):
     """An EvictionLayer whose K/V live in packed low-bit codes plus a full-precision reserve.
 
@@ -130,6 +203,7 @@ class QuantLayer(EvictionLayer):
         self.kscale: torch.Tensor | None = None  # [b, h, 1, d] float16 per-channel key scale (key_scale only)
         self.q_hi = 0  # an upper bound on the live quantized entries of any (row, head)
         self.pending: tuple | None = None
+        self.view: tuple | None = None  # a chunk's exact copies of tokens it quantized partway (`_ingest`)
         self.unflushed = 0
         self.rank_gen: torch.Generator | None = None
 
@@ -144,7 +218,7 @@ class QuantLayer(EvictionLayer):
         n_fp = self.qcfg.guard + self.cfg.window + self.qcfg.flush_every
         self.fk = key_states.new_zeros(b, h, n_fp, d)
         self.fv = value_states.new_zeros(b, h, n_fp, value_states.shape[-1])
-        self.fslot = torch.full((b, h, n_fp), -1, dtype=torch.long, device=self.device)
+        self.fslot = torch.full((b, h, n_fp), -1, dtype=slot_dtype(cap), device=self.device)
         self.frank = torch.zeros(b, h, n_fp, dtype=torch.float32, device=self.device)
         self.fn = torch.zeros(b, h, dtype=torch.long, device=self.device)
         self._alloc_quantized(cap)
@@ -164,7 +238,11 @@ class QuantLayer(EvictionLayer):
 
         old = (self.qk, self.qv, self.qslot)
         self.qk, self.qv = store(d), store(dv)
-        self.qslot = torch.full((b, h, cap + 1), -1, dtype=torch.long, device=self.device)
+        # Slot tags in the narrowest type for slots -1 .. cap (they are held between steps, and counted)
+        tags = slot_dtype(cap)
+        self.qslot = torch.full((b, h, cap + 1), -1, dtype=tags, device=self.device)
+        if self.fslot is not None and self.fslot.dtype != tags:  # grown past the old type's range
+            self.fslot = self.fslot.to(tags)
         if old[0] is not None:  # growing (the full cache without max_length): keep what is stored
             n = old[2].shape[2] - 1
             for new, prev in ((self.qk, old[0]), (self.qv, old[1])):
@@ -193,7 +271,46 @@ class QuantLayer(EvictionLayer):
     def _stored(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pad is not None:
             self._ingest(flush=False)
-        return self._materialize(end)
+        keys, values = self._materialize(end)
+        if self.view is None:
+            return keys, values
+        # Teacher forcing: the exact copies of tokens a flush inside the chunk quantized follow the
+        # stored slots; attention_mask_for shows each query either the copy or the codes.
+        ek, ev = self.view[:2]
+        return torch.cat([keys, ek.to(keys.dtype)], 2), torch.cat([values, ev.to(values.dtype)], 2)
+
+    def attention_mask_for(self, query: torch.Tensor, attention_mask: torch.Tensor | None, kind: str):
+        """The base mask, and after a chunk whose flushes quantized tokens partway through it, a per-head mask
+        [b, q_heads, q, L + E]: query i reads a token's exact copy (columns L..) while decoding at i held it
+        exact, its codes (its slot) once decoding had quantized it."""
+        mask = super().attention_mask_for(query, attention_mask, kind)
+        view, self.view = self.view, None
+        if view is None:
+            return mask
+        if kind == "flash":
+            raise ValueError("a quantized cache fed several tokens at once after the prompt needs a per-head mask, "
+                             "which flash_attention_2 does not take: load the model with attn_implementation="
+                             "'sdpa' or 'eager', or feed one token per call")
+        _, _, eslot, estep = view
+        b, h, E = eslot.shape
+        q, L = query.shape[2], self.length
+        if mask is None:
+            base = causal_padding_mask(None, q, L, "bool", query.dtype, self.device)
+        else:
+            base = mask if mask.dtype == torch.bool else mask == 0
+        base = base.expand(b, h, q, L)
+        step = torch.arange(q, device=self.device).view(1, 1, q, 1)
+        # per head and slot, the first chunk step that reads its codes (0: held as it is for the whole chunk)
+        at = torch.zeros(b, h, L + 1, dtype=torch.long, device=self.device)
+        at.scatter_(-1, torch.where(eslot >= 0, eslot, L), estep.clamp(min=0))
+        codes = base & (step >= at[:, :, None, :L])
+        copies = base.gather(-1, eslot.clamp(min=0)[:, :, None, :].expand(b, h, q, E)) & \
+            (step < estep[:, :, None, :]) & (eslot >= 0)[:, :, None, :]
+        full = torch.cat([codes, copies], -1).repeat_interleave(query.shape[1] // h, dim=1)
+        if kind == "additive":
+            return torch.zeros(full.shape, dtype=query.dtype, device=self.device).masked_fill_(
+                ~full, torch.finfo(query.dtype).min)
+        return full
 
     def _candidates(self, sel, pad: int, n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self._materialize(self.length)
@@ -221,41 +338,82 @@ class QuantLayer(EvictionLayer):
         """Reserve ranking of new tokens [b, h, q]: sinks +inf, padding -inf, else magnitude (or random)."""
         if self.qcfg.select == "value":
             rank = value_magnitude(values, self.qcfg.metric)
-        else:
-            rank = torch.rand(positions.shape, generator=self.rank_gen, device=self.device)
+        else:  # one draw per token, in order: a chunk draws what token-by-token decoding draws
+            rank = torch.cat([torch.rand((*positions.shape[:2], 1), generator=self.rank_gen, device=self.device)
+                              for _ in range(positions.shape[2])], dim=2)
         pad0 = torch.tensor(self.row_pad0, device=self.device).view(-1, 1, 1)
         rank = rank.masked_fill((positions >= 0) & (positions - pad0 < self.qcfg.sinks), float("inf"))
         return rank.masked_fill(positions < 0, float("-inf"))
 
     def _ingest(self, flush: bool) -> None:
-        """Move the pending new tokens into the stores; quantize what left the window when due."""
+        """Move the pending new tokens into the stores; quantize what left the window when due.
+
+        flush=True (the prompt): quantize at once. Otherwise the tokens are stored one after the
+        other exactly as token-by-token decoding stores them (a flush every `flush_every` tokens,
+        each with the window as it stood at that token), so a multi-token write (teacher forcing)
+        leaves the same stores as decoding. A flush after the chunk's first token quantizes tokens
+        that the chunk's earlier queries saw exact: their exact copies go to `self.view` for
+        `attention_mask_for` (each query then reads what decoding at its position read)."""
         k, v, start, end = self.pending
         self.pending = None
         b, h, q, _ = k.shape
         positions = self.positions[:, :, start:end]
         slots = torch.arange(start, end, device=self.device).expand(b, h, q).masked_fill(positions < 0, -1)
         rank = self._rank(v, positions)
-        self.unflushed += q
-        if flush or q > 1 or self.unflushed >= self.qcfg.flush_every:
-            self._flush(k, v, slots, rank)
+        if flush:
+            self._flush(k, v, slots, rank, self.length)
             self.unflushed = 0
             return
-        # One decode token: append it after each head's live full-precision entries.
-        at = self.fn[..., None]
-        self.fk.scatter_(2, at[..., None].expand(b, h, 1, k.shape[-1]), k)
-        self.fv.scatter_(2, at[..., None].expand(b, h, 1, v.shape[-1]), v)
-        self.fslot.scatter_(2, at, slots)
-        self.frank.scatter_(2, at, rank)
-        self.fn += 1
+        F = self.qcfg.flush_every
+        moved = []  # (chunk step, quantized slots [b, h, n], their exact keys, values) for flushes after step 0
+        i = 0
+        while i < q:
+            due = i + F - 1 - self.unflushed  # the chunk step whose token makes the next flush
+            n = min(due, q) - i
+            if n:  # tokens that only join the full-precision store
+                self._append(k[:, :, i:i + n], v[:, :, i:i + n], slots[:, :, i:i + n], rank[:, :, i:i + n])
+                self.unflushed += n
+                i += n
+            if i == due < q:  # the length as decoding had it at this token decides what left the window
+                exact = self._flush(k[:, :, i:i + 1], v[:, :, i:i + 1], slots[:, :, i:i + 1], rank[:, :, i:i + 1],
+                                    start + i + 1, keep_exact=i > 0)
+                if exact is not None:
+                    moved.append((i, *exact))
+                self.unflushed = 0
+                i += 1
+        self.view = self._chunk_view(moved, start) if moved else None
 
-    def _flush(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rank: torch.Tensor) -> None:
-        """Keep the window and the top-R old tokens in full precision, quantize the other old ones."""
+    def _append(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rank: torch.Tensor) -> None:
+        """Append n new tokens [b, h, n, d] after each head's live full-precision entries."""
+        b, h, n, _ = k.shape
+        at = self.fn[..., None] + torch.arange(n, device=self.device)
+        self.fk.scatter_(2, at[..., None].expand(b, h, n, k.shape[-1]), k)
+        self.fv.scatter_(2, at[..., None].expand(b, h, n, v.shape[-1]), v)
+        self.fslot.scatter_(2, at, slots.to(self.fslot.dtype))
+        self.frank.scatter_(2, at, rank)
+        self.fn += n
+
+    def _chunk_view(self, moved: list, start: int) -> tuple[torch.Tensor, ...]:
+        """Exact copies of the tokens quantized by flushes inside a chunk, and when: for the per-query mask.
+
+        Returns keys, values [b, h, E, d], their slots [b, h, E] (-1 = none) and the chunk step
+        of the flush that quantized each one [b, h, E]."""
+        steps = [torch.where(s >= 0, i, -1) for i, s, _, _ in moved]
+        return (torch.cat([m[2] for m in moved], 2), torch.cat([m[3] for m in moved], 2),
+                torch.cat([m[1] for m in moved], 2), torch.cat(steps, 2))
+
+    def _flush(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rank: torch.Tensor, length: int,
+               keep_exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Keep the window and the top-R old tokens in full precision, quantize the other old ones.
+
+        `length`: the stored length when decoding made this flush (slots below `length - w` are old).
+        keep_exact: return the quantized entries' slots [b, h, n] (-1 = none) and exact keys and values."""
         b, h = k.shape[:2]
         n_fp = self.fk.shape[2]
         ck, cv = torch.cat([self.fk, k], 2), torch.cat([self.fv, v], 2)
-        cs, cr = torch.cat([self.fslot, slots], 2), torch.cat([self.frank, rank], 2)
+        cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
         valid = cs >= 0
-        old = valid & (cs < self.length - self.cfg.window)
+        old = valid & (cs < length - self.cfg.window)
         win = torch.zeros_like(old)
         if self.qcfg.guard:
             top = cr.masked_fill(~old, float("-inf")).topk(min(self.qcfg.guard, cs.shape[2]), dim=-1).indices
@@ -272,34 +430,37 @@ class QuantLayer(EvictionLayer):
         order = _left_pack(keep, n_fp)
         kept = keep.gather(-1, order)
         self.fk, self.fv = _gather(ck, order), _gather(cv, order)
-        self.fslot = _gather(cs, order).masked_fill(~kept, -1)
+        self.fslot = _gather(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
         self.frank = _gather(cr, order)
         self.fn = fn
         # Quantize the rest into the packed store, after each head's live entries.
         m = quant.sum(-1)
         n_q = int(m.max())
         if n_q == 0:
-            return
+            return None
         order = _left_pack(quant, n_q)
         chosen = quant.gather(-1, order)
         trash = self.qslot.shape[2] - 1
         dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=self.device), trash)
         if int((self.qn + m).max()) > trash:
             raise RuntimeError("quantized store overflow: more old tokens than the cache capacity")
-        keys = _gather(ck, order)
+        keys, values = _gather(ck, order), _gather(cv, order)
+        qslots = _gather(cs, order).masked_fill(~chosen, -1)
+        exact = (qslots, keys, values) if keep_exact else None
         if self.qcfg.key_scale:
             if self.kscale is None:  # fixed at the first flush (the prompt): codes never need rescaling
                 live = ck.float().abs().masked_fill(~valid[..., None], 0)
                 self.kscale = live.amax(2, keepdim=True).clamp(min=1e-4).to(torch.float16)
             keys = keys / self.kscale.to(keys.dtype)
-        for store, src in ((self.qk, keys), (self.qv, _gather(cv, order))):
+        for store, src in ((self.qk, keys), (self.qv, values)):
             p = quantize(src, self.qcfg.bits, self.group)
             for name in ("codes", "scale", "zero"):
                 buf = getattr(store, name)
                 buf.scatter_(2, dest[..., None].expand(b, h, n_q, buf.shape[-1]), getattr(p, name))
-        self.qslot.scatter_(2, dest, _gather(cs, order).masked_fill(~chosen, -1))
+        self.qslot.scatter_(2, dest, qslots.to(self.qslot.dtype))
         self.qn += m
         self.q_hi = min(self.q_hi + n_q, trash)
+        return exact
 
     # -- reading -------------------------------------------------------------------------------------
     def _materialize(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,13 +504,13 @@ class QuantLayer(EvictionLayer):
         new_slot.scatter_(-1, index, torch.arange(n, device=self.device).expand(b, h, n))
 
         def renumber(slot: torch.Tensor) -> torch.Tensor:
-            return new_slot.gather(-1, torch.where(slot >= 0, slot, cap))
+            return new_slot.gather(-1, torch.where(slot >= 0, slot, cap).long())
 
         fslot = renumber(self.fslot)
         live = fslot >= 0
         order = _left_pack(live, fslot.shape[2])
         self.fk, self.fv, self.frank = _gather(self.fk, order), _gather(self.fv, order), _gather(self.frank, order)
-        self.fslot, self.fn = _gather(fslot, order), live.sum(-1)
+        self.fslot, self.fn = _gather(fslot, order).to(self.fslot.dtype), live.sum(-1)
 
         trash = self.qslot.shape[2] - 1
         qslot = renumber(self.qslot[:, :, :trash])
@@ -357,7 +518,7 @@ class QuantLayer(EvictionLayer):
         self.qn = live.sum(-1)
         self.q_hi = int(self.qn.max())
         order = _left_pack(live, trash)
-        self.qslot[:, :, :trash] = _gather(qslot, order)
+        self.qslot[:, :, :trash] = _gather(qslot, order)  # (cast to the narrow tag type)
         for p in (self.qk, self.qv):
             for name in ("codes", "scale", "zero"):
                 buf = getattr(p, name)
@@ -369,13 +530,13 @@ class QuantLayer(EvictionLayer):
 
     # -- bytes -----------------------------------------------------------------------------------------
     def _entry_bytes(self) -> tuple[int, int]:
-        """Bytes of one (token, KV head) entry: (quantized K+V, full-precision K+V)."""
-        d, dv = self.keys.shape[-1], self.values.shape[-1]
-        quant = packed_bytes(1, d, self.qcfg.bits, self.group) + packed_bytes(1, dv, self.qcfg.bits, self.group)
-        return quant, (d + dv) * self.keys.element_size()
+        """Bytes of one (token, KV head) entry with its tags: (quantized, full precision)."""
+        return entry_bytes(self.keys.shape[-1], self.values.shape[-1], self.qcfg.bits, self.group,
+                           self.fk.element_size(), self.qslot.shape[2] - 1)
 
     def held_bytes(self, row: int | None = None) -> int:
-        """K/V bytes held now (one batch row, or all): live quantized entries + live full-precision entries."""
+        """K/V bytes held now (one batch row, or all): live quantized entries and live full-precision entries,
+        each with its slot tag (and a full-precision entry with its reserve rank), plus the key scales."""
         quant, full = self._entry_bytes()
         qn, fn = (self.qn, self.fn) if row is None else (self.qn[row], self.fn[row])
         scales = 0 if self.kscale is None else self.kscale[0].numel() * self.kscale.element_size() * \
@@ -383,21 +544,20 @@ class QuantLayer(EvictionLayer):
         return int(qn.sum()) * quant + int(fn.sum()) * full + scales
 
     def capacity_bytes(self) -> int:
-        """K/V bytes allocated: the packed stores (trash entry included) and the full-precision store."""
-        scales = 0 if self.kscale is None else self.kscale.numel() * self.kscale.element_size()
-        return (self.qk.nbytes() + self.qv.nbytes() + self.fk.numel() * self.fk.element_size()
-                + self.fv.numel() * self.fv.element_size() + scales)
+        """Bytes allocated: every tensor of `held_tensors` (stores, tags, ranks, counters, key scales)."""
+        return sum(t.numel() * t.element_size() for t in self.held_tensors())
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every K/V tensor this layer keeps between steps (for memory checks)."""
-        return [self.qk.codes, self.qk.scale, self.qk.zero, self.qv.codes, self.qv.scale, self.qv.zero,
-                self.fk, self.fv]
+        """Every tensor this layer keeps between steps for its K/V (for memory checks)."""
+        out = [self.qk.codes, self.qk.scale, self.qk.zero, self.qv.codes, self.qv.scale, self.qv.zero, self.qslot,
+               self.qn, self.fk, self.fv, self.fslot, self.frank, self.fn]
+        return out + ([self.kscale] if self.kscale is not None else [])
 
     def precision_map(self) -> torch.Tensor:
         """Per stored slot: 1 = held in full precision, 0 = quantized, -1 = not held: [b, h, length]."""
         b, h = self.keys.shape[:2]
         out = torch.full((b, h, self.length + 1), -1, dtype=torch.long, device=self.device)
         for slot, val in ((self.qslot, 0), (self.fslot, 1)):
-            idx = torch.where((slot >= 0) & (slot < self.length), slot, self.length)
+            idx = torch.where((slot >= 0) & (slot < self.length), slot, self.length).long()
             out.scatter_(-1, idx, torch.full_like(idx, val))
         return out[:, :, : self.length]
