@@ -6,8 +6,10 @@ wrapped: a request that is past its first eviction is allocated blocks for its p
 since), and after the step of each eviction its blocks above ceil((B + w) / block_size) return
 to the pool. The worker follows the same schedule; nothing is fed back from it.
 
-A request preempted and resumed recomputes its whole history as a new prefill (vLLM's
-recompute preemption), so the schedule restarts from that length, on both sides.
+The schedule is keyed by the request's prompt length for its whole life. A request preempted and
+resumed recomputes its whole history as a new prefill (vLLM's recompute preemption) and holds
+that length until its next step, which brings it back to the uninterrupted schedule's length
+(`vase.vllm.steps`); from then on it holds what it would have held without the preemption.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from .. import schedule
 from .config import VaseVllmConfig
+from .steps import allocation_length
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -29,23 +32,23 @@ class EvictingKVCacheManager:
         self._inner = inner
         self.cfg = cfg
         self.block_size = block_size
-        #: request id -> tokens of its current (re)prefill: the schedule's P
-        self.prefill_len: dict[str, int] = {}
+        #: request id -> (prompt length P0, tokens of its last (re)prefill P')
+        self.prefill_len: dict[str, tuple[int, int]] = {}
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
     def physical_after(self, request_id: str, n_tokens: int) -> int | None:
-        """Physical length once `n_tokens` (logical) are written, or None while the request has not evicted."""
-        p = self.prefill_len.get(request_id)
-        if p is None or n_tokens <= p:
+        """Physical length once `n_tokens` (logical) are written, or None while it equals the logical length."""
+        known = self.prefill_len.get(request_id)
+        if known is None:
             return None
-        stored = schedule.physical_length(p, self.cfg.budget, self.cfg.window, n_tokens - p)
+        stored = allocation_length(*known, n_tokens, self.cfg.budget, self.cfg.window)
         return stored if stored < n_tokens else None
 
     def allocate_slots(self, request, num_new_tokens: int, *args, **kwargs):
-        if request.num_computed_tokens == 0:  # a new request, or one resumed after preemption: the schedule restarts
-            self.prefill_len[request.request_id] = request.num_tokens
+        if request.num_computed_tokens == 0:  # a new request, or one resumed after preemption: a (re)prefill
+            self.prefill_len[request.request_id] = (request.num_prompt_tokens, request.num_tokens)
         physical = self.physical_after(request.request_id, request.num_computed_tokens + num_new_tokens)
         if physical is None:
             return self._inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
@@ -61,9 +64,10 @@ class EvictingKVCacheManager:
 
     def trim(self, request) -> int:
         """Return the blocks of an evicting request above ceil((B + w) / block_size) to the pool; how many."""
-        p = self.prefill_len.get(request.request_id)
-        if p is None or request.num_computed_tokens <= p:
-            return 0
+        known = self.prefill_len.get(request.request_id)
+        if known is None or request.num_computed_tokens <= known[1]:
+            return 0  # inside a (re)prefill: everything is stored
+        p = known[0]
         if schedule.num_evictions(p, self.cfg.budget, self.cfg.window, request.num_computed_tokens - p) == 0:
             return 0
         keep = _cdiv(self.cfg.budget + self.cfg.window, self.block_size)

@@ -23,9 +23,10 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .. import schedule
-from .capture import CapturePlan, QueryRing, VaseCPUAttentionImpl
+from .capture import CapturePlan, QueryRing
 from .config import VaseConfigError, VaseVllmConfig
 from .paged import Layout, RequestPolicyState, evict_paged
+from .steps import VaseStepError, plan_step
 
 
 def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> Layout:
@@ -56,13 +57,30 @@ def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> Lay
     return Layout(*where)
 
 
-class _Request:
-    """What the worker keeps per running request."""
+class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, recording the query window first (`vase_ring` is set on the instance by the runner)."""
 
-    def __init__(self, prefill_len: int, slot: int, state: RequestPolicyState):
-        self.prefill_len = prefill_len
+    vase_ring: QueryRing | None = None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        ring = self.vase_ring
+        if ring is not None and attn_metadata is not None:
+            ring.record(layer.layer_name, query)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+
+class _Request:
+    """What the worker keeps per running request: its schedule key, last (re)prefill, ring slot and policy state."""
+
+    def __init__(self, origin: int, prefill_len: int, slot: int, state: RequestPolicyState):
+        self.origin = origin  # P0, the prompt length: the schedule's key for the request's whole life
+        self.prefill_len = prefill_len  # P' of its last (re)prefill (P0 until it is preempted)
         self.slot = slot
         self.state = state
+        #: when recording: per layer, the logical position of each stored slot [kv_heads, kept] at the last
+        #: eviction, and the logical position where the tokens written since begin
+        self.positions: list[torch.Tensor] | None = None
+        self.positions_since = 0
 
 
 class VaseCPUModelRunner(CPUModelRunner):
@@ -76,6 +94,7 @@ class VaseCPUModelRunner(CPUModelRunner):
         self.vase_ring: QueryRing | None = None
         self.vase_layers: list[str] = []
         self.vase_evictions = 0  # eviction events (all layers of one request at one step count once)
+        self.vase_recomputes = 0  # prefills of preempted requests (their policy state starts over)
         #: set to a dict to record, per request id, its evictions and the slots its first eviction kept per layer
         self.vase_record: dict | None = None
 
@@ -133,16 +152,21 @@ class VaseCPUModelRunner(CPUModelRunner):
 
     def _vase_request(self, req_id: str, index: int, computed: int) -> _Request:
         req = self.vase_requests.get(req_id)
-        if computed == 0:  # a new request, or one resumed after preemption: its schedule restarts here
+        if computed == 0:  # a new request, or one resumed after preemption: a (re)prefill starts here
             prefill_len = int(self.input_batch.num_tokens_no_spec[index])
             if req is None:
                 seed = self.requests[req_id].sampling_params.seed
                 generator = torch.Generator(device=self.device).manual_seed(
                     self.vase_config.seed if seed is None else int(seed))
-                req = _Request(prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
+                origin = int(self.requests[req_id].num_prompt_tokens)
+                req = _Request(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
                 self.vase_requests[req_id] = req
-            else:
+            else:  # recomputed: the slot state described slots that are gone (H2O's scores would not fit)
                 req.prefill_len = prefill_len
+                req.state = RequestPolicyState(req.state.generator, layer_state=req.state.layer_state,
+                                               evictions=req.state.evictions)
+                req.positions = None
+                self.vase_recomputes += 1
         if req is None:
             raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
         return req
@@ -166,16 +190,23 @@ class VaseCPUModelRunner(CPUModelRunner):
         num_reqs = batch.num_reqs
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
+        table = batch.block_table[0]
         offsets = np.zeros(num_reqs, dtype=np.int64)  # logical - physical, per request
         src, slot, pos = [], [], []
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             c, n = int(computed[i]), int(scheduled[i])
             req = self._vase_request(req_id, i, c)
-            p = req.prefill_len
-            if c + n > p:
-                if c >= p and n == 1 and schedule.is_eviction_step(p, B, w, c - p):
-                    self._vase_evict(req_id, req, i, schedule.physical_length(p, B, w, c - p), seen=c)
-                offsets[i] = c + n - schedule.physical_length(p, B, w, c + n - p)
+            plan = plan_step(req_id, req.origin, req.prefill_len, c, n, B, w)
+            # The invariant every write relies on: the request's blocks hold its physical length.
+            room = int(table.num_blocks_per_row[i]) * self.vase_block_size
+            if plan.physical_end > room or plan.physical_end > max(req.prefill_len, schedule.first_limit(req.origin,
+                                                                                                        B, w)):
+                raise VaseStepError(f"vase: request {req_id} would store {plan.physical_end} tokens in {room} slots "
+                                    f"(prompt {req.origin}, prefill {req.prefill_len}, position {c}): the scheduler "
+                                    f"and the worker disagree on its schedule")
+            if plan.evict_from:
+                self._vase_evict(req_id, req, i, plan.evict_from, plan.evict_to, seen=c)
+            offsets[i] = plan.offset
             take = min(n, w)  # the last w queries of this step join the request's window
             src.append(starts[i] + n - take + np.arange(take))
             slot.append(np.full(take, req.slot))
@@ -191,8 +222,9 @@ class VaseCPUModelRunner(CPUModelRunner):
             physical = self.positions[:total] - per_token.to(self.positions.dtype)
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
-    def _vase_evict(self, req_id: str, req: _Request, index: int, length: int, seen: int) -> None:
-        """Bring request `index` from `length` stored tokens to B in every layer, in place."""
+    def _vase_evict(self, req_id: str, req: _Request, index: int, length: int, keep: int, seen: int) -> None:
+        """Bring request `index` from `length` stored tokens to `keep` (B, or more right after a recompute) in
+        every layer, in place. `seen`: logical tokens written so far."""
         cfg = self.vase_config
         table = self.input_batch.block_table[0]
         block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
@@ -200,15 +232,29 @@ class VaseCPUModelRunner(CPUModelRunner):
         for layer, name in enumerate(self.vase_layers):
             keys, values = self._kv_views(name)
             queries = self.vase_ring.window_of(layer, req.slot, seen) if self.vase_policy.needs_queries else None
-            kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, cfg.budget, cfg.window,
+            kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window,
                         req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout))
         req.state.evictions += 1
         self.vase_evictions += 1
         if self.vase_record is not None:
-            entry = self.vase_record.setdefault(req_id, {"evictions": 0, "first_kept": None})
-            entry["evictions"] += 1
-            if entry["first_kept"] is None:  # slots are logical positions until the first eviction
-                entry["first_kept"] = [k[0].tolist() for k in kept]
+            self._vase_record_eviction(req_id, req, kept, length, seen)
+
+    def _vase_record_eviction(self, req_id: str, req: _Request, kept: list[torch.Tensor], length: int,
+                              seen: int) -> None:
+        """Record the logical positions each layer and KV head kept (`kept`: per layer [1, kv_heads, keep] slots)."""
+        h = kept[0].shape[1]
+        if req.positions is None:  # nothing evicted since the last (re)prefill: slot = logical position
+            stored = [torch.arange(length).expand(h, length)] * len(kept)
+        else:
+            new = torch.arange(req.positions_since, seen).expand(h, -1)
+            stored = [torch.cat([p, new], dim=-1) for p in req.positions]
+        req.positions = [s.gather(-1, k[0].cpu()) for s, k in zip(stored, kept)]
+        req.positions_since = seen
+        entry = self.vase_record.setdefault(req_id, {"evictions": 0, "first_kept": None, "kept": []})
+        entry["evictions"] += 1
+        entry["kept"].append({"seen": seen, "positions": [p.tolist() for p in req.positions]})
+        if entry["first_kept"] is None:  # slots are logical positions until the first eviction
+            entry["first_kept"] = [k[0].tolist() for k in kept]
 
 
 class VaseCPUWorker(CPUWorker):
