@@ -1,10 +1,19 @@
-"""Query window capture: an attention implementation that records post-RoPE queries, then attends as vLLM does.
+"""Query window capture: attention implementations that record post-RoPE queries, then attend as vLLM does.
 
 `QueryRing` keeps, per layer, the last `w` post-RoPE queries of each running request in a ring
 indexed by logical position modulo `w`. The model runner writes a `CapturePlan` for the step
-(which flat token goes to which request slot and ring position); `VaseCPUAttentionImpl` copies
-those rows of its `query` [num_tokens, q_heads, head_dim] before calling vLLM's CPU kernel.
-The plan is None outside `execute_model` (profiling, warm-up): then nothing is recorded.
+(which flat token goes to which request slot and ring position; `vase.vllm.offsets.capture_rows`);
+the attention implementation copies those rows of its `query` [num_tokens, q_heads, head_dim]
+before calling its kernel. The plan is None outside `execute_model` (profiling, warm-up, CUDA
+graph capture): then nothing is recorded.
+
+One mechanism for every backend: `capturing(cls)` is `cls` with a `forward` that records, then
+calls `cls.forward`. vLLM's CPU, FlashAttention, FlashInfer and Triton implementations all take
+`forward(layer, query, key, value, kv_cache, attn_metadata, output, ...)` with `query`
+[num_tokens (maybe padded), q_heads, head_dim] after RoPE, so `install(impl, ring)` swaps the
+class of one layer's implementation (not the backend registry, which is per process). With
+piecewise CUDA graphs attention runs eagerly, so the Python `forward` runs every step; full CUDA
+graphs would replay the kernel without it (the GPU worker refuses them). No vLLM import here.
 """
 
 from __future__ import annotations
@@ -12,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 
 @dataclass
@@ -71,13 +79,43 @@ class QueryRing:
         return self.rings[layer][slot][:, order].unsqueeze(0)
 
 
-class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, recording the query window first (`ring` is set on the instance by the runner)."""
+def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+    """Record the planned query rows (into `vase_ring`, set per instance by the runner), then attend."""
+    ring = self.vase_ring
+    if ring is not None and attn_metadata is not None:
+        ring.record(layer.layer_name, query)
+    return super(self._vase_class, self).forward(layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                                                 **kwargs)
 
-    vase_ring: QueryRing | None = None
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        ring = self.vase_ring
-        if ring is not None and attn_metadata is not None:
-            ring.record(layer.layer_name, query)
-        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+_CAPTURING: dict[type, type] = {}
+
+
+def capturing(cls: type) -> type:
+    """`cls` (a vLLM attention implementation class) recording its queries first; one class per `cls`.
+
+    A direct subclass adding no storage, so a live instance of `cls` can take it as its class."""
+    if getattr(cls, "vase_capturing", False):
+        return cls
+    if cls not in _CAPTURING:
+        sub = type(f"Vase{cls.__name__}", (cls,), {"__module__": __name__, "forward": _forward, "vase_ring": None,
+                                                    "vase_capturing": True})
+        sub._vase_class = sub
+        _CAPTURING[cls] = sub
+    return _CAPTURING[cls]
+
+
+def install(impl: object, ring: QueryRing | None = None) -> None:
+    """Make one layer's attention implementation record its queries into `ring` (class swap, state kept)."""
+    impl.__class__ = capturing(type(impl))
+    if ring is not None:
+        impl.vase_ring = ring
+
+
+def __getattr__(name: str):
+    # The CPU implementation, built on first use so importing this module needs no vLLM.
+    if name == "VaseCPUAttentionImpl":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        return capturing(CPUAttentionBackendImpl)
+    raise AttributeError(name)
