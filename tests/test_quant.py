@@ -374,3 +374,47 @@ def test_quant_bytes_from_the_schedule_match_the_cache_at_every_step():
             layer.awaiting_attention = False
             assert qb.held(P + step, step, layer.capacity) == layer.held_bytes(), (bits, guard, step)
         assert qb.allocated(layer.capacity) == layer.capacity_bytes()
+
+
+# -- the eval's bytes of a quantized cache ---------------------------------------------------------------------------
+@pytest.mark.parametrize("method,params", [("full", {"kv_bits": 8}), ("snapkv", {"kv_bits": 4, "flush_every": 4})])
+def test_eval_kv_bytes_over_time_are_the_quantized_caches_own(tmp_path, method, params):
+    """`kv_bytes_time_mean` of a kv_bits row is the mean over decode steps of what the cache itself held
+    (not the dense schedule x bytes per token, which gave `full` at 8 bits the same bytes as `full`)."""
+    from tests.helpers_tiny import tiny_model_and_tokenizer
+    from vase.eval.config import EvalConfig
+    from vase.eval.metrics import kv_schedule
+    from vase.eval.runner import kv_bytes_per_token, run_eval
+    from vase.eval.store import read_all
+
+    model, tok = tiny_model_and_tokenizer()
+    label = f"{method}-q"
+    cfg = EvalConfig(task="arith", limit=1, methods=[label], budgets=[24], window=8, samples=1, max_new_tokens=24,
+                     batch_size=1, model="tiny", output_dir=str(tmp_path), greedy=True,
+                     method_params={label: {"method": method, **params}})
+    run_dir = run_eval(cfg, model, tok, progress=False, summarize=False)
+    recs = {r["method"]: r for r in read_all(run_dir)}
+    rec, full = recs[label], recs["full"]
+    P, n = rec["prompt_length"], rec["length"] - (0 if rec["finished"] else 1)
+    assert n > 10
+    # the same lengths fed to a cache by hand (the bytes depend on the counts, not on the tokens)
+    cache = EvictionCache(model, method, 24, 8, max_length=P + rec["length"], **params)
+    ids = torch.randint(3, 60, (1, P + n))
+    model(input_ids=ids[:, :P], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+    held_steps = []
+    for j in range(n):
+        model(input_ids=ids[:, P + j:P + j + 1], position_ids=torch.tensor([[P + j]]), **cache_kwargs(cache),
+              use_cache=True)
+        held_steps.append(cache.stats()["kv_bytes"])
+    assert cache.stats()["evictions"] == rec["evictions"]
+    own = sum(held_steps) / n
+    if method == "full":  # nothing is evicted: the schedule's count of exact and quantized entries is the cache's
+        assert rec["kv_bytes_time_mean"] == pytest.approx(own, rel=1e-12)
+        assert rec["kv_bytes"] == held_steps[-1]
+    else:  # evictions can drop full-precision entries the schedule still counts (QuantBytes): an upper bound
+        assert own <= rec["kv_bytes_time_mean"] <= 1.05 * own
+        dense = kv_schedule(P, P + n, budget=24, window=8, evicts=True)["time_mean"] * kv_bytes_per_token(model)
+        assert rec["kv_bytes_time_mean"] < 0.6 * dense  # 4-bit codes: what the dense accounting missed
+    dense_mean = full["kv_bytes_time_mean"] if method == "full" else None
+    if dense_mean is not None:  # same lengths as full: the ratio is the storage's, about 0.56 at 8 bits (fp32)
+        assert 0.3 < rec["kv_bytes_time_mean"] / dense_mean < 0.8

@@ -34,6 +34,7 @@ from .cache import EvictionLayer
 from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
 from .quant import BITS, Packed, check_format, dequantize, packed_bytes, quantize
+from .schedule import physical_length
 
 SELECT = ("value", "random")
 #: EvictionCache keywords about storage rather than the policy (eval configs pass them with a method's parameters)
@@ -175,6 +176,34 @@ class QuantBytes:
         fp = full_precision_entries(length, steps % self.cfg.flush_every, self.window, self.cfg.guard)
         scales = self.head_dim * _itemsize(torch.float16) if self.cfg.key_scale else 0
         return self.layers * self.kv_heads * (fp * full + (length - fp) * quant + scales)
+
+    def byte_steps(self, prompt_len: int, n_generated: int, capacity: int, budget: int | None = None,
+                   evicts: bool = False) -> int:
+        """Bytes held summed over the decode steps 1..n_generated (the stored length from `vase.schedule`)."""
+        total = 0
+        for step in range(1, n_generated + 1):
+            length = physical_length(prompt_len, budget, self.window, step) if evicts and budget else prompt_len + step
+            total += self.held(length, step, capacity)
+        return total
+
+    @classmethod
+    def for_model(cls, model, policy: Policy, budget: int | None, window: int,
+                  options: dict) -> "QuantBytes | None":
+        """The accounting of an `EvictionCache(model, policy, budget, window, **options)`; None when it is not
+        quantized (no kv_bits, or 16). `options` may hold method parameters too (only storage ones are read)."""
+        opts = {k: options[k] for k in CACHE_STORAGE_OPTIONS if k in options}
+        bits = int(opts.get("kv_bits", 16))
+        if bits == 16 or model is None:
+            return None
+        cfg = quant_config(policy, budget or max(window + 1, 1), window, bits, opts.get("quant_guard"),
+                           opts.get("quant_group"), opts.get("quant_select", "value"), opts.get("flush_every", 16),
+                           0, opts.get("quant_key_scale", False))
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        dtype = next(model.parameters()).dtype
+        return cls(cfg, window, int(text.num_hidden_layers), int(getattr(text, "num_key_value_heads", None) or heads),
+                   head_dim, _itemsize(dtype))
 
     def allocated(self, capacity: int) -> int:
         """Bytes a layer set with `capacity` slots allocates (`QuantLayer.capacity_bytes`, all layers)."""
