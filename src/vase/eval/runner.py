@@ -493,8 +493,24 @@ class _Runner:
         sched = kv_schedule(P, seen, budget=budget, window=self.config.window, evicts=spec.evicts)
         agree = rec.get("evictions") is None or int(rec["evictions"]) == sched["evictions"]
         cap = stats.get("capacity")
+        cap = int(cap) if isinstance(cap, int) and cap > 0 else None
+        quant = self._quant_bytes(spec, budget)
+        if quant is not None:  # kv_bits: the quantized cache's own bytes (codes, exact entries, tags) per step
+            c = cap or (max(P, budget or 0) + self.config.window if spec.evicts else seen)
+            steps = seen - P
+            mean = quant.byte_steps(P, steps, c, budget, spec.evicts) / steps if steps else quant.held(P, 0, c)
+            return {"kv_bytes_time_mean": mean if agree else None,
+                    "kv_bytes_allocated": quant.allocated(cap) if cap else None}
         return {"kv_bytes_time_mean": sched["time_mean"] * self.bytes_per_token if agree else None,
-                "kv_bytes_allocated": int(cap) * self.bytes_per_token if isinstance(cap, int) and cap > 0 else None}
+                "kv_bytes_allocated": cap * self.bytes_per_token if cap else None}
+
+    def _quant_bytes(self, spec: MethodSpec, budget: int | None):
+        """`vase.quant_cache.QuantBytes` of the method's cache when it is quantized (kv_bits), else None."""
+        if int(spec.params.get("kv_bits", 16)) == 16:
+            return None
+        from vase.quant_cache import QuantBytes
+
+        return QuantBytes.for_model(self.model, spec.policy, budget, self.config.window, spec.params)
 
     def _row_stats(self, spec: MethodSpec, budget: int | None, prompt_length: int, n_generated: int,
                    finished: bool, row: dict | None) -> dict[str, int]:
@@ -505,6 +521,13 @@ class _Runner:
             return {k: int(row[k]) for k in keys}
         est = row_cache_stats(prompt_length, n_generated, finished, budget=budget, window=self.config.window,
                               evicts=spec.evicts, bytes_per_token=self.bytes_per_token)
+        quant = self._quant_bytes(spec, budget)
+        if quant is not None:  # the held and peak bytes of the quantized cache (the full reference stays dense)
+            steps = est["seen_length"] - prompt_length
+            cap = max(prompt_length, budget or 0) + self.config.window if spec.evicts else est["seen_length"]
+            peak_step = est["peak_length"] - prompt_length  # the peak is reached before the first eviction
+            est["kv_bytes"] = quant.held(est["stored_length"], steps, cap)
+            est["kv_bytes_peak"] = quant.held(est["peak_length"], peak_step, cap)
         return {k: est[k] for k in keys}
 
     # -- fidelity --------------------------------------------------------------------------------
