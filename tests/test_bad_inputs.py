@@ -258,6 +258,122 @@ def _check_store_kept_first(ctx):
     assert [r["problem_id"] for r in read_jsonl(ctx["tmp"] / "samples.rank0.jsonl")][:1] == ["p0"]
 
 
+def _store_symlink(ctx, dangling: bool = False):
+    from vase.eval.store import JsonlStore
+
+    run = ctx["tmp"] / "run"
+    run.mkdir()
+    target = ctx["tmp"] / "precious.txt"
+    if not dangling:
+        target.write_text("a complete line\n")
+    (run / "samples.rank0.jsonl").symlink_to(target)
+    JsonlStore(run / "samples.rank0.jsonl").open()
+
+
+def _check_target_intact(ctx):
+    target = ctx["tmp"] / "precious.txt"
+    assert target.read_text() == "a complete line\n"  # neither cut nor filled
+
+
+def _store_folder(ctx):
+    from vase.eval.store import JsonlStore
+
+    (ctx["tmp"] / "samples.rank0.jsonl").mkdir()
+    JsonlStore(ctx["tmp"] / "samples.rank0.jsonl").open()
+
+
+def _store_complete_bad_line(ctx):
+    from vase.eval.store import JsonlStore
+
+    (ctx["tmp"] / "samples.rank0.jsonl").write_text(GOOD + "\nnot a record\n")
+    JsonlStore(ctx["tmp"] / "samples.rank0.jsonl").open()
+
+
+def _check_bad_line_kept(ctx):
+    assert (ctx["tmp"] / "samples.rank0.jsonl").read_text() == GOOD + "\nnot a record\n"
+
+
+def _store_emptied(ctx):
+    from vase.eval.store import JsonlStore
+
+    p = ctx["tmp"] / "samples.rank0.jsonl"
+    with JsonlStore(p) as s:
+        s.append({"method": "full", "budget": None, "problem_id": "p0", "sample": 0})
+        p.write_bytes(b"")  # `: > samples.rank0.jsonl` from another shell
+        s.append({"method": "full", "budget": None, "problem_id": "p1", "sample": 0})
+
+
+def _full_disk(ctx, name: str = "samples.rank0.jsonl"):
+    """os.write to ``name`` writes half a line once, then fails with ENOSPC (a disk that fills mid-record)."""
+    real, calls = os.write, []
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(name):
+            calls.append(1)
+            if len(calls) == 1:
+                return real(fd, bytes(data)[:len(data) // 2])
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
+
+    ctx["monkeypatch"].setattr(os, "write", write)
+
+
+def _store_enospc(ctx):
+    from vase.eval.store import JsonlStore
+
+    p = ctx["tmp"] / "samples.rank0.jsonl"
+    with JsonlStore(p) as s:
+        s.append({"method": "full", "budget": None, "problem_id": "p0", "sample": 0})
+        _full_disk(ctx)
+        s.append({"method": "full", "budget": None, "problem_id": "p1", "sample": 0})
+
+
+def _check_enospc(ctx):
+    from vase.eval.store import read_jsonl
+
+    ctx["monkeypatch"].undo()
+    p = ctx["tmp"] / "samples.rank0.jsonl"
+    assert p.read_bytes().endswith(b"\n")  # the half line was cut back off
+    assert [r["problem_id"] for r in read_jsonl(p)] == ["p0"]
+
+
+def _setup_run_full_disk(ctx):
+    _full_disk(ctx)
+
+
+def _check_run_full_disk(ctx):
+    ctx["monkeypatch"].undo()
+    [run_dir] = (ctx["tmp"] / "runs").iterdir()
+    assert (run_dir / "samples.rank0.jsonl").read_bytes() == b""  # no half record left behind
+
+
+def _setup_orphan_samples(ctx):
+    (ctx["tmp"] / "named.yaml").write_text("name: r\nbudgets: [128]\nlimit: 2\n")
+    run = ctx["tmp"] / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "samples.rank0.jsonl").write_text(GOOD + "\n")
+
+
+def _check_orphan_kept(ctx):
+    run = ctx["tmp"] / "runs" / "r"
+    assert not (run / "config.json").exists() and (run / "samples.rank0.jsonl").read_text() == GOOD + "\n"
+
+
+def _setup_emptied(ctx):
+    import vase.generation as generation
+
+    real, calls = generation.generate, []
+
+    def emptying(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            [run_dir] = (ctx["tmp"] / "runs").iterdir()
+            (run_dir / "samples.rank0.jsonl").write_bytes(b"")
+        return real(*a, **kw)
+
+    ctx["monkeypatch"].setattr(generation, "generate", emptying)
+
+
 def _crop(ctx):
     c = cache(ctx)
     gen_cache_fill(ctx, c)
@@ -365,7 +481,7 @@ CASES: list[Case] = [
     # -- vase eval: settings ----------------------------------------------------------------------------------------
     cli("eval-unknown-method", r"unknown method 'snapk'", *E, "--methods", "snapk"),
     cli("eval-budgets-list", r"expected a comma-separated list of ints, got '12x'", *E, "--budgets", "12x"),
-    cli("eval-budget-window", r"budget 20 must be larger than window \+ 4 sinks \(64 \+ 4\)", *E, "--budgets", "20"),
+    cli("eval-budget-window", r"budget \(20\) must be larger than window \+ protected sinks \(64 \+ 4\)", *E, "--budgets", "20"),
     cli("eval-budget-twice", r"budgets lists a budget twice: \[128, 128\]", *E, "--budgets", "128,128"),
     cli("eval-method-twice", r"methods lists a method twice", *E, "--methods", "snapkv,snapkv", "--budgets", "128"),
     cli("eval-samples-zero", r"samples must be >= 1, got 0", *E, "--samples", "0"),
@@ -495,6 +611,24 @@ CASES: list[Case] = [
         StoreError),
     api("store-file-too-large", r"cannot write to .*samples.rank0.jsonl: File too large", _store_efbig,
         StoreError, check=_check_store_kept_first),
+    # -- nothing lost: the store never follows a link, never cuts a complete line, notices an emptied file ----------
+    api("store-symlink", r"samples.rank0.jsonl is a symbolic link: .*remove the link", _store_symlink, StoreError,
+        check=_check_target_intact),
+    api("store-dangling-symlink", r"samples.rank0.jsonl is a symbolic link", lambda c: _store_symlink(c, True),
+        StoreError, check=lambda c: not (c["tmp"] / "precious.txt").exists()),
+    api("store-folder", r"samples.rank0.jsonl is a folder, not a results file", _store_folder, StoreError),
+    api("store-complete-bad-line", r"samples.rank0.jsonl: line 2 is not a valid record", _store_complete_bad_line,
+        StoreError, check=_check_bad_line_kept),
+    api("store-emptied", r"samples.rank0.jsonl was emptied or truncated while this run was writing", _store_emptied,
+        StoreError),
+    api("store-enospc", r"^cannot write to .*samples.rank0.jsonl: No space left on device; every earlier record is "
+        r"saved", _store_enospc, StoreError, check=_check_enospc),
+    cli("run-disk-full", r"cannot write to .*samples.rank0.jsonl: No space left on device; .*rerun the same command",
+        *EVAL_TINY, setup=_setup_run_full_disk, check=_check_run_full_disk),
+    cli("run-samples-no-config", r"runs/r holds samples.rank0.jsonl but no config.json", *E, "-c", "{tmp}/named.yaml",
+        setup=_setup_orphan_samples, check=_check_orphan_kept),
+    cli("run-samples-emptied", r"samples.rank0.jsonl was emptied or truncated while this run was writing",
+        *EVAL_TINY, setup=_setup_emptied),
     api("load-missing", r"no such file or directory: /nonexistent", lambda c: load_model("/nonexistent"),
         ModelLoadError),
     api("load-dtype", r"unknown dtype 'int8'", lambda c: load_model(c["plain"], dtype="int8"),

@@ -231,9 +231,10 @@ def test_torn_last_line_is_tolerated_and_cut(tmp_path):
         assert store.append({"method": "snapkv", "budget": 24, "problem_id": "p0", "sample": 0})
         assert not store.append({"method": "snapkv", "budget": 24, "problem_id": "p0", "sample": 0})
     assert len(read_jsonl(path)) == 3
-    # A complete but unparsable last line is torn too; one in the middle is corruption.
+    # A complete (newline-ended) line that does not parse is never torn: an error naming file and line.
     path.write_text(path.read_text() + "{not json}\n")
-    assert len(read_jsonl(path)) == 3
+    with pytest.raises(StoreError, match="line 4"):
+        read_jsonl(path)
     path.write_text(path.read_text() + json.dumps(recs[0]) + "\n")
     with pytest.raises(StoreError, match="line 4"):
         read_jsonl(path)

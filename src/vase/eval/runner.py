@@ -58,6 +58,7 @@ from vase.eval.store import (
     JsonlStore,
     create_once,
     fsync_dir,
+    rank_files,
     rank_path,
     read_all,
     record_key,
@@ -194,6 +195,11 @@ def write_run_config(run_dir: Path, meta: dict[str, Any]) -> None:
     """
     path = run_dir / "config.json"
     text = json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    orphans = [p.name for kind in (SAMPLES, FIDELITY) for p in rank_files(run_dir, kind)]
+    if orphans and not os.path.lexists(path):  # results whose settings are unknown: never adopt them
+        raise RunConflictError(f"{run_dir} holds {orphans[0]} but no config.json, so the settings of those results "
+                               f"are unknown: restore config.json, or move the folder away (or use another run "
+                               f"name) to start afresh")
     create_once(path, text)  # temp + fsync + link: appears whole, never overwritten
     for _ in range(50):  # the file appears whole (link / exclusive create); retry a read that races a writer
         try:

@@ -2,8 +2,10 @@
 
 Each finished record is written as one line, flushed and fsync'ed before the next one starts,
 so a run killed at any moment loses at most the record being written. On open, a torn final
-line (no newline, or not valid JSON) is dropped and cut off the file before anything is
-appended. Rank ``R`` of a multi-process run writes only ``<kind>.rank{R}.jsonl``;
+line (one without its newline: the write never finished) is dropped and cut off the file before
+anything is appended; a newline-ended line that does not parse is an error naming the file and
+line, never cut. The file is opened with ``O_NOFOLLOW`` and must be a regular file, so a symlink
+never leads the store to truncate or fill some other file. Rank ``R`` of a multi-process run writes only ``<kind>.rank{R}.jsonl``;
 :func:`read_all` merges every rank's file, keeping the first record of each key.
 
     with JsonlStore(run_dir / "samples.rank0.jsonl", SAMPLE_KEY) as store:
@@ -13,11 +15,13 @@ appended. Rank ``R`` of a multi-process run writes only ``<kind>.rank{R}.jsonl``
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import re
+import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -167,8 +171,10 @@ def _clean(value: Any) -> Any:
 def _parse(data: bytes, path: Path) -> tuple[list[dict[str, Any]], int]:
     """Records of a JSONL file's bytes and how many leading bytes are intact.
 
-    The last line is torn when it has no newline or is not valid JSON: it is left out and the
-    intact length stops before it. A bad line anywhere else is corruption and raises.
+    Only a last line without its newline is torn (a record is written as one line ending in a
+    newline, so an unfinished write never ends in one): it is left out and the intact length stops
+    before it. A newline-ended line that is not a JSON object is corruption and raises StoreError
+    naming the file and line: it may be someone's data, so it is never cut.
     """
     records: list[dict[str, Any]] = []
     pos = 0
@@ -178,7 +184,7 @@ def _parse(data: bytes, path: Path) -> tuple[list[dict[str, Any]], int]:
         nl = data.find(b"\n", pos)
         lineno += 1
         if nl < 0:  # no newline: the write of this line never finished
-            log.warning("%s: ignoring a torn last line (%d bytes)", path, n - pos)
+            log.warning("%s: ignoring a torn last line %d (%d bytes without a newline)", path, lineno, n - pos)
             return records, pos
         line = data[pos:nl]
         if line.strip():
@@ -187,11 +193,8 @@ def _parse(data: bytes, path: Path) -> tuple[list[dict[str, Any]], int]:
                 if not isinstance(rec, dict):
                     raise ValueError("not a JSON object")
             except ValueError as e:
-                if data[nl + 1:].strip():
-                    raise StoreError(f"{path}: line {lineno} is not a valid record ({e}); the file is corrupt: "
-                                     f"remove that line to resume") from e
-                log.warning("%s: ignoring a torn last line %d", path, lineno)
-                return records, pos
+                raise StoreError(f"{path}: line {lineno} is not a valid record ({e}); the file is corrupt: remove that "
+                                 f"line to resume (it is left as it is; vase never cuts a complete line)") from e
             records.append(rec)
         pos = nl + 1
     return records, pos
@@ -229,13 +232,56 @@ def read_all(run_dir: str | Path, kind: str = SAMPLES, key_fields: Sequence[str]
     return out
 
 
+_OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_regular(path: Path) -> tuple[int, bool]:
+    """``path`` opened for reading and appending, never through a symlink; (fd, created).
+
+    StoreError (one line) when it is a symlink, a folder or anything but a regular file.
+    """
+    existed = os.path.lexists(path)
+    try:
+        fd = os.open(path, _OPEN_FLAGS | (0 if existed else os.O_EXCL), 0o666)
+    except FileExistsError:  # created by someone else between the two calls: open it as it is
+        existed = True
+        fd = os.open(path, _OPEN_FLAGS, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            raise StoreError(f"{path} is a symbolic link: vase writes results only to a regular file it owns; "
+                             f"remove the link (its target is left alone) or use another --output-dir") from None
+        if e.errno == errno.EISDIR:
+            raise StoreError(f"{path} is a folder, not a results file: move it away or use another "
+                             f"--output-dir") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise StoreError(f"{path} is not a regular file: vase writes results only to a regular file; move it "
+                         f"away or use another --output-dir")
+    return fd, not existed
+
+
+def _read_fd(fd: int) -> bytes:
+    chunks = []
+    offset = 0
+    while True:
+        chunk = os.pread(fd, 1 << 20, offset)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        offset += len(chunk)
+
+
 class JsonlStore:
     """One process's append-only JSONL file of finished records, keyed by ``key_fields``.
 
-    Opening locks the file (exclusively, non-blocking: a second writer fails loudly), reads the
-    keys of what is there, cuts off a torn last line, and positions at the end. ``append`` writes
-    one record and makes it durable (flush + fsync) before returning; records are not kept in
-    memory (use :func:`read_jsonl` / :func:`read_all`).
+    Opening (``O_NOFOLLOW``, regular files only) locks the file (exclusively, non-blocking: a
+    second writer fails loudly), reads the keys of what is there, cuts off a torn last line, and
+    remembers where the file ends. ``append`` writes one record with ``os.write`` (no buffer that a
+    later ``close`` could fail to flush) and makes it durable (fsync) before returning; records are
+    not kept in memory (use :func:`read_jsonl` / :func:`read_all`). Before each append and on exit
+    the file is checked: still the same file at ``path`` and at least as long as this store wrote.
     """
 
     def __init__(self, path: str | Path, key_fields: Sequence[str] = SAMPLE_KEY, *, fsync: bool = True):
@@ -244,57 +290,56 @@ class JsonlStore:
         self.fsync = fsync
         self.keys: set[tuple] = set()
         self.n_read = 0  # records found in the file when it was opened
-        self._f = None
+        self._fd: int | None = None
+        self._end = 0  # bytes the file holds by this store's account (what was there + what it appended)
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the open file
 
     # -- lifecycle -------------------------------------------------------------------------------
     def open(self) -> "JsonlStore":
-        if self._f is not None:
+        if self._fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        created = not self.path.exists()
-        f = open(self.path, "a+b")  # noqa: SIM115 - closed in close()
+        fd, created = _open_regular(self.path)
         try:
             if created:  # the new directory entry must survive a crash too
                 fsync_dir(self.path.parent)
             if fcntl is not None:
                 try:
-                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError as e:
                     raise StoreError(f"{self.path} is being written by another process (same rank twice?)") from e
-            f.seek(0)
-            data = f.read()
+            data = _read_fd(fd)
             records, intact = _parse(data, self.path)
             if intact < len(data):
-                f.truncate(intact)
-                f.flush()
-                os.fsync(f.fileno())
-            f.seek(0, os.SEEK_END)
+                os.ftruncate(fd, intact)
+                os.fsync(fd)
         except BaseException:
-            f.close()
+            os.close(fd)
             raise
-        st = os.fstat(f.fileno())
+        st = os.fstat(fd)
         self._identity = (st.st_dev, st.st_ino)
-        self._f = f
+        self._end = st.st_size
+        self._fd = fd
         # Only the keys stay in memory (records hold whole completions; read_jsonl gives them back).
         self.keys = {record_key(rec, self.key_fields) for rec in records}
         self.n_read = len(records)
         return self
 
     def close(self) -> None:
-        if self._f is not None:
+        """Close the file (releasing the lock). Nothing is buffered, so closing cannot lose a record."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
             try:
-                self._f.flush()
-            finally:
-                self._f.close()  # closing releases the lock
-                self._f = None
+                os.close(fd)
+            except OSError:  # every record was fsync'ed already; an error here must not hide the first one
+                log.warning("%s: error while closing (every record was already saved)", self.path)
 
     def __enter__(self) -> "JsonlStore":
         return self.open()
 
     def __exit__(self, exc_type, *exc: object) -> None:
         try:
-            if exc_type is None and self._f is not None:
+            if exc_type is None and self._fd is not None:
                 self.check_still_there()  # records appended last must not vanish silently either
         finally:
             self.close()
@@ -311,32 +356,47 @@ class JsonlStore:
 
     def append(self, record: dict[str, Any]) -> bool:
         """Write ``record`` durably; False (and nothing written) if its key is already stored."""
-        if self._f is None:
+        if self._fd is None:
             raise StoreError(f"{self.path}: store is not open")
         k = self.key(record)
         if k in self.keys:
             return False
         self.check_still_there()
-        line = json.dumps(_clean(record), ensure_ascii=False, allow_nan=False) + "\n"
+        data = (json.dumps(_clean(record), ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
         try:
-            self._f.write(line.encode("utf-8"))
-            self._f.flush()
+            view = memoryview(data)
+            while view:
+                n = os.write(self._fd, view)
+                if n <= 0:  # pragma: no cover - a write that makes no progress
+                    raise OSError(errno.EIO, "write made no progress")
+                view = view[n:]
             if self.fsync:
-                os.fsync(self._f.fileno())
-        except OSError as e:  # disk full, file too large, I/O error: name the file (a torn line is cut on resume)
-            raise StoreError(f"cannot write to {self.path}: {e.strerror or e}; free space or move --output-dir, "
-                             f"then rerun the same command to resume") from e
+                os.fsync(self._fd)
+        except OSError as e:  # disk full, file too large, I/O error: name the file and the fix
+            self._cut_back()
+            raise StoreError(f"cannot write to {self.path}: {e.strerror or e}; every earlier record is saved: "
+                             f"free space (or move --output-dir), then rerun the same command to resume") from None
+        self._end += len(data)
         self.keys.add(k)
         return True
 
+    def _cut_back(self) -> None:
+        """After a failed write: cut a partial line off again, so the file ends where the last record did."""
+        try:
+            if os.fstat(self._fd).st_size > self._end:
+                os.ftruncate(self._fd, self._end)
+        except OSError:  # a torn line left behind is cut on the next open anyway
+            pass
+
     def check_still_there(self) -> None:
-        """Raise StoreError if the file at ``path`` is no longer the file this store holds open.
+        """Raise StoreError if the file at ``path`` is no longer the file this store holds open, or holds
+        fewer bytes than this store has written (emptied or truncated by someone else).
 
         A run folder deleted or moved while a run writes would otherwise swallow every later record
-        into an unlinked file (lost, with exit 0).
+        into an unlinked file (lost, with exit 0); an emptied file would lose the records before.
         """
         try:
-            st = os.stat(self.path)
+            st = os.stat(self.path, follow_symlinks=False)
             now = (st.st_dev, st.st_ino)
         except FileNotFoundError:
             now = None
@@ -344,6 +404,11 @@ class JsonlStore:
             what = "was deleted or moved" if now is None else "was replaced by another file"
             raise StoreError(f"{self.path} {what} while this run was writing to it: stopped so that no result "
                              f"goes to a file that is gone; rerun the same command to redo what is missing")
+        size = os.fstat(self._fd).st_size if self._fd is not None else st.st_size
+        if size < self._end:
+            raise StoreError(f"{self.path} was emptied or truncated while this run was writing to it ({size} bytes, "
+                             f"{self._end} expected): stopped so that no result is lost silently; rerun the same "
+                             f"command to redo what is missing")
 
     def extend(self, records: Iterable[dict[str, Any]]) -> int:
         return sum(self.append(r) for r in records)
