@@ -334,6 +334,11 @@ def main() -> None:
     ap.add_argument("--plot", default="docs/img/quant_pareto.png")
     ap.add_argument("--only", default="", help="comma-separated tags to run ('' = all, 'main', 'outlier', ...)")
     ap.add_argument("--report-only", action="store_true", help="rebuild tables.md and the plot from results.json")
+    ap.add_argument("--part", default="", help="write results-PART.json and skip configurations already in the "
+                    "out dir's results*.json (parts can run in parallel)")
+    ap.add_argument("--skip-unquantized", action="store_true",
+                    help="skip the kv_bits 16 configurations (eviction alone: no quantized entry, so unchanged by "
+                         "the quantized cache's code)")
     args = ap.parse_args()
     if args.report_only:
         rows = [r for f in sorted(Path(args.out).glob("results*.json")) for r in json.loads(f.read_text())["rows"]]
@@ -364,8 +369,12 @@ def main() -> None:
     token_bytes = cfg_m.num_hidden_layers * cfg_m.num_key_value_heads * 2 * head_dim  # x bytes per element
     rows = []
     wanted = set(filter(None, args.only.split(",")))
+    done = {(r["label"], r["tag"]) for f in out_dir.glob("results*.json") for r in json.loads(f.read_text())["rows"]} \
+        if args.part else set()
     for cfg in configs():
         if wanted and (cfg.tag or "main") not in wanted:
+            continue
+        if (label(cfg), cfg.tag) in done or (args.skip_unquantized and cfg.bits == 16):
             continue
         t1 = time.time()
         per = []
@@ -388,7 +397,8 @@ def main() -> None:
         rows.append(row)
         print(f"{row['label']:42s} bytes {row['bytes_frac']:.3f} (fp32 {row['bytes_frac32']:.3f})  "
               f"KL {row['kl']:.4f}  top1 {row['top1']:.3f}  B {row['budgets']}  {row['seconds']:.0f}s", flush=True)
-        (out_dir / f"results{'-' + args.only if args.only else ''}.json").write_text(json.dumps(
+        suffix = args.part or args.only
+        (out_dir / f"results{'-' + suffix if suffix else ''}.json").write_text(json.dumps(
             {"args": vars(args), "value_stats": stats, "problems": [
                 {k: v for k, v in t.items() if k in ("id", "correct", "text")} | {"prompt_len": len(t["prompt"]),
                                                                                  "gen_len": len(t["target"])}

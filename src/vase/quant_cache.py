@@ -15,6 +15,13 @@ left-packed after each compaction. Attention and the policy read `_materialize()
 [b, h, L, d] tensor with dequantized codes and exact reserve/window rows, built per call and
 never kept, so between steps only the packed codes and the full-precision reserve are held.
 
+A multi-token write (teacher forcing) stores its tokens one after the other as token-by-token
+decoding does; a flush that falls inside the chunk quantizes tokens the chunk's earlier queries
+must still read exact, so their exact copies follow the stored slots and `attention_mask_for`
+gives each query the copy or the codes, as decoding at its position had them. Slot tags are
+stored in the narrowest integer type for the capacity and counted in the bytes; `QuantBytes`
+gives the same count from a stored length (the eval's per-sequence accounting).
+
 Keys are quantized per token like values. KIVI groups keys per channel across tokens; such a
 group would be broken up by eviction (survivors of one group end up scattered, and requantizing
 them adds error at every eviction), so each token carries its own scales here. KIVI's reason
