@@ -19,7 +19,10 @@ from vase.eval.metrics import (
     agreement_split,
     answered_share,
     cap_share,
+    decode_steps,
     first_evicted_target,
+    kl_per_token,
+    kv_byte_steps,
     kv_schedule,
 )
 from vase.eval.paired import (
@@ -29,6 +32,7 @@ from vase.eval.paired import (
     mcnemar_exact,
     pair_records,
     paired_problem_diffs,
+    sign_flip_test,
 )
 
 
@@ -209,6 +213,58 @@ def test_mcnemar_exact_hand_computed() -> None:
     assert mcnemar_exact(1, 7) == pytest.approx(18 / 256)
     with pytest.raises(ValueError):
         mcnemar_exact(-1, 2)
+
+
+def _clustered_case() -> tuple[list[dict], list[dict]]:
+    """10 problems x 4 samples; full right everywhere, the method wrong on every sample of p0-p2."""
+    full = [full_rec(f"p{i}", s, True) for i in range(10) for s in range(4)]
+    method = [full_rec(f"p{i}", s, i >= 3) for i in range(10) for s in range(4)]
+    return method, full
+
+
+def test_sign_flip_is_a_problem_level_test() -> None:
+    method, full = _clustered_case()
+    # Sample-level McNemar counts 12 discordant samples as independent: 2 / 2**12, far too small.
+    assert discordant(method, full) == (0, 12) and mcnemar_exact(0, 12) == pytest.approx(2 / 4096)
+    diffs = list(paired_problem_diffs(method, full).values())
+    assert sorted(diffs) == [-1.0] * 3 + [0.0] * 7
+    # Three problems differ: the 8 sign vectors give sums -3, -1 (x3), +1 (x3), +3; |sum| >= 3 in 2 of 8.
+    assert sign_flip_test(diffs) == (0.25, True)
+    assert sign_flip_test([0.0, 0.0]) == (1.0, True) and sign_flip_test([]) == (1.0, True)
+    # Fractional differences: +0.5, -0.25, +0.75 -> sum 1.0; |sum| >= 1 for (+,+,+) 1.0, (+,-,+) 1.5, and
+    # their negations: 4 of 8.
+    assert sign_flip_test([0.5, -0.25, 0.75]) == (0.5, True)
+
+
+@pytest.mark.parametrize("b,c", [(0, 0), (5, 0), (0, 6), (3, 3), (1, 7), (4, 9), (2, 18), (10, 10)])
+def test_sign_flip_with_one_sample_per_problem_is_exact_mcnemar(b, c) -> None:
+    # One 0/1 outcome per problem: the differences are +1 (only the method right), -1, or 0.
+    diffs = [1.0] * b + [-1.0] * c + [0.0] * 5
+    p, exact = sign_flip_test(diffs)
+    assert exact and p == pytest.approx(mcnemar_exact(b, c), abs=1e-12)
+
+
+def test_sign_flip_monte_carlo_above_the_exact_limit() -> None:
+    diffs = [1.0] * 8 + [-1.0] * 22  # 30 problems differ: above 20, random sign vectors
+    p, exact = sign_flip_test(diffs)
+    assert not exact and sign_flip_test(diffs) == (p, False)  # fixed seed: reproducible
+    assert p == pytest.approx(mcnemar_exact(8, 22), abs=0.01)  # 0.0161 exactly; MC error about 0.001
+    assert sign_flip_test(diffs, exact_max=30) == (pytest.approx(mcnemar_exact(8, 22), abs=1e-12), True)
+
+
+def test_kv_byte_steps_count_every_decode_step() -> None:
+    assert decode_steps(10, True) == 10 and decode_steps(10, False) == 9 and decode_steps(0, False) == 0
+    assert kv_byte_steps({"kv_bytes_time_mean": 50.0, "length": 101, "finished": False}) == 5000.0
+    assert kv_byte_steps({"kv_bytes_time_mean": None, "length": 3}) is None
+
+
+def test_kl_per_token_matches_fidelity_metrics() -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 11, generator=g), torch.randn(6, 11, generator=g)
+    per = kl_per_token(a, b)
+    assert per.shape == (6,) and per.dtype == torch.float64 and bool((per > 0).all())
+    assert per.mean().item() == pytest.approx(fidelity_metrics(a, b, torch.zeros(6, dtype=torch.long))["kl_mean"])
+    assert kl_per_token(a, a).abs().max().item() < 1e-12
 
 
 def test_first_divergence() -> None:

@@ -50,6 +50,23 @@ def test_page_is_self_contained(run_dir, tmp_path) -> None:
         render_report(tmp_path)
 
 
+def test_header_names_the_model_and_its_hash(run_dir, tmp_path) -> None:
+    import json
+
+    from vase.models import DEFAULT_MODEL
+
+    meta = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    sha = meta["identity"]["model_sha256"]
+    assert f"model tiny (sha256 {sha[:12]})" in render_report(run_dir)
+    # The embedded default model has model None in the config: named, never "model None".
+    copy = tmp_path / run_dir.name
+    shutil.copytree(run_dir, copy)
+    meta["config"]["model"] = None
+    (copy / "config.json").write_text(json.dumps(meta), encoding="utf-8")
+    page = render_report(copy)
+    assert f"model {DEFAULT_MODEL} (sha256 {sha[:12]})" in page and "model None" not in page
+
+
 def _chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found:

@@ -319,6 +319,8 @@ def evaluate(
     dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu, cuda or auto.")] = None,
     attn: Annotated[Optional[str], typer.Option("--attn", help="sdpa, eager or flash_attention_2.")] = None,
+    wide: Annotated[bool, typer.Option("--wide", help="Print every column of the table (default: the main ones "
+                                       "that fit the terminal; all are in summary.csv and report.html).")] = False,
 ) -> None:
     """Compare methods on a reasoning task: accuracy, agreement with full, failures, fidelity.
 
@@ -341,7 +343,7 @@ def evaluate(
     cfg = load_config(config, overrides)
     if cfg.task is None and cfg.task_file is None:
         cfg = load_config(config, {**overrides, "task": "arith"})
-    run_dir = run_eval(cfg)
+    run_dir = run_eval(cfg, wide=wide)
     console.print(f"results: {run_dir}")
 
 
@@ -351,6 +353,8 @@ def summarize(
     against: Annotated[Optional[str], typer.Option(help="Pair every row with METHOD:BUDGET instead of full "
                                                    "(e.g. snapkv:64); writes summary-vs-METHOD-BUDGET.csv/md.")]
     = None,
+    wide: Annotated[bool, typer.Option("--wide", help="Print every column of the table (default: the main ones "
+                                       "that fit the terminal; all are in summary.csv and report.html).")] = False,
 ) -> None:
     """Rebuild the table, CSV, Markdown and plots of a run from its JSONL files alone."""
     from .eval.report import parse_reference
@@ -360,7 +364,7 @@ def summarize(
         raise UserError(f"no such run folder: {run_dir}")
     try:
         reference = parse_reference(against) if against else ("full", None)
-        rows = build(run_dir, reference=reference)
+        rows = build(run_dir, reference=reference, wide=wide)
     except ValueError as e:
         raise UserError(str(e)) from None
     if not rows:

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from vase.eval.paired import first_divergence
-from vase.eval.report import _CELLS, FULL, LEGEND, _noise_line, conclusion, figures, run_window, summary_rows
-from vase.eval.store import FIDELITY, SAMPLES, read_all
+from vase.eval.report import (FULL, LEGEND, _noise_line, conclusion, figures, run_header, run_window, summary_rows,
+                              table_cells)
+from vase.eval.config import records_of_run
+from vase.eval.store import FIDELITY, SAMPLES
 
 __all__ = ["write_report", "render_report", "common_prefix"]
 
@@ -74,8 +76,9 @@ def _file_png(path: Path) -> str:
 
 
 def _table(rows: Sequence[Mapping[str, Any]]) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h, _ in _CELLS)
-    body = "".join("<tr>" + "".join(f"<td>{_e(f(r))}</td>" for _, f in _CELLS) + "</tr>" for r in rows)
+    cells = table_cells()  # every column (the console shows a subset by default)
+    head = "".join(f"<th>{_e(h)}</th>" for _, h, _ in cells)
+    body = "".join("<tr>" + "".join(f"<td>{_e(f(r))}</td>" for _, _, f in cells) + "</tr>" for r in rows)
     return f'<table class="summary" id="summary"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
@@ -164,10 +167,10 @@ def _questions(run_dir: Path) -> dict[str, str]:
 def render_report(run_dir: str | Path, *, inspect_dirs: Sequence[str | Path] = ()) -> str:
     """The HTML text of the report of ``run_dir`` (see the module docstring)."""
     run_dir = Path(run_dir)
-    samples = read_all(run_dir, SAMPLES)
+    samples = records_of_run(run_dir, SAMPLES)  # only the run's own records (config.json)
     if not samples:
         raise FileNotFoundError(f"{run_dir} holds no samples.rank*.jsonl records: run `vase eval` first")
-    fidelity = read_all(run_dir, FIDELITY)
+    fidelity = records_of_run(run_dir, FIDELITY)
     rows = summary_rows(samples, fidelity, window=run_window(run_dir))
     figs = figures(rows, samples)
     plots = "".join(f'<figure><img class="plot" alt="{_e(_PLOT_TITLES[k])}" src="data:image/png;base64,{_png(f)}">'
@@ -181,14 +184,7 @@ def render_report(run_dir: str | Path, *, inspect_dirs: Sequence[str | Path] = (
     inspects = _inspect_entries(dirs)
     problems = "".join(_problem_section(pid, by_problem[pid], questions.get(pid), inspects)
                        for pid in sorted(by_problem))
-    config = ""
-    try:
-        c = json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("config") or {}
-        keys = ("task", "model", "limit", "samples", "budgets", "window", "max_new_tokens", "greedy", "temperature",
-                "top_p", "seed")
-        config = " · ".join(f"{k} {_e(c.get(k))}" for k in keys if k in c)
-    except (OSError, ValueError, AttributeError):
-        pass
+    config = _e(run_header(run_dir))  # names the model (the embedded default too) with its sha256
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>vase report: {_e(run_dir.name)}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1"><style>{_CSS}</style></head>

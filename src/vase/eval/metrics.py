@@ -37,6 +37,9 @@ __all__ = [
     "agreement_split",
     "kv_schedule",
     "first_evicted_target",
+    "decode_steps",
+    "kv_byte_steps",
+    "kl_per_token",
 ]
 
 Record = Mapping[str, Any]
@@ -216,6 +219,22 @@ def kv_schedule(prompt_length: int, seen: int, *, budget: int | None, window: in
     return {"evictions": evictions, "peak": peak, "time_mean": total / steps if steps else float(prompt_length)}
 
 
+def decode_steps(length: int, finished: bool) -> int:
+    """Tokens a sequence fed after its prompt: every generated token but the one sampled at the length cap."""
+    return int(length) - (0 if finished or int(length) == 0 else 1)
+
+
+def kv_byte_steps(record: Record) -> float | None:
+    """K/V bytes held summed over the sequence's decode steps (byte-steps): ``kv_bytes_time_mean`` times
+    :func:`decode_steps`. None when the record has no time mean. Summed over sequences and divided by the
+    reference's same sum, a sequence that runs to the cap weighs by the steps it ran (a mean of
+    per-sequence ratios would let a looping method look cheap)."""
+    mean = record.get("kv_bytes_time_mean")
+    if mean is None or record.get("length") is None:
+        return None
+    return float(mean) * decode_steps(int(record["length"]), bool(record.get("finished", True)))
+
+
 def first_evicted_target(prompt_length: int, *, budget: int | None, window: int, evicts: bool) -> int | None:
     """Index of the first teacher-forced target whose distribution comes from an evicted cache.
 
@@ -306,6 +325,18 @@ def fidelity_metrics(
         "dnll_mean": dnll.mean().item(),
         "n_tokens": int(T),
     }
+
+
+def kl_per_token(full_logprobs: torch.Tensor, comp_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(full || compressed) of each row: ``[T, V]`` log-probs (or logits) -> ``[T]`` float64, as in
+    :func:`fidelity_metrics` (rows renormalised in float64, p_full = 0 terms count 0)."""
+    if full_logprobs.shape != comp_logprobs.shape or full_logprobs.dim() != 2:
+        raise ValueError(f"kl_per_token: need two [T, V] tensors of one shape, got {tuple(full_logprobs.shape)} "
+                         f"and {tuple(comp_logprobs.shape)}")
+    lf = torch.log_softmax(full_logprobs.detach().to(torch.float64), dim=-1)
+    lc = torch.log_softmax(comp_logprobs.detach().to(device=lf.device, dtype=torch.float64), dim=-1)
+    p = lf.exp()
+    return torch.where(p > 0, p * (lf - lc), torch.zeros_like(p)).sum(dim=-1)
 
 
 def aggregate_fidelity(per_problem: Iterable[Mapping[str, float | int]]) -> dict[str, float | int]:

@@ -3,11 +3,13 @@
 Sample ``s`` of problem ``i`` uses the same seed under every method, so each completion has a
 partner: the full cache's completion of the same (problem, sample). Differences are taken per
 pair, averaged within a problem, and the interval comes from a bootstrap over problems (the unit
-that was sampled). For 0/1 outcomes McNemar's exact test counts the discordant pairs.
+that was sampled). The p-value is a sign-flip permutation test on the same per-problem
+differences (samples of one problem are not independent, so the test works on problems too); with
+one sample per problem it equals McNemar's exact test on the discordant pairs.
 
     diffs = paired_problem_diffs(method_records, full_records, key="correct")
     mean, lo, hi = bootstrap_ci(list(diffs.values()))
-    p = mcnemar_exact(*discordant(method_records, full_records))
+    p, exact = sign_flip_test(list(diffs.values()))
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ __all__ = [
     "paired_problem_diffs",
     "bootstrap_ci",
     "mcnemar_exact",
+    "sign_flip_test",
+    "SIGN_FLIP_EXACT_MAX",
+    "SIGN_FLIP_RESAMPLES",
     "discordant",
     "first_divergence",
     "BOOTSTRAP_RESAMPLES",
@@ -32,6 +37,11 @@ __all__ = [
 Record = Mapping[str, Any]
 #: Bootstrap resamples: the 2.5 % / 97.5 % quantiles move by well under 1 % of their value past this.
 BOOTSTRAP_RESAMPLES = 4000
+#: Up to this many nonzero per-problem differences the sign-flip test enumerates all 2**n sign vectors.
+SIGN_FLIP_EXACT_MAX = 20
+#: Random sign vectors above SIGN_FLIP_EXACT_MAX (fixed seed): the p-value's Monte Carlo standard error
+#: is at most 0.5 / sqrt(20000) = 0.0035, about 0.0015 near p = 0.05.
+SIGN_FLIP_RESAMPLES = 20000
 
 
 def pair_records(method: Sequence[Record], reference: Sequence[Record], *, problem_key: str = "problem_id",
@@ -108,6 +118,42 @@ def mcnemar_exact(b: int, c: int) -> float:
     k = min(b, c)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
     return min(1.0, 2.0 * tail)
+
+
+def sign_flip_test(diffs: Sequence[float], *, resamples: int = SIGN_FLIP_RESAMPLES, seed: int = 0,
+                   exact_max: int = SIGN_FLIP_EXACT_MAX) -> tuple[float, bool]:
+    """Two-sided paired permutation test of "no difference" on one paired difference per problem.
+
+    Under the null the method and the reference are exchangeable within a problem, so each problem's
+    difference is as likely to have either sign. The statistic is ``|sum(diffs)|``; the p-value is
+    the share of the 2**n sign vectors whose ``|sum(+-d_i)|`` is at least the observed one (problems
+    with a zero difference change nothing and are dropped). Up to ``exact_max`` nonzero differences
+    every sign vector is enumerated (exact); above that ``resamples`` random sign vectors drawn with
+    ``seed`` give ``(1 + hits) / (1 + resamples)`` (a valid Monte Carlo p-value, reproducible).
+    With one 0/1 outcome per problem the differences are +-1 and the test is McNemar's exact test.
+
+    Returns:
+        (p, exact): the p-value, and whether it was enumerated exactly. No nonzero difference: (1.0, True).
+    """
+    d = np.asarray([float(v) for v in diffs], dtype=np.float64)
+    d = d[d != 0.0]
+    if d.size == 0:
+        return 1.0, True
+    observed = abs(float(d.sum()))
+    tol = 1e-9 * max(1.0, float(np.abs(d).sum()))  # sums of the same terms in another order round differently
+    if d.size <= exact_max:
+        sums = np.zeros(1, dtype=np.float64)
+        for v in d:  # all 2**n signed sums, doubling per problem
+            sums = np.concatenate([sums + v, sums - v])
+        return float(np.mean(np.abs(sums) >= observed - tol)), True
+    rng = np.random.default_rng(seed)
+    hits, left = 0, int(resamples)
+    while left > 0:  # in blocks: resamples x n signs would not fit in memory for large n
+        k = min(left, max(1, 2_000_000 // d.size))
+        signs = rng.integers(0, 2, size=(k, d.size), dtype=np.int8) * 2 - 1
+        hits += int(np.count_nonzero(np.abs(signs @ d) >= observed - tol))
+        left -= k
+    return (1 + hits) / (1 + int(resamples)), False
 
 
 def discordant(method: Sequence[Record], reference: Sequence[Record], *, key: str = "correct") -> tuple[int, int]:

@@ -33,6 +33,7 @@ from vase.eval.metrics import (
     answered_share,
     cap_share,
     failure_shares,
+    kv_byte_steps,
     length_stats,
     pass_at_1,
 )
@@ -40,11 +41,12 @@ from vase.eval.paired import (
     bootstrap_ci,
     discordant,
     first_divergence,
-    mcnemar_exact,
     pair_records,
     paired_problem_diffs,
+    sign_flip_test,
 )
-from vase.eval.store import FIDELITY, SAMPLES, atomic_write_text, read_all
+from vase.eval.config import records_of_run
+from vase.eval.store import FIDELITY, SAMPLES, atomic_write_text
 
 __all__ = [
     "COLUMNS",
@@ -53,6 +55,12 @@ __all__ = [
     "summary_rows",
     "conclusion",
     "parse_reference",
+    "reference_name",
+    "run_header",
+    "table_cells",
+    "fit_columns",
+    "column_widths",
+    "DEFAULT_CELLS",
     "write_csv",
     "write_markdown",
     "print_table",
@@ -65,18 +73,21 @@ FULL = "full"
 
 #: summary.csv columns, in order. ``*_pct`` are percentages; ``*_lo`` / ``*_hi`` bound 95 % bootstrap
 #: intervals over problems; ``d_*`` are paired differences method - full; budget is empty for ``full``.
+#: ``keys_match``: the row's (problem, sample) keys are the reference's; ``n_paired`` counts the row's
+#: records with a partner in the reference (pass@1 and every paired column use those only).
 COLUMNS: tuple[str, ...] = (
-    "method", "budget", "window", "reference", "n_problems", "n_samples", "problems_match",
+    "method", "budget", "window", "reference", "n_problems", "n_samples", "n_paired", "keys_match",
     "pass_at_1_pct", "pass_at_1_stderr_pct", "answered_pct", "cap_pct", "acc_finished_pct", "acc_truncated_pct",
-    "d_acc_pct", "d_acc_lo_pct", "d_acc_hi_pct", "only_method_right", "only_full_right", "mcnemar_p",
+    "d_acc_pct", "d_acc_lo_pct", "d_acc_hi_pct", "only_method_right", "only_full_right", "paired_p",
+    "paired_p_exact",
     "agree_pct", "agree_n_both", "both_none_pct", "only_method_answered_pct", "only_full_answered_pct",
     *(f"{c}_{k}" for c in FAILURE_CLASSES for k in ("pct", "lo_pct", "hi_pct")),
     "mean_length", "median_length", "d_length", "d_length_lo", "d_length_hi",
     "identical_pct", "first_div_median", "first_div_q25", "first_div_q75",
-    "kv_peak_ratio", "kv_time_ratio", "kv_bytes_peak_mean", "kv_bytes_time_mean", "kv_bytes_allocated_mean",
+    "kv_peak_ratio", "kv_sum_ratio", "kv_bytes_peak_mean", "kv_bytes_time_mean", "kv_bytes_allocated_mean",
     "evictions_mean", "batch_tokens_per_s",
     "kl_evicted", "kl_evicted_lo", "kl_evicted_hi", "top1_agree_evicted_pct", "dnll_evicted", "kl_all",
-    "noise_kl", "fidelity_problems", "fidelity_tokens_evicted",
+    "noise_kl", "noise_kl_evicted", "fidelity_problems", "fidelity_tokens_evicted",
 )
 PERCENT_COLUMNS = tuple(c for c in COLUMNS if c.endswith("_pct"))
 PLOT_FILES = {"accuracy": "accuracy_vs_budget.png", "fidelity": "fidelity_kl_vs_budget.png",
@@ -142,10 +153,11 @@ def _paired_columns(row: dict[str, Any], recs: Sequence[Mapping[str, Any]], full
     pairs = pair_records(recs, full)
     if not pairs:
         return
-    _ci_into(row, list(paired_problem_diffs(recs, full, key="correct").values()),
-             "d_acc_pct", "d_acc_lo_pct", "d_acc_hi_pct", 100.0)
-    b, c = discordant(recs, full)
-    row["only_method_right"], row["only_full_right"], row["mcnemar_p"] = b, c, mcnemar_exact(b, c)
+    d_acc = list(paired_problem_diffs(recs, full, key="correct").values())
+    _ci_into(row, d_acc, "d_acc_pct", "d_acc_lo_pct", "d_acc_hi_pct", 100.0)
+    # Tested on problems (the sampled unit), as the interval: samples of one problem are not independent.
+    row["paired_p"], row["paired_p_exact"] = sign_flip_test(d_acc)
+    row["only_method_right"], row["only_full_right"] = discordant(recs, full)
     _ci_into(row, list(paired_problem_diffs(recs, full, key="length").values()),
              "d_length", "d_length_lo", "d_length_hi")
     ag = agreement_split(recs, full)
@@ -163,16 +175,37 @@ def _paired_columns(row: dict[str, Any], recs: Sequence[Mapping[str, Any]], full
         if diverged:
             q25, med, q75 = np.quantile(np.asarray(diverged, dtype=np.float64), [0.25, 0.5, 0.75])
             row["first_div_q25"], row["first_div_median"], row["first_div_q75"] = float(q25), float(med), float(q75)
-    # Compression of each sequence against full's bytes for the same (problem, sample).
+    # Peak: each sequence against full's for the same (problem, sample), averaged over sequences.
     row["kv_peak_ratio"] = _mean([_ratio(m.get("kv_bytes_peak"), f.get("kv_bytes_peak")) for m, f in pairs])
-    row["kv_time_ratio"] = _mean([_ratio(m.get("kv_bytes_time_mean"), f.get("kv_bytes_time_mean"))
-                                  for m, f in pairs])
+    # Held bytes summed over every decode step of every paired sequence, over the reference's same sum: a
+    # sequence that runs to the cap counts with all its steps (a mean of per-sequence ratios would not).
+    steps = [(kv_byte_steps(m), kv_byte_steps(f)) for m, f in pairs]
+    steps = [(a, b) for a, b in steps if a is not None and b is not None]
+    row["kv_sum_ratio"] = _ratio(sum(a for a, _ in steps), sum(b for _, b in steps)) if steps else None
 
 
-def _fidelity_columns(row: dict[str, Any], fid: Sequence[Mapping[str, Any]]) -> None:
-    """Fidelity over the targets after each sequence's first eviction, per problem, bootstrapped."""
+def _noise_evicted(ev: Sequence[Mapping[str, Any]], noise: Mapping[str, Sequence[float]]) -> float | None:
+    """The noise floor over the same targets as the KL: per problem, the mean of full's per-target noise KL
+    from the row's first evicted target on, then the mean over problems (the KL's own weighting). None
+    unless every problem has its per-target noise (``noise_kl_tokens`` of full's fidelity record)."""
+    per = []
+    for r in ev:
+        tok = noise.get(str(r["problem_id"]))
+        t0 = r.get("first_evicted")
+        if tok is None or t0 is None or int(t0) >= len(tok):
+            return None
+        tail = tok[int(t0):]
+        per.append(sum(float(v) for v in tail) / len(tail))
+    return statistics.fmean(per) if per else None
+
+
+def _fidelity_columns(row: dict[str, Any], fid: Sequence[Mapping[str, Any]],
+                      noise: Mapping[str, Sequence[float]]) -> None:
+    """Fidelity over the targets after each sequence's first eviction, per problem, bootstrapped; the noise
+    floor over those same targets (``noise``: full's per-target noise KL by problem)."""
     ev = [r for r in fid if int(r.get("n_tokens_evicted") or 0) > 0 and r.get("kl_mean_evicted") is not None]
     if ev:
+        row["noise_kl_evicted"] = _noise_evicted(ev, noise)
         _ci_into(row, _per_problem(ev, lambda r: r["kl_mean_evicted"]), "kl_evicted", "kl_evicted_lo",
                  "kl_evicted_hi")
         row["top1_agree_evicted_pct"] = 100 * statistics.fmean(_per_problem(ev, lambda r: r["top1_agree_evicted"]))
@@ -204,19 +237,25 @@ def summary_rows(samples: Sequence[Mapping[str, Any]], fidelity: Sequence[Mappin
 
     reference = (reference[0], None if reference[1] is None else int(reference[1]))
     full = groups.get(reference, [])
-    full_problems = {r["problem_id"] for r in full}
+    full_keys = {(str(r["problem_id"]), int(r["sample"])) for r in full}
+    # Full's per-target noise KL (full vs full fed in chunks of w), whatever the reference: the noise floor.
+    noise = {str(r["problem_id"]): r["noise_kl_tokens"] for r in fid_groups.get((FULL, None), [])
+             if r.get("noise_kl_tokens") is not None}
     rows = []
     for method, budget in sorted(set(groups) | set(fid_groups), key=lambda k: _group_key(*k)):
         recs = groups.get((method, budget), [])
         row: dict[str, Any] = {c: None for c in COLUMNS}
         row["method"], row["budget"], row["window"] = method, budget, window
         row["reference"] = _label({"method": reference[0], "budget": reference[1]})
-        problems = {r["problem_id"] for r in recs}
-        row["n_problems"] = len(problems)
+        row["n_problems"] = len({r["problem_id"] for r in recs})
         row["n_samples"] = len(recs)
-        row["problems_match"] = problems == full_problems
+        # A partial run (a missing sample of a present problem too) is flagged: compare (problem, sample) keys.
+        row["keys_match"] = {(str(r["problem_id"]), int(r["sample"])) for r in recs} == full_keys
+        paired = [m for m, _ in pair_records(recs, full)] if full else list(recs)
+        row["n_paired"] = len(paired) if full else None
         if recs:
-            p1, se = pass_at_1(recs)
+            # pass@1 on the records with a partner, so it is measured on the reference's (problem, sample) set.
+            p1, se = pass_at_1(paired or recs)
             row["pass_at_1_pct"], row["pass_at_1_stderr_pct"] = 100 * p1, 100 * se
             row["answered_pct"] = 100 * answered_share(recs)
             if all("finished" in r for r in recs):
@@ -233,7 +272,7 @@ def summary_rows(samples: Sequence[Mapping[str, Any]], fidelity: Sequence[Mappin
             if full:
                 _paired_columns(row, recs, full)
                 if (method, budget) == reference:  # against itself: the paired columns say nothing
-                    for c in COLUMNS[COLUMNS.index("d_acc_pct"):COLUMNS.index("garbage_pct")]:
+                    for c in COLUMNS[COLUMNS.index("d_acc_pct"):COLUMNS.index("garbage_pct")]:  # incl. paired_p
                         row[c] = None
                     for c in ("d_length", "d_length_lo", "d_length_hi", "identical_pct", "first_div_median",
                               "first_div_q25", "first_div_q75"):
@@ -245,7 +284,7 @@ def summary_rows(samples: Sequence[Mapping[str, Any]], fidelity: Sequence[Mappin
             row["batch_tokens_per_s"] = _throughput(recs)
         fid = fid_groups.get((method, budget))
         if fid:
-            _fidelity_columns(row, fid)
+            _fidelity_columns(row, fid, noise)
         rows.append(row)
     return rows
 
@@ -259,6 +298,17 @@ def parse_reference(text: str) -> tuple[str, int | None]:
         return method.strip(), (int(budget) if budget.strip() else None)
     except ValueError:
         raise ValueError(f"bad reference {text!r}: the budget after ':' must be an integer, e.g. snapkv:64") from None
+
+
+def reference_name(reference: tuple[str, int | None] | str | None) -> str:
+    """The reference as ``--against`` spells it: ``full``, ``snapkv:128`` (also from a row's ``reference`` label)."""
+    if reference is None:
+        return FULL
+    if isinstance(reference, str):  # a row's label: "snapkv B=128" or "full"
+        method, _, budget = reference.partition(" B=")
+        return f"{method}:{budget}" if budget else method
+    method, budget = reference
+    return method if budget is None else f"{method}:{budget}"
 
 
 def _label(r: Mapping[str, Any]) -> str:
@@ -289,11 +339,11 @@ def conclusion(rows: Sequence[Mapping[str, Any]]) -> str:
                      + ", ".join(unclear))
     if not parts:
         return f"No paired comparison with {ref} yet."
-    flagged = [_label(r) for r in rows if r.get("problems_match") is False]
+    flagged = [_label(r) for r in rows if r.get("keys_match") is False]
     line = "; ".join(parts) + "."
     if flagged:
-        line += f" Rows marked * were measured on a different problem set than {ref} (partial run): " \
-                + ", ".join(flagged) + "."
+        line += (f" Rows marked * hold other (problem, sample) pairs than {ref} (a partial run); their pass@1 "
+                 f"and paired columns use the shared pairs only: " + ", ".join(flagged) + ".")
     return line
 
 
@@ -341,59 +391,100 @@ def _num(v: Any, fmt: str) -> str:
     return "-" if v is None else f"{v:{fmt}}"
 
 
-# (header, formatter) of the table columns; composite cells show a value with its interval.
-_CELLS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
-    ("method", lambda r: r["method"]),
-    ("B / w", lambda r: "full" if r.get("budget") is None
-        else f"{r['budget']} / {r['window']}" if r.get("window") is not None else str(r["budget"])),
-    ("n", lambda r: f"{r['n_samples']}" + ("" if r.get("problems_match", True) else "*")),
-    ("pass@1 %", lambda r: _num(r.get("pass_at_1_pct"), ".1f")),
-    ("answered %", lambda r: _num(r.get("answered_pct"), ".0f")),
-    ("Δ pass@1 pts [95% CI]", lambda r: _interval(r, "d_acc_pct", "d_acc_lo_pct", "d_acc_hi_pct", "+.1f")),
-    ("McNemar p", lambda r: _num(r.get("mcnemar_p"), ".3f")),
-    ("agree % (n both)", lambda r: "-" if r.get("agree_pct") is None
-        else f"{r['agree_pct']:.0f} ({r['agree_n_both']})"),
-    ("loop %", lambda r: _num(r.get("phrase_loop_pct"), ".0f")),
-    ("at cap %", lambda r: _num(r.get("cap_pct"), ".0f")),
-    ("mean len", lambda r: _num(r.get("mean_length"), ".0f")),
-    ("Δ len [95% CI]", lambda r: _interval(r, "d_length", "d_length_lo", "d_length_hi", "+.0f")),
-    ("1st div. tok (median)", lambda r: _num(r.get("first_div_median"), ".0f")),
-    ("KV peak / full", lambda r: _num(r.get("kv_peak_ratio"), ".2f")),
-    ("KV avg / full", lambda r: _num(r.get("kv_time_ratio"), ".2f")),
-    ("evictions / seq", lambda r: _num(r.get("evictions_mean"), ".1f")),
-    ("KL after 1st evict. [95% CI]", lambda r: _interval(r, "kl_evicted", "kl_evicted_lo", "kl_evicted_hi", ".3f")),
-    ("top-1 % after evict.", lambda r: _num(r.get("top1_agree_evicted_pct"), ".1f")),
-    ("batch tok/s", lambda r: _num(r.get("batch_tokens_per_s"), ".1f")),
-)
+def _p_value(r: Mapping[str, Any]) -> str:
+    # "~": a Monte Carlo p-value (more than SIGN_FLIP_EXACT_MAX problems differ), else enumerated exactly.
+    if r.get("paired_p") is None:
+        return "-"
+    return f"{r['paired_p']:.3f}" + ("" if r.get("paired_p_exact", True) else "~")
+
+
+def _kl_cell(r: Mapping[str, Any]) -> str:
+    # n: the problems behind the point (those whose full sample outlasts the budget's first eviction).
+    cell = _interval(r, "kl_evicted", "kl_evicted_lo", "kl_evicted_hi", ".3f")
+    return cell if r.get("kl_evicted") is None else f"{cell} ({r.get('fidelity_problems')})"
+
+
+Cell = tuple[str, str, Callable[[Mapping[str, Any]], str]]
+
+
+def table_cells(reference: str = FULL) -> tuple[Cell, ...]:
+    """(key, header, formatter) of the table columns; ``reference`` (``full``, ``snapkv:128``) names the
+    reference in the headers of the ratios. Composite cells show a value with its interval."""
+    return (
+        ("method", "method", lambda r: r["method"]),
+        ("bw", "B / w", lambda r: "full" if r.get("budget") is None
+            else f"{r['budget']} / {r['window']}" if r.get("window") is not None else str(r["budget"])),
+        ("n", "n", lambda r: f"{r['n_samples']}" + ("" if r.get("keys_match", True) else "*")),
+        ("pass1", "pass@1 %", lambda r: _num(r.get("pass_at_1_pct"), ".1f")),
+        ("answered", "answered %", lambda r: _num(r.get("answered_pct"), ".0f")),
+        ("d_acc", "Δ pass@1 pts [95% CI]", lambda r: _interval(r, "d_acc_pct", "d_acc_lo_pct", "d_acc_hi_pct", "+.1f")),
+        ("paired_p", "paired p (problems)", _p_value),
+        ("agree", "agree % (n both)", lambda r: "-" if r.get("agree_pct") is None
+            else f"{r['agree_pct']:.0f} ({r['agree_n_both']})"),
+        ("loop", "loop %", lambda r: _num(r.get("phrase_loop_pct"), ".0f")),
+        ("cap", "at cap %", lambda r: _num(r.get("cap_pct"), ".0f")),
+        ("len", "mean len", lambda r: _num(r.get("mean_length"), ".0f")),
+        ("d_len", "Δ len [95% CI]", lambda r: _interval(r, "d_length", "d_length_lo", "d_length_hi", "+.0f")),
+        ("div", "1st div. tok (median)", lambda r: _num(r.get("first_div_median"), ".0f")),
+        ("kv_peak", f"KV peak / {reference}", lambda r: _num(r.get("kv_peak_ratio"), ".2f")),
+        ("kv_avg", f"KV avg / {reference}", lambda r: _num(r.get("kv_sum_ratio"), ".2f")),
+        ("evictions", "evictions / seq", lambda r: _num(r.get("evictions_mean"), ".1f")),
+        ("kl", "KL after 1st evict. [95% CI] (n)", _kl_cell),
+        ("top1", "top-1 % after evict.", lambda r: _num(r.get("top1_agree_evicted_pct"), ".1f")),
+        ("tok_s", "batch tok/s", lambda r: _num(r.get("batch_tokens_per_s"), ".1f")),
+    )
+
+
+_CELLS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = tuple((h, f) for _, h, f in table_cells())
+#: The console's default columns (the README's table), in the order they are dropped last to first when
+#: the terminal is too narrow; ``--wide`` shows every column. The CSV, Markdown and HTML hold all of them.
+DEFAULT_CELLS: tuple[str, ...] = ("method", "bw", "pass1", "d_acc", "paired_p", "kv_avg", "kl", "n", "answered",
+                                  "evictions")
 
 LEGEND = (
     "Δ columns: method minus the reference (full unless said otherwise) on the same (problem, sample) seeds, averaged per problem, 95% paired "
-    "bootstrap interval over problems; McNemar: exact test on the pairs where exactly one side is right. "
+    "bootstrap interval over problems; paired p: sign-flip permutation test on those per-problem differences "
+    "(exact; ~ = Monte Carlo, 20000 sign draws, seed 0, above 20 problems that differ), McNemar's exact test "
+    "when there is one sample per problem. "
     "agree: same answer as full (math-verify) among pairs where both answered. at cap: hit the token cap. "
-    "1st div.: first generated token where the text leaves full's same-seed text. KV peak/avg over full: "
-    "each sequence's peak and time-averaged K/V bytes over full's for the same (problem, sample). KL, top-1: "
-    "full's sample 0 teacher-forced through the method, over the targets after the first eviction only. "
+    "1st div.: first generated token where the text leaves full's same-seed text. KV peak over the reference: "
+    "each sequence's peak K/V bytes over the reference's for the same (problem, sample), averaged; KV avg: K/V "
+    "bytes held summed over every decode step of every paired sequence over the reference's same sum. KL, top-1: "
+    "full's sample 0 teacher-forced through the method, over the targets after the first eviction only; (n) = "
+    "problems whose full sample outlasts that budget's first eviction. "
     "batch tok/s: throughput of this run's batches, not a speed comparison (use `vase bench`). "
-    "* = measured on a different problem set than full."
+    "* = other (problem, sample) pairs than the reference (a partial run): pass@1 and Δ use the shared pairs."
 )
 
 
 def _noise_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
-    for r in rows:
-        if r["method"] == FULL and r.get("noise_kl") is not None:
-            return (f"KL noise floor (full vs full teacher-forced in chunks of w): {r['noise_kl']:.2e} nats/token; "
-                    "ΔNLL is measured on full's own sample.")
+    """The noise floor: over each row's own KL targets when measured per target, else over all targets."""
+    same = [r["noise_kl_evicted"] for r in rows if r.get("noise_kl_evicted") is not None]
+    full = next((r["noise_kl"] for r in rows if r["method"] == FULL and r.get("noise_kl") is not None), None)
+    if same:
+        return (f"KL noise floor (full vs full teacher-forced in chunks of w) over each row's KL targets: at most "
+                f"{max(same):.2e} nats/token (noise_kl_evicted in the CSV)"
+                + (f"; over all targets {full:.2e}" if full is not None else "")
+                + ". ΔNLL is measured on full's own sample.")
+    if full is not None:
+        return (f"KL noise floor (full vs full teacher-forced in chunks of w): {full:.2e} nats/token over all "
+                "targets; ΔNLL is measured on full's own sample.")
     return None
 
 
+def _reference_of(rows: Sequence[Mapping[str, Any]]) -> str:
+    return reference_name(next((r.get("reference") for r in rows if r.get("reference")), FULL))
+
+
 def write_markdown(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str | None = None) -> Path:
+    cells = table_cells(_reference_of(rows))
     lines = []
     if title:
         lines += [f"# {title}", ""]
-    lines.append("| " + " | ".join(h for h, _ in _CELLS) + " |")
-    lines.append("|" + "|".join("---" if h == "method" else "---:" for h, _ in _CELLS) + "|")
+    lines.append("| " + " | ".join(h for _, h, _ in cells) + " |")
+    lines.append("|" + "|".join("---" if k == "method" else "---:" for k, _, _ in cells) + "|")
     for r in rows:
-        lines.append("| " + " | ".join(f(r) for _, f in _CELLS) + " |")
+        lines.append("| " + " | ".join(f(r) for _, _, f in cells) + " |")
     lines += ["", conclusion(rows), ""]
     noise = _noise_line(rows)
     if noise:
@@ -404,21 +495,78 @@ def write_markdown(rows: Sequence[Mapping[str, Any]], path: str | Path, title: s
     return p
 
 
-def print_table(rows: Sequence[Mapping[str, Any]], title: str | None = None, console=None) -> None:
-    """The summary as a rich table, with the conclusion line and the noise floor under it."""
+def _min_width(header: str, cells: Sequence[str]) -> int:
+    """Narrowest a column can be drawn: cells never wrap, a header wraps between words."""
+    from rich.cells import cell_len
+
+    return max([cell_len(c) for c in cells] + [cell_len(w) for w in header.split()] + [1])
+
+
+def fit_columns(rows: Sequence[Mapping[str, Any]], width: int, *, reference: str = FULL,
+                keys: Sequence[str] = DEFAULT_CELLS) -> dict[str, int]:
+    """The columns of ``keys`` (in priority order) that fit a rich table ``width`` columns wide, with their
+    widths, in table order.
+
+    Each column needs its widest cell or its header's widest word, plus 3 for padding and border; keys
+    are dropped from the end until the rest fit (the first two always stay). Width left over goes to
+    the headers, those nearest to fitting on one line first, so they wrap less.
+    """
+    from rich.cells import cell_len
+
+    need = column_widths(rows, reference=reference)
+    chosen = list(keys)
+    while len(chosen) > 2 and 1 + sum(need[k] + 3 for k in chosen) > width:
+        chosen.pop()
+    headers = {k: h for k, h, _ in table_cells(reference)}
+    widths = {k: need[k] for k in headers if k in chosen}
+    spare = width - 1 - sum(w + 3 for w in widths.values())
+    for k in sorted(widths, key=lambda k: cell_len(headers[k]) - widths[k]):  # nearest to one line first
+        extra = max(0, min(spare, cell_len(headers[k]) - widths[k]))
+        widths[k] += extra
+        spare -= extra
+    return widths
+
+
+def column_widths(rows: Sequence[Mapping[str, Any]], *, reference: str = FULL) -> dict[str, int]:
+    """Per column key, the narrowest it can be drawn: its widest cell, or its header's widest word."""
+    return {k: _min_width(h, [f(r) for r in rows]) for k, h, f in table_cells(reference)}
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], title: str | None = None, console=None, *,
+                wide: bool = False) -> None:
+    """The summary as a rich table, with the conclusion line and the noise floor under it.
+
+    By default the README's columns (:data:`DEFAULT_CELLS`) that fit the console's width; ``wide``:
+    every column (the CSV, Markdown and HTML always hold them all).
+    """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title)
-    for h, _ in _CELLS:
-        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h == "method")
-    for r in rows:
-        table.add_row(*(f(r) for _, f in _CELLS))
     if console is None:
         console = Console()
         if not console.is_terminal:  # a log file: do not squeeze the table into 80 columns
             console = Console(width=max(console.width, 240))
+    ref = _reference_of(rows)
+    all_cells = table_cells(ref)
+    widths = {} if wide else fit_columns(rows, console.width, reference=ref)
+    keys = [k for k, _, _ in all_cells] if wide else list(widths)
+    cells = [c for c in all_cells if c[0] in keys]
+    table = Table(title=title)
+    for k, h, _ in cells:
+        # As wide as the widest cell, so a number never wraps (a wrapped interval reads as two numbers) and
+        # only headers wrap, between words (fit_columns chose columns that fit so); --wide: rich folds what does not fit.
+        table.add_column(h, justify="left" if k == "method" else "right", width=widths.get(k),
+                         no_wrap=k == "method")
+    for r in rows:
+        table.add_row(*(f(r) for _, _, f in cells))
     console.print(table)
+    hidden = [h for k, h, _ in all_cells if k not in keys]
+    if hidden and not wide:
+        left = [h for k, h, _ in all_cells if k in DEFAULT_CELLS and k not in keys]
+        console.print(f"[dim]{len(hidden)} more columns with --wide"
+                      + (f" (too narrow here for: {escape(', '.join(left))})" if left else "")
+                      + "; all of them are in summary.csv / summary.md / report.html[/]", highlight=False)
     console.print(conclusion(rows), soft_wrap=True)
     noise = _noise_line(rows)
     if noise:
@@ -495,8 +643,14 @@ def figures(rows: Sequence[Mapping[str, Any]], samples: Sequence[Mapping[str, An
             y = [r["kl_evicted"] for r in rs]
             err = [[v - r["kl_evicted_lo"] for v, r in zip(y, rs)], [r["kl_evicted_hi"] - v for v, r in zip(y, rs)]]
             ax.errorbar([r["budget"] for r in rs], y, yerr=err, marker="o", capsize=3, label=m)
-        if full_row is not None and full_row.get("noise_kl") is not None:
-            ax.axhline(full_row["noise_kl"], color="grey", linestyle=":", label="noise floor")
+            for r, v in zip(rs, y):  # the problems behind each point differ with the budget: say how many
+                ax.annotate(f"n={r.get('fidelity_problems')}", (r["budget"], v), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
+        same = [r["noise_kl_evicted"] for r in rows if r.get("noise_kl_evicted") is not None]
+        if same:
+            ax.axhline(max(same), color="grey", linestyle=":", label="noise floor (same targets, max)")
+        elif full_row is not None and full_row.get("noise_kl") is not None:
+            ax.axhline(full_row["noise_kl"], color="grey", linestyle=":", label="noise floor (all targets)")
         _budget_axis(ax, budgets)
         ax.set_xlabel("KV budget B")
         ax.set_ylabel("KL(full || method) per token (nats)")
@@ -593,20 +747,51 @@ def run_window(run_dir: str | Path) -> int | None:
         return None
 
 
+def run_header(run_dir: str | Path) -> str:
+    """The run's settings in one line from its config.json: task, model (named, with its sha256), ...
+
+    The embedded default model (``model`` None in the config) is named, not shown as None; the hash is
+    the model's content hash recorded in the run's identity (``model_sha256``). Empty without config.json.
+    """
+    try:
+        meta = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+        c = meta.get("config") or {}
+        ident = meta.get("identity") or {}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(c, dict) or not isinstance(ident, dict):
+        return ""
+    model = c.get("model")
+    if model in (None, "default"):
+        from vase.models import DEFAULT_MODEL
+
+        model = DEFAULT_MODEL
+    sha = ident.get("model_sha256")
+    parts = []
+    for k in ("task", "model", "limit", "samples", "budgets", "window", "max_new_tokens", "greedy", "temperature",
+              "top_p", "seed"):
+        if k == "model":
+            parts.append(f"model {model}" + (f" (sha256 {str(sha)[:12]})" if sha else ""))
+        elif k in c and (k not in ("temperature", "top_p") or not c.get("greedy")):
+            parts.append(f"{k} {c.get(k)}")
+    return " · ".join(parts)
+
+
 def summarize(run_dir: str | Path, *, print_table: bool = True, plots: bool = True,
-              reference: tuple[str, int | None] = (FULL, None)) -> list[dict[str, Any]]:
+              reference: tuple[str, int | None] = (FULL, None), wide: bool = False) -> list[dict[str, Any]]:
     """Rebuild the summary of a run from its ``samples.rank*.jsonl`` / ``fidelity.rank*.jsonl`` files.
 
     Writes ``summary.csv``, ``summary.md`` and the PNG plots into ``run_dir``; prints a rich
-    table when ``print_table``. Returns the rows (see :data:`COLUMNS`). With another ``reference``
+    table when ``print_table`` (the default columns that fit the terminal; all of them with ``wide``).
+    Returns the rows (see :data:`COLUMNS`). With another ``reference``
     (method, budget) the paired columns compare with it and the files are
     ``summary-vs-<method>-<budget>.csv/md`` (no plots).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run directory {run_dir}")
-    samples = read_all(run_dir, SAMPLES)
-    fidelity = read_all(run_dir, FIDELITY)
+    samples = records_of_run(run_dir, SAMPLES)  # only the run's own records (config.json)
+    fidelity = records_of_run(run_dir, FIDELITY)
     if not samples and not fidelity:
         raise FileNotFoundError(f"{run_dir} holds no samples.rank*.jsonl records yet")
     rows = summary_rows(samples, fidelity, window=run_window(run_dir), reference=reference)
@@ -618,15 +803,20 @@ def summarize(run_dir: str | Path, *, print_table: bool = True, plots: bool = Tr
         write_csv(rows, run_dir / f"{stem}.csv")
         write_markdown(rows, run_dir / f"{stem}.md", title=f"{run_dir.name} (against {reference[0]} B={reference[1]})")
         if print_table:
-            _print_table(rows, title=f"{run_dir.name}: against {reference[0]} B={reference[1]}")
+            _print_table(rows, title=_title(run_dir, f"against {reference_name(reference)}"), wide=wide)
         return rows
     write_csv(rows, run_dir / "summary.csv")
     write_markdown(rows, run_dir / "summary.md", title=run_dir.name)
     if plots:
         write_plots(rows, run_dir, samples)
     if print_table:
-        _print_table(rows, title=run_dir.name)
+        _print_table(rows, title=_title(run_dir), wide=wide)
     return rows
+
+
+def _title(run_dir: Path, what: str = "") -> str:
+    header = run_header(run_dir)
+    return f"{run_dir.name}" + (f": {what}" if what else "") + (f"\n{header}" if header else "")
 
 
 _print_table = print_table  # summarize's keyword of the same name hides the function

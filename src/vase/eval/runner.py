@@ -48,7 +48,7 @@ from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identit
                               runtime_identity)
 from vase.eval.failures import classify_failure
 from vase.eval.grading import extract_answer, is_correct
-from vase.eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target, kv_schedule
+from vase.eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target, kl_per_token, kv_schedule
 from vase.eval.prompts import build_user_message
 from vase.eval.store import (
     FIDELITY,
@@ -92,7 +92,8 @@ SAMPLE_FIELDS: tuple[str, ...] = (
 FIDELITY_FIELDS: tuple[str, ...] = (
     "problem_id", "problem_index", "method", "budget", "seed", "n_tokens", "kl_mean", "top1_agree",
     "top1_disagree_share", "dnll_mean", "first_evicted", "n_tokens_evicted", "kl_mean_evicted",
-    "top1_agree_evicted", "dnll_mean_evicted", "noise_kl_mean", "noise_top1_agree", "seconds", "rank",
+    "top1_agree_evicted", "dnll_mean_evicted", "noise_kl_mean", "noise_top1_agree", "noise_kl_tokens", "seconds",
+    "rank",
 )
 #: Fields that depend on timing or on how the work was split, not on the results.
 VOLATILE_FIELDS: tuple[str, ...] = ("seconds", "prefill_seconds", "tokens_per_s", "batch_rows", "rank")
@@ -614,7 +615,11 @@ class _Runner:
         except TypeError:  # a stand-in forced function without chunking
             return {"noise_kl_mean": None, "noise_top1_agree": None}
         m = _chunked_fidelity(full_lp, chunked, target_t)
-        return {"noise_kl_mean": m["kl_mean"], "noise_top1_agree": m["top1_agree"]}
+        # Per target (4 significant digits), so a summary takes the noise over each budget's own KL targets.
+        per = torch.cat([kl_per_token(full_lp[a:a + _FIDELITY_CHUNK], chunked[a:a + _FIDELITY_CHUNK])
+                         for a in range(0, full_lp.shape[0], _FIDELITY_CHUNK)])
+        return {"noise_kl_mean": m["kl_mean"], "noise_top1_agree": m["top1_agree"],
+                "noise_kl_tokens": [float(f"{v:.4g}") for v in per.tolist()]}
 
 
 def _chunked_fidelity(full_lp: torch.Tensor, comp_lp: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
@@ -627,7 +632,8 @@ def _chunked_fidelity(full_lp: torch.Tensor, comp_lp: torch.Tensor, targets: tor
 
 
 def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callable | None = None,
-             progress: bool = True, *, forced_fn: Callable | None = None, summarize: bool = True) -> Path:
+             progress: bool = True, *, forced_fn: Callable | None = None, summarize: bool = True,
+             wide: bool = False) -> Path:
     """Run (or resume) an evaluation; returns the run directory.
 
     Args:
@@ -639,6 +645,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
         forced_fn: ``vase.forced_log_probs`` or a stand-in (fidelity only).
         progress: show a progress bar with ETA (rank 0) and print the summary table.
         summarize: write summary.csv/md and plots when done (rank 0, after every rank finished).
+        wide: print every column of the table, not the default ones that fit the terminal.
 
     Raises:
         ConfigError / RunConflictError: bad settings, or the run dir holds a different run.
@@ -667,7 +674,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
             from vase.eval.report import summarize as _summarize
 
             try:
-                _summarize(run_dir, print_table=progress)
+                _summarize(run_dir, print_table=progress, wide=wide)
             except Exception as e:
                 # Results are safe on disk, but an old summary must not pass for this one.
                 for stale in ("summary.csv", "summary.md"):
