@@ -58,3 +58,72 @@ def test_other_vllm_versions_are_refused():
     for version in ("0.33.0", "0.31.2", "0.320.0", "1.0.0"):
         with pytest.raises(VaseConfigError, match=f"supports vLLM 0.32.x, found {version}"):
             check_vllm_version(version)
+
+
+# -- refusals on the built VllmConfig and per attention layer (stand-ins; the engine tests build real ones) ----
+def _built(**over):
+    from types import SimpleNamespace as NS
+
+    hf = NS(model_type="llama")
+    cfg = NS(model_config=NS(model="m", hf_config=hf, hf_text_config=hf), cache_config=NS(cache_dtype="auto"),
+             kv_transfer_config=None, use_v2_model_runner=False, watermark_config=None,
+             attention_config=NS(hisparse_config=None),
+             parallel_config=NS(pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1))
+    for path, value in over.items():
+        target = cfg
+        *head, last = path.split(".")
+        for part in head:
+            target = getattr(target, part)
+        setattr(target, last, value)
+    return cfg
+
+
+def test_a_plain_built_config_passes():
+    from vase.vllm.refusals import check_built_config
+
+    check_built_config(_built(), env={})
+
+
+@pytest.mark.parametrize("over, env, fragment", [
+    ({"model_config.hf_config": __import__("types").SimpleNamespace(model_type="bloom")}, {}, "ALiBi"),
+    ({"model_config.hf_text_config": __import__("types").SimpleNamespace(model_type="mpt",
+                                                                          attn_config={"alibi": True})}, {}, "ALiBi"),
+    ({"model_config.hf_text_config": __import__("types").SimpleNamespace(model_type="falcon", alibi=True)}, {},
+     "ALiBi"),
+    ({"cache_config.cache_dtype": "fp8_e4m3"}, {}, "KV cache dtype resolved to fp8_e4m3"),
+    ({"kv_transfer_config": object()}, {}, "drop kv_transfer_config"),
+    ({"use_v2_model_runner": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "because VLLM_USE_V2_MODEL_RUNNER=1: set "
+                                                                       "VLLM_USE_V2_MODEL_RUNNER=0"),
+    ({"use_v2_model_runner": True}, {}, "because vLLM picks it by default on this platform"),
+    ({"use_v2_model_runner": True, "watermark_config": object()}, {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+     "because watermark_config is set"),
+    ({"parallel_config.pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
+    ({"parallel_config.tensor_parallel_size": 2}, {}, "not tested at tensor_parallel_size=2"),
+    ({"parallel_config.data_parallel_size": 2}, {}, "not tested at data_parallel_size=2"),
+])
+def test_settings_that_give_wrong_tokens_are_refused_in_one_line(over, env, fragment):
+    from vase.vllm.refusals import check_built_config
+
+    with pytest.raises(VaseConfigError) as info:
+        check_built_config(_built(**over), env=env)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("attrs, fragment", [
+    ({"alibi_slopes": [0.5, 0.25]}, "has ALiBi slopes"),
+    ({"kv_cache_dtype": "fp8"}, "stores its KV cache as fp8"),
+    ({"sliding_window": 128}, "uses a sliding window"),
+])
+def test_attention_layers_that_would_read_evicted_slots_wrongly_are_refused(attrs, fragment):
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.refusals import check_attention_layer, check_kv_tensor
+
+    plain = dict(alibi_slopes=None, kv_cache_dtype="auto", sliding_window=-1)
+    check_attention_layer("model.layers.0.self_attn.attn", NS(**plain), "float32")
+    with pytest.raises(VaseConfigError) as info:
+        check_attention_layer("model.layers.0.self_attn.attn", NS(**{**plain, **attrs}), "float32")
+    assert fragment in str(info.value) and "model.layers.0" in str(info.value) and "\n" not in str(info.value)
+    check_kv_tensor("l0", "float32", "float32")
+    with pytest.raises(VaseConfigError, match="got a uint8 KV cache for a float32 model"):
+        check_kv_tensor("l0", "uint8", "float32")

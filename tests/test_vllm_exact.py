@@ -134,3 +134,64 @@ def test_preempting_requests_that_already_evicted_completes(preempting, method):
     assert sorted(res["forced"].values()) == [2, 2, 2]  # every request was preempted twice after evicting
     assert r.vase_recomputes - before == 6
     assert res["checked"] > 300
+
+
+# -- refusals ---------------------------------------------------------------------------------------------
+def test_alibi_model_is_refused_on_the_built_config(tmp_path):
+    from transformers import BloomConfig, BloomForCausalLM
+    from vllm import LLM
+
+    from tests.helpers_tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    BloomForCausalLM(BloomConfig(vocab_size=len(tok), hidden_size=128, n_layer=2, n_head=4)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(Exception, match="uses ALiBi position biases") as info:
+        LLM(model=str(tmp_path), additional_config=additional_config("snapkv", 48, 16), max_model_len=256,
+            dtype="float32")
+    assert "\n" not in str(info.value)
+
+
+def test_kv_connector_is_refused(tiny):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    with pytest.raises(Exception, match="drop kv_transfer_config"):
+        LLM(model=tiny, additional_config=additional_config("snapkv", 48, 16), max_model_len=256, dtype="float32",
+            kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"))
+
+
+def test_streaming_input_requests_are_refused_in_one_line(preempting):
+    """Streaming input appends several tokens at once after the prefill: the front end refuses it, the scheduler
+    too (a backstop), before anything is written."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vase.vllm import VaseConfigError
+    from vase.vllm.plugin import STREAMING_REFUSAL
+
+    assert getattr(AsyncLLM._add_streaming_input_request, "__vase_wrapped__", False)
+    ours = NS(vllm_config=NS(additional_config=additional_config("snapkv", 48, 16)))
+    with pytest.raises(VaseConfigError, match="streaming-input request"):
+        asyncio.run(AsyncLLM._add_streaming_input_request(ours, "s0", None, None))
+    assert "\n" not in STREAMING_REFUSAL
+    with pytest.raises(VaseConfigError, match="streaming-input request"):
+        core(preempting).scheduler.add_request(NS(resumable=True, request_id="s1"))
+    assert "s1" not in core(preempting).scheduler.requests
+
+
+def test_a_request_whose_blocks_cannot_hold_its_physical_length_fails_loudly(tiny):
+    """The invariant before every forward: if the scheduler handed back one block too many, the worker stops
+    with one line instead of writing into a block it no longer owns."""
+    from vase.vllm.scheduler import EvictingKVCacheManager
+    from vase.vllm.steps import VaseStepError
+
+    llm = make_engine(tiny, additional_config("snapkv", 80, 16))
+    manager = core(llm).scheduler.kv_cache_manager
+    assert isinstance(manager, EvictingKVCacheManager)
+    # The scheduler now follows B = 16 (at most 2 blocks for a 20-token prompt), the worker B = 80 (3 blocks).
+    manager.cfg = VaseVllmConfig("snapkv", budget=16, window=16)
+    with pytest.raises(VaseStepError, match=r"would store \d+ tokens in \d+ slots"):
+        llm.generate([{"prompt_token_ids": prompt_ids(20, 5)}], greedy(120))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 
 from .config import VaseConfigError, VaseVllmConfig
+from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, worker_cls_for
+from .refusals import check_built_config
 
 #: The vLLM minor version whose internals the scheduler and worker hooks were written against.
 SUPPORTED_VLLM = "0.32"
@@ -39,17 +41,26 @@ def check_engine_args(args, cfg: VaseVllmConfig) -> None:
     if args.kv_cache_dtype not in ("auto", None):
         raise VaseConfigError(f"vase needs an unquantised KV cache, got kv_cache_dtype={args.kv_cache_dtype!r}: "
                               f"use kv_cache_dtype='auto'")
+    if getattr(args, "kv_transfer_config", None) is not None:
+        raise VaseConfigError("vase frees and rewrites KV blocks that a KV connector (kv_transfer_config, "
+                              "disaggregated prefill, offloading) would move behind its back: drop kv_transfer_config "
+                              "or additional_config['vase']")
     if args.enable_prefix_caching:
         raise VaseConfigError("vase rewrites a request's KV blocks in place, so they cannot be shared as a cached "
                               "prefix: set enable_prefix_caching=False (the default with vase)")
-    for name, default, ours in (("scheduler_cls", None, SCHEDULER_CLS), ("worker_cls", "auto", WORKER_CLS)):
+    from vllm.platforms import current_platform
+
+    worker_cls = worker_cls_for(current_platform)  # the CPU or the GPU worker; other platforms refused
+    for name, default, ours in (("scheduler_cls", None, SCHEDULER_CLS), ("worker_cls", "auto", worker_cls)):
         value = getattr(args, name)
         if value not in (default, ours):
             raise VaseConfigError(f"vase brings its own {name}, got {name}={value!r}: drop {name} or "
                                   f"additional_config['vase']")
     args.enable_prefix_caching = False
     args.scheduler_cls = SCHEDULER_CLS
-    args.worker_cls = WORKER_CLS
+    args.worker_cls = worker_cls
+    if worker_cls == GPU_WORKER_CLS:
+        prepare_gpu_engine_args(args)  # piecewise CUDA graphs, no async scheduling (or refused)
 
 
 def check_vllm_config(vllm_config) -> None:
@@ -58,9 +69,8 @@ def check_vllm_config(vllm_config) -> None:
 
     model = vllm_config.model_config
     name = model.model
-    if not current_platform.is_cpu():
-        raise VaseConfigError(f"vase's vLLM plugin runs on the CPU build for now, not on {current_platform.device_name}"
-                              f": drop additional_config['vase'] on this platform")
+    if worker_cls_for(current_platform) == GPU_WORKER_CLS:
+        check_gpu_config(vllm_config)
     if getattr(model, "use_mla", False):
         raise VaseConfigError(f"{name} uses MLA (a compressed latent cache) that vase cannot evict per KV head: "
                               f"use a model with standard attention")
@@ -73,9 +83,7 @@ def check_vllm_config(vllm_config) -> None:
                               f"use a model with full attention")
     if vllm_config.speculative_config is not None:
         raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop speculative_config")
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise VaseConfigError("vase's vLLM plugin does not support pipeline parallelism: use "
-                              "pipeline_parallel_size=1")
+    check_built_config(vllm_config)
 
 
 def _wrap_create_engine_config(original):
@@ -94,10 +102,30 @@ def _wrap_create_engine_config(original):
     return create_engine_config
 
 
-def register() -> None:
-    """The `vllm.general_plugins` entry point: install the engine-args hook once per process."""
-    from vllm.engine.arg_utils import EngineArgs
+#: One line for a streaming-input (resumable) request: its later input chunks arrive as multi-token steps.
+STREAMING_REFUSAL = ("vase evicts one token per step after the prefill, and a streaming-input request appends "
+                     "several at once: send the whole prompt in one request or drop additional_config['vase']")
 
+
+def _wrap_add_streaming_input(original):
+    @functools.wraps(original)
+    async def add_streaming_input_request(self, *args, **kwargs):
+        if VaseVllmConfig.from_additional_config(getattr(self.vllm_config, "additional_config", None)) is not None:
+            raise VaseConfigError(STREAMING_REFUSAL)
+        return await original(self, *args, **kwargs)
+
+    add_streaming_input_request.__vase_wrapped__ = True
+    return add_streaming_input_request
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: install the engine-args hook (and the front end's streaming-input
+    refusal) once per process."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not getattr(AsyncLLM._add_streaming_input_request, "__vase_wrapped__", False):
+        AsyncLLM._add_streaming_input_request = _wrap_add_streaming_input(AsyncLLM._add_streaming_input_request)
     if getattr(EngineArgs.create_engine_config, "__vase_wrapped__", False):
         return
     EngineArgs.create_engine_config = _wrap_create_engine_config(EngineArgs.create_engine_config)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .. import schedule
-from .config import VaseVllmConfig
+from .config import VaseConfigError, VaseVllmConfig
+from .plugin import STREAMING_REFUSAL
 from .steps import allocation_length
 
 
@@ -95,6 +96,11 @@ class VaseScheduler(Scheduler):
         self.kv_cache_manager = EvictingKVCacheManager(self.kv_cache_manager, self.vase_config, self.block_size)
         self.vase_blocks_freed = 0
         self.vase_preemptions = 0
+
+    def add_request(self, request) -> None:
+        if getattr(request, "resumable", False):  # the front end refuses these first (vase.vllm.plugin)
+            raise VaseConfigError(STREAMING_REFUSAL)
+        super().add_request(request)
 
     def _preempt_request(self, request, *args, **kwargs):
         self.vase_preemptions += 1

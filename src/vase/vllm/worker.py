@@ -26,6 +26,7 @@ from .. import schedule
 from .capture import CapturePlan, QueryRing
 from .config import VaseConfigError, VaseVllmConfig
 from .paged import Layout, RequestPolicyState, evict_paged
+from .refusals import check_attention_layer, check_kv_tensor, v2_runner_reason
 from .steps import VaseStepError, plan_step
 
 
@@ -110,6 +111,7 @@ class VaseCPUModelRunner(CPUModelRunner):
             if type(impl) is not CPUAttentionBackendImpl:
                 raise VaseConfigError(f"vase needs vLLM's CPU attention, layer {name} uses {type(impl).__name__}: "
                                       f"use a model with standard attention")
+            check_attention_layer(name, impl, self.model_config.dtype)
             impl.__class__ = VaseCPUAttentionImpl
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
@@ -125,6 +127,8 @@ class VaseCPUModelRunner(CPUModelRunner):
                                    self.model_config.dtype, self.device)
         for name in self.vase_layers:
             ctx[name].impl.vase_ring = self.vase_ring
+        for name in self.vase_layers:
+            check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
         self.vase_block_size = groups[0].kv_cache_spec.block_size
         self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.kv_cache_dtype_torch())
 
@@ -262,6 +266,7 @@ class VaseCPUWorker(CPUWorker):
 
     def init_device(self):
         super().init_device()
-        if getattr(self, "use_v2_model_runner", False):
-            raise VaseConfigError("vase's vLLM plugin runs on the V1 model runner: unset VLLM_USE_V2_MODEL_RUNNER")
+        if getattr(self, "use_v2_model_runner", False):  # the config check refuses this first; kept as a backstop
+            raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 "
+                                  f"because {v2_runner_reason(self.vllm_config)}")
         self.model_runner = VaseCPUModelRunner(self.vllm_config, torch.device("cpu"))

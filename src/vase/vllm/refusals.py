@@ -1,0 +1,92 @@
+"""Settings the plugin refuses because it would give wrong tokens (or untested results) under them.
+
+Each check reads the *built* `VllmConfig` (after vLLM resolved "auto" values from the checkpoint)
+or one attention layer at model load, and raises `VaseConfigError` with one line naming the
+setting and the fix. The reasons are in docs/vllm.md. Duck-typed: no vLLM import, so the tests
+can hand in small stand-ins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .config import VaseConfigError
+
+_DROP = "or drop additional_config['vase']"
+
+
+def _is_alibi(hf_config: Any) -> bool:
+    """Whether a Hugging Face config describes an ALiBi model (BLOOM, MPT, Falcon-alibi, Baichuan-13B ...)."""
+    if getattr(hf_config, "model_type", None) == "bloom" or getattr(hf_config, "alibi", False):
+        return True
+    attn = getattr(hf_config, "attn_config", None)
+    if isinstance(attn, dict):
+        return bool(attn.get("alibi"))
+    return bool(getattr(attn, "alibi", False)) or bool(getattr(hf_config, "position_embedding_type", "") == "alibi")
+
+
+def v2_runner_reason(vllm_config: Any, env: dict | None = None) -> str:
+    """Which setting made vLLM pick its V2 model runner (the one the user can change)."""
+    env = os.environ if env is None else env
+    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
+        return "attention_config.hisparse_config is set (HiSparse needs the V2 runner): drop it"
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        return "watermark_config is set (watermarking needs the V2 runner): drop it"
+    if env.get("VLLM_USE_V2_MODEL_RUNNER") is not None:
+        return f"VLLM_USE_V2_MODEL_RUNNER={env['VLLM_USE_V2_MODEL_RUNNER']}: set VLLM_USE_V2_MODEL_RUNNER=0"
+    return "vLLM picks it by default on this platform: set VLLM_USE_V2_MODEL_RUNNER=0"
+
+
+def check_built_config(vllm_config: Any, env: dict | None = None) -> None:
+    """Refuse, on the built config, every setting under which vase's eviction would be wrong or is untested."""
+    model = vllm_config.model_config
+    name = model.model
+    if _is_alibi(getattr(model, "hf_text_config", None) or model.hf_config) or _is_alibi(model.hf_config):
+        raise VaseConfigError(f"{name} uses ALiBi position biases, which vLLM's kernel computes from the physical slot "
+                              f"(wrong after an eviction): use a RoPE model {_DROP}")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        raise VaseConfigError(f"vase needs an unquantised KV cache, but the KV cache dtype resolved to {cache_dtype} "
+                              f"(from kv_cache_dtype or the checkpoint's quantization config): pass "
+                              f"kv_cache_dtype='auto' with an unquantised-KV checkpoint {_DROP}")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise VaseConfigError(f"vase frees and rewrites KV blocks that a KV connector (kv_transfer_config, "
+                              f"disaggregated prefill, offloading) would move behind its back: drop kv_transfer_config "
+                              f"{_DROP}")
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 because "
+                              f"{v2_runner_reason(vllm_config, env)}")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise VaseConfigError(f"vase's vLLM plugin does not support pipeline parallelism (each stage would have to "
+                              f"evict its own layers on the same schedule; not implemented): use "
+                              f"pipeline_parallel_size=1 {_DROP}")
+    if parallel.tensor_parallel_size > 1:
+        raise VaseConfigError(f"vase's vLLM plugin is not tested at tensor_parallel_size="
+                              f"{parallel.tensor_parallel_size} (its kept sets do not depend on the TP degree, but no "
+                              f"TP engine run checks it yet): use tensor_parallel_size=1 {_DROP}")
+    if parallel.data_parallel_size > 1:
+        raise VaseConfigError(f"vase's vLLM plugin is not tested at data_parallel_size={parallel.data_parallel_size}: "
+                              f"run one engine per process with data_parallel_size=1 {_DROP}")
+
+
+def check_attention_layer(name: str, impl: Any, model_dtype: Any) -> None:
+    """Refuse, at model load, an attention layer whose kernel would read evicted slots wrongly."""
+    if getattr(impl, "alibi_slopes", None) is not None:
+        raise VaseConfigError(f"attention layer {name} has ALiBi slopes, which vLLM's kernel applies by physical slot "
+                              f"(wrong after an eviction): use a RoPE model {_DROP}")
+    kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    if kv_dtype != "auto":
+        raise VaseConfigError(f"attention layer {name} stores its KV cache as {kv_dtype}; vase needs it unquantised: "
+                              f"use kv_cache_dtype='auto' with an unquantised-KV checkpoint {_DROP}")
+    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+        raise VaseConfigError(f"attention layer {name} uses a sliding window, which vase does not combine with "
+                              f"eviction: use a model with full attention {_DROP}")
+
+
+def check_kv_tensor(name: str, kv_dtype: Any, model_dtype: Any) -> None:
+    """Refuse a layer whose allocated KV cache is not in the model's dtype (a quantised cache chosen late)."""
+    if kv_dtype != model_dtype:
+        raise VaseConfigError(f"attention layer {name} got a {kv_dtype} KV cache for a {model_dtype} model; vase "
+                              f"needs it unquantised: use kv_cache_dtype='auto' {_DROP}")
