@@ -19,6 +19,15 @@ logged and skipped, so stock vLLM's numbers survive.
     python benchmarks/gpu_vllm_bench.py --shape smollm2-135m --num-layers 2 --requests 4 --new-tokens 64 \\
         --prompt 16 --budgets 40 --window 8 --block-size 32 --regimes tight        # CPU smoke test
 
+On a CUDA platform the plugin runs its GPU worker (``vase.vllm.gpu_worker``: built and unit-tested
+on CPU in the GPU layouts; not yet run on a GPU, see docs/vllm-gpu.md), which needs piecewise CUDA
+graphs and no async scheduling; ``--cudagraph-mode`` (default PIECEWISE) and async scheduling off
+are applied to every engine, stock vLLM included, so the ample-regime overhead compares like with
+like. ``--model`` takes a Hugging Face model id or a local folder (real weights; the pool sizes
+come from the model's shape).
+
+    python benchmarks/gpu_vllm_bench.py --model Qwen/Qwen3-4B --new-tokens 4096      # a real model id
+
 Time (not measured: no GPU run was possible when this was written): at 8k tokens, expect a few
 minutes per configuration on one H100-class GPU, i.e. 10-20 minutes for both regimes with one method.
 """
@@ -41,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-4b", help="model shape name (vase.bench.shapes) or a config.json path")
-    p.add_argument("--model", default=None, help="a local model folder with weights instead of random ones")
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face model id or local folder with weights, instead of random ones")
     p.add_argument("--num-layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--requests", type=int, default=16)
@@ -52,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--regimes", default="ample,tight")
     p.add_argument("--block-size", type=int, default=None, help="default: vLLM's (16 on GPU, 128 on CPU)")
+    p.add_argument("--cudagraph-mode", default="PIECEWISE",
+                   help="CUDA graph mode of every engine on a GPU (PIECEWISE or NONE; vase refuses FULL modes)")
     p.add_argument("--out", default=None, help="output directory (default: $OUT, else ./gpu-vllm-bench-results)")
     return p.parse_args(argv)
 
@@ -74,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
     else:
         model = args.model
+    if torch.cuda.is_available():  # the same engine settings for stock vLLM and the plugin (which needs them)
+        engine_kwargs.update(compilation_config={"cudagraph_mode": args.cudagraph_mode}, async_scheduling=False)
     t0 = time.time()
     rows = run_vllm_bench(model, [m for m in args.methods.split(",") if m], [int(b) for b in args.budgets.split(",")],
                           n_requests=args.requests, new_tokens=args.new_tokens, prompt_len=args.prompt,

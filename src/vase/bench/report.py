@@ -17,8 +17,8 @@ __all__ = ["CSV_COLUMNS", "label", "plot", "print_table", "read_csv", "to_markdo
 
 #: every column of the CSV, in order (see `vase.bench.runner` for their meaning)
 CSV_COLUMNS = [
-    "model", "device", "dtype", "attn", "batch", "method", "budget", "window", "prompt_length", "new_tokens",
-    "repeats", "tok_s", "vs_full", "vs_dynamic", "seg_tok_s", "step_ms", "decode_s", "prefill_s", "evictions",
+    "model", "device", "dtype", "attn", "batch", "method", "compiled", "budget", "window", "prompt_length",
+    "new_tokens", "repeats", "tok_s", "vs_full", "vs_dynamic", "seg_tok_s", "seg_ratio", "step_ms", "decode_s", "prefill_s", "evictions",
     "expected_evictions", "eviction_fired", "evict_ms", "evict_step_ms", "kv_bytes", "kv_bytes_alloc",
     "kv_bytes_full", "kv_vs_full", "stored_length", "peak_mem_bytes", "peak_mem_delta_bytes", "mem_method", "flag",
 ]
@@ -35,8 +35,9 @@ def _fmt(v, spec: str = ".1f", suffix: str = "") -> str:
 
 
 def label(row: dict) -> str:
-    """A row's method with its budget: `vase-attnv B=512`, `full`, `dynamic`."""
-    return row["method"] if _missing(row.get("budget")) else f"{row['method']} B={int(row['budget'])}"
+    """A row's method with its budget: `vase-attnv B=512`, `full`, `dynamic`, `full compiled`."""
+    name = row["method"] if _missing(row.get("budget")) else f"{row['method']} B={int(row['budget'])}"
+    return name + " compiled" if row.get("compiled") else name
 
 
 def write_csv(rows: Sequence[dict], path: str | Path) -> Path:
@@ -82,7 +83,8 @@ def _table_cells(row: dict) -> list[str]:
     ratio = (lambda v: "n/a" if no_evict else _fmt(v, ".2f", "x"))
     return [
         str(row["batch"]), label(row), str(row["new_tokens"]), _fmt(row["tok_s"]),
-        ratio(row.get("vs_full")), ratio(row.get("vs_dynamic")), _fmt(row.get("step_ms"), ".2f"),
+        ratio(row.get("vs_full")), ratio(row.get("vs_dynamic")), _quarters(row), _fmt(row.get("seg_ratio"), ".2f"),
+        _fmt(row.get("step_ms"), ".2f"),
         "-" if row.get("eviction_fired") is None else str(row.get("evictions")),
         _fmt(row.get("evict_ms"), ".2f"), _fmt(_mib(row.get("kv_bytes")), ".2f"),
         _fmt(_mib(row.get("peak_mem_delta_bytes")), ".2f"),
@@ -90,7 +92,16 @@ def _table_cells(row: dict) -> list[str]:
     ]
 
 
-_HEADERS = ["batch", "method", "new tok", "tok/s", "vs full", "vs dynamic", "step ms", "evictions", "ms/evict",
+def _quarters(row: dict) -> str:
+    """The per-part rates (first to last part of the output), as in `seg_tok_s`."""
+    segs = row.get("seg_tok_s")
+    if _missing(segs):
+        return "-"
+    return " ".join(f"{float(v):.1f}" for v in str(segs).split(";") if v)
+
+
+_HEADERS = ["batch", "method", "new tok", "tok/s", "vs full", "vs dynamic", "tok/s per part", "last/first",
+            "step ms", "evictions", "ms/evict",
             "KV MiB", "peak +MiB", "flag"]
 
 

@@ -3,7 +3,8 @@
     rows = run_bench(model, ["vase-attnv", "vase-dkv"], budgets=[512], output_lengths=[1024, 4096],
                      batch_sizes=[1])
 
-Every configuration decodes `output_length` new tokens (greedy, EOS ignored) after a random
+Every configuration decodes `output_length` new tokens (sampled as `vase.generate` samples by default:
+temperature 0.6, top-p 0.95, one generator per row; EOS ignored) after a random
 prompt of `prompt_length` tokens, through `vase.generation.decode`, with one of
 
 - an evicting method at budget B (an `EvictionCache`),
@@ -18,7 +19,9 @@ What is measured (per run; a row reports the median over `repeats` runs after `w
   decode forwards; the gap between consecutive stamps is one step (forward + sampling +
   loop). Prefill is excluded.
 - tok_s = (N - 1) x batch / (last stamp - first stamp); `segments` splits the N - 1 steps into
-  equal parts and reports the rate of each (`seg_tok_s`, ';'-joined, first to last).
+  equal parts and reports the rate of each (`seg_tok_s`, ';'-joined, first to last);
+  `seg_ratio` = last part's rate / first part's: a bounded cache's step does not grow, so it
+  should be about 1 (rows below 0.95 get a flag).
 - Evictions: `cache.stats()["evictions"]` (events per layer; every layer evicts at the same
   step). `expected_evictions` is what the schedule (`vase.schedule`, docs/methods.md) predicts;
   `eviction_fired` is False for an evicting method that never evicted (prompt + output too
@@ -56,7 +59,7 @@ from pathlib import Path
 import torch
 
 from ..cache import EvictionCache
-from ..generation import Sampler, decode
+from ..generation import PAPER_SAMPLING, Sampler, decode
 from ..policies import get_policy
 from ..schedule import num_evictions
 
@@ -64,6 +67,11 @@ __all__ = ["BASELINES", "add_ratios", "expected_evictions", "run_bench", "run_on
 
 #: the two full-cache references every benchmark can include
 BASELINES = ("full", "dynamic")
+
+#: next-token choice of every run: what `vase.generate` does by default (the paper's sampling, one
+#: generator per row), not greedy. Greedy decoding of a random-weight model collapses into a loop of
+#: a few tokens, a cache content users never run.
+BENCH_SAMPLER = Sampler(**PAPER_SAMPLING)
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -226,8 +234,14 @@ def _set_attention(model, method: str) -> None:
 
 
 def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int, prompt_length: int = 128,
-            window: int = 64, segments: int = 4, seed: int = 0, **method_params) -> dict:
-    """Decode `new_tokens` tokens once and return the raw measurements of that run."""
+            window: int = 64, segments: int = 4, seed: int = 0, compile: bool = False, cache_tokens: int | None = None,
+            **method_params) -> dict:
+    """Decode `new_tokens` tokens once and return the raw measurements of that run.
+
+    compile: decode with `vase.compiled.decode_compiled` (`full`: transformers' StaticCache, the step
+    compiled; evicting methods: the static cache's compiled steps); `dynamic` stays eager.
+    cache_tokens: size the full caches for this many new tokens instead of `new_tokens` (a warm-up
+    run compiles the StaticCache step for the shapes of the timed run)."""
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
     input_ids = _random_prompt(vocab, batch, prompt_length, seed, device)
@@ -238,17 +252,34 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
     memory = _PeakMemory(device)
     with memory:
         timer = None
+        compiled = compile and method != "dynamic"
         if method == "dynamic":
             cache = _dynamic_cache(model)
         else:
             params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
             cache = EvictionCache(model, method, budget if budget is not None else prompt_length + new_tokens,
                                   window, seed=seed, max_length=prompt_length + new_tokens, **params)
-            timer = _EvictTimer(cache, device)
+            timer = _EvictTimer(cache, device)  # eager evictions only (the compiled ones run inside the step)
+        run_decode = decode
+        if compiled:
+            from ..compiled import compile_cache, decode_compiled
+
+            cache = compile_cache(model, cache, batch, prompt_length + max(new_tokens, cache_tokens or 0))
+            run_decode = decode_compiled
+            if method == "full":
+                timer = None
         stamps: list[float] = []
         evict_marks: list[int] = []
         calls = 0
         first_layer = cache.layers[0] if timer is not None else None
+        if compiled and timer is not None:
+            from ..compiled import decode_compiled
+
+            def evictions_now() -> int:  # the static cache counts once the steps are compiled
+                return (decode_compiled.last_cache or first_layer.cache).layers[0].evictions
+        else:
+            def evictions_now() -> int:
+                return first_layer.evictions if first_layer is not None else 0
 
         def on_token(row: int, token: int) -> None:
             nonlocal calls
@@ -256,12 +287,12 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
                 if cuda:
                     torch.cuda.synchronize(device)
                 stamps.append(time.perf_counter())
-                evict_marks.append(first_layer.evictions if first_layer is not None else 0)
+                evict_marks.append(evictions_now())
             calls += 1
 
-        ids, _, prefill_s = decode(model, input_ids, attention_mask, cache, max_new_tokens=new_tokens,
-                                   sampler=Sampler(greedy=True), seeds=[seed + r for r in range(batch)],
-                                   ignore_eos=True, on_token=on_token)
+        ids, _, prefill_s = run_decode(model, input_ids, attention_mask, cache, max_new_tokens=new_tokens,
+                                       sampler=BENCH_SAMPLER, seeds=[seed + r for r in range(batch)],
+                                       ignore_eos=True, on_token=on_token)
         if cuda:
             torch.cuda.synchronize(device)
     if any(len(r) != new_tokens for r in ids):
@@ -278,15 +309,20 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
         "step_ms": 1000 * statistics.median(steps) if steps else math.nan,
         "evict_step_ms": _evict_step_cost(steps, evicted),
     }
+    if compiled and method != "full":
+        from ..compiled import decode_compiled
+
+        cache = decode_compiled.last_cache or cache  # the static form the steps ran on
     if timer is not None:
         stats = cache.stats()
         out.update(evictions=stats["evictions"], kv_bytes=stats["kv_bytes"], kv_bytes_alloc=stats["kv_bytes_capacity"],
                    kv_bytes_full=stats["kv_bytes_full"], stored_length=stats["stored_length"],
-                   evict_ms=1000 * timer.total_seconds() / stats["evictions"] if stats["evictions"] else math.nan)
+                   evict_ms=1000 * timer.total_seconds() / stats["evictions"]
+                   if stats["evictions"] and not compiled else math.nan)
     else:
         kv = _dynamic_kv_bytes(cache)
         out.update(evictions=0, kv_bytes=kv, kv_bytes_alloc=kv, kv_bytes_full=kv,
-                   stored_length=cache.get_seq_length(), evict_ms=math.nan)
+                   stored_length=int(cache.get_seq_length()), evict_ms=math.nan)
     out.update(peak_mem_bytes=memory.peak, peak_mem_delta_bytes=memory.delta, mem_method=memory.method)
     del cache
     return out
@@ -328,7 +364,8 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
               batch_sizes: Sequence[int], prompt_length: int = 128, window: int = 64, warmup: int = 1,
               repeats: int = 3, segments: int = 4, include_dynamic: bool = True, seed: int = 0,
               include_full: bool = True, warmup_tokens: int | None = None,
-              progress: Callable[[dict], None] | None = None, **method_params) -> list[dict]:
+              progress: Callable[[dict], None] | None = None, compile: bool | str = False,
+              **method_params) -> list[dict]:
     """Benchmark decode throughput and memory; one row per (batch, method, budget, output length).
 
     `methods` are eviction methods (run at every budget); `full` (owned cache, no eviction) and,
@@ -341,6 +378,8 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     `progress(row)` is called as each row completes. See the module docstring for what each
     column means. Speed-up ratios (`vs_full`, `vs_dynamic`) compare with the references at the
     same batch and output length; they are left empty for a row whose eviction never fired.
+    `compile`: False (eager), True (compiled steps, `run_one`), or "both": every configuration but
+    `dynamic` runs eager and compiled (rows `compiled` False / True; ratios compare like with like).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -361,6 +400,8 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     if include_dynamic or "dynamic" in methods:
         configs.append(("dynamic", None))
     configs += [(m, b) for m in evicting for b in budgets]
+    modes = [False, True] if compile == "both" else [bool(compile)]
+    configs = [(m, b, c) for m, b in configs for c in modes if not (c and m == "dynamic")]
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -372,20 +413,23 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     try:
         for batch in batch_sizes:
             for length in output_lengths:
-                for method, budget in configs:
-                    if (batch, method, budget) not in warmed:
-                        for _ in range(warmup):
+                for method, budget, comp in configs:
+                    # A compiled full cache has the output length in its shape: warm up (compile) per length.
+                    warm_key = (batch, method, budget, comp, length if comp and method == "full" else None)
+                    if warm_key not in warmed:
+                        for _ in range(max(warmup, 1 if comp else 0)):  # compiling is never timed
                             run_one(model, method, budget, warmup_tokens or length, batch, prompt_length, window,
-                                    segments, seed, **method_params)
-                        warmed.add((batch, method, budget))
+                                    segments, seed, compile=comp, cache_tokens=length, **method_params)
+                        warmed.add(warm_key)
                 runs: dict[tuple, list[dict]] = {cfg: [] for cfg in configs}
                 for rep in range(repeats):  # round-robin, so drifting machine load hits every method alike
-                    for method, budget in configs:
-                        runs[(method, budget)].append(run_one(model, method, budget, length, batch, prompt_length,
-                                                              window, segments, seed, **method_params))
+                    for method, budget, comp in configs:
+                        runs[(method, budget, comp)].append(run_one(model, method, budget, length, batch,
+                                                                    prompt_length, window, segments, seed,
+                                                                    compile=comp, **method_params))
                         if rep == repeats - 1:  # this configuration is done: report it now
-                            row = _summarise(runs[(method, budget)], model, device, dtype, method, budget, length,
-                                             batch, prompt_length, window, repeats)
+                            row = _summarise(runs[(method, budget, comp)], model, device, dtype, method, budget,
+                                             length, batch, prompt_length, window, repeats, comp)
                             rows.append(row)
                             if progress is not None:
                                 progress(dict(row))
@@ -397,7 +441,7 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
 
 
 def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int | None, length: int, batch: int,
-               prompt_length: int, window: int, repeats: int) -> dict:
+               prompt_length: int, window: int, repeats: int, compiled: bool = False) -> dict:
     # Selection (Quest) attends B tokens per step but holds the full cache and evicts nothing.
     selects = method not in BASELINES and not get_policy(method).evicts
     evicts = method not in BASELINES and not selects
@@ -413,6 +457,9 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
     elif selects:
         flag = "selection: holds the full cache; a dense kernel still reads all of it"
     segs = [_median([r["seg_tok_s"][i] for r in runs]) for i in range(len(runs[0]["seg_tok_s"]))]
+    seg_ratio = segs[-1] / segs[0] if len(segs) > 1 and segs[0] > 0 else math.nan
+    if evicts and fired and seg_ratio < 0.95:
+        flag = (flag + "; " if flag else "") + f"rate fell over the output (last/first part {seg_ratio:.2f})"
     return {
         "model": _model_label(model),
         "device": str(device),
@@ -427,6 +474,8 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
         "repeats": repeats,
         "tok_s": _median([r["tok_s"] for r in runs]),
         "seg_tok_s": ";".join(f"{s:.2f}" for s in segs),
+        "seg_ratio": seg_ratio,
+        "compiled": compiled,
         "step_ms": _median([r["step_ms"] for r in runs]),
         "decode_s": _median([r["decode_s"] for r in runs]),
         "prefill_s": _median([r["prefill_s"] for r in runs]),
@@ -459,12 +508,13 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     refs: dict[tuple, dict] = {}
     for row in rows:
         if row["method"] in BASELINES:
-            refs[(row["method"], row["batch"], row["new_tokens"])] = row
+            refs[(row["method"], row["batch"], row["new_tokens"], bool(row.get("compiled")))] = row
     for row in rows:
         if row["eviction_fired"] is False:
             continue  # never report a configuration that did not evict as a speed-up
-        full = refs.get(("full", row["batch"], row["new_tokens"]))
-        dyn = refs.get(("dynamic", row["batch"], row["new_tokens"]))
+        comp = bool(row.get("compiled"))  # compiled rows against the compiled full cache (StaticCache)
+        full = refs.get(("full", row["batch"], row["new_tokens"], comp))
+        dyn = refs.get(("dynamic", row["batch"], row["new_tokens"], False))
         if full and full["tok_s"] > 0:
             row["vs_full"] = row["tok_s"] / full["tok_s"]
             if full["kv_bytes"]:

@@ -37,6 +37,8 @@ SHAPES: dict[str, tuple[type[PreTrainedConfig], dict[str, Any]]] = {
                                      num_attention_heads=16, tie_word_embeddings=True)),
     "qwen3-4b": (Qwen3Config, dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                                    num_attention_heads=32, tie_word_embeddings=True)),
+    "qwen3-8b": (Qwen3Config, dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                   num_attention_heads=32, tie_word_embeddings=False)),
     "qwen3-14b": (Qwen3Config, dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
                                     num_attention_heads=40, tie_word_embeddings=False)),
     # SmolLM2-135M-Instruct: the shapes of vase's embedded default model.

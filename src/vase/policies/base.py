@@ -46,7 +46,11 @@ def uniform_noise(shape: tuple[int, ...], generator, device: torch.device) -> to
     """Uniform(0,1) noise of `shape` [batch, ...]; one generator per batch row when a list is given.
 
     Drawing each row from its own generator makes a row's choices independent of the batch.
+    A noise source (an object with `draw(kind, shape, device)`, e.g. `vase.static.NoiseReplay`
+    replaying host draws inside a compiled step) is asked instead.
     """
+    if hasattr(generator, "draw"):
+        return generator.draw("uniform", shape, device)
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(shape, generator=generator, device=device)
     if len(generator) != shape[0]:
@@ -55,7 +59,9 @@ def uniform_noise(shape: tuple[int, ...], generator, device: torch.device) -> to
 
 
 def normal_noise(shape: tuple[int, ...], generator, device: torch.device) -> torch.Tensor:
-    """Standard normal noise of `shape` [batch, ...], per-row generators as in `uniform_noise`."""
+    """Standard normal noise of `shape` [batch, ...], per-row generators (or a noise source) as in `uniform_noise`."""
+    if hasattr(generator, "draw"):
+        return generator.draw("normal", shape, device)
     if generator is None or isinstance(generator, torch.Generator):
         return torch.randn(shape, generator=generator, device=device)
     if len(generator) != shape[0]:

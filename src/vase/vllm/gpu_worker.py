@@ -28,12 +28,14 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
+from .. import schedule
 from .capture import CapturePlan, QueryRing, install
 from .config import VaseConfigError, VaseVllmConfig
 from .layouts import backend_of, split_kv
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
 from .paged import RequestPolicyState, evict_paged
 from .refusals import check_attention_layer, check_kv_tensor, v2_runner_reason
+from .steps import VaseStepError
 
 
 class _Request:
@@ -145,6 +147,16 @@ class VaseGPUModelRunner(GPUModelRunner):
         reqs = [self._vase_request(req_id, i, int(computed[i])) for i, req_id in enumerate(req_ids)]
         plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), np.array([r.prefill_len for r in reqs]),
                            computed, scheduled, cfg.budget, cfg.window)
+        table = batch.block_table[0]
+        for i, (req, plan) in enumerate(zip(reqs, plans)):
+            # The invariant every write relies on: the request's blocks hold its physical length.
+            room = int(table.num_blocks_per_row[i]) * self.vase_block_size
+            if plan.physical_end > room or plan.physical_end > max(req.prefill_len,
+                                                                   schedule.first_limit(req.origin, cfg.budget,
+                                                                                        cfg.window)):
+                raise VaseStepError(f"vase: request {req_ids[i]} would store {plan.physical_end} tokens in {room} "
+                                    f"slots (prompt {req.origin}, prefill {req.prefill_len}, position {computed[i]}): "
+                                    f"the scheduler and the worker disagree on its schedule")
         for i, plan in enumerate(plans):
             if plan.evict_from:
                 self._vase_evict(reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))

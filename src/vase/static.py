@@ -1,0 +1,422 @@
+"""A fixed-shape evicting cache whose decode step (eviction included) compiles.
+
+`StaticEvictionCache` holds, per layer, buffers of one shape for its whole life:
+
+    keys, values:  [batch, kv_heads, B + w, head_dim]
+    positions:     [batch, kv_heads, B + w]   sequence index of each slot (-1 = empty)
+    length:        [batch] long tensor        slots in use per row (row r's are 0 .. length[r] - 1)
+    queries:       [batch, q_heads, w, head_dim] ring buffer of the last w post-RoPE queries
+
+Row r's real tokens sit at the front (no padding is stored); attention reads all B + w slots
+under the mask `slot < length[r]`. A row evicts when its length is B + w: the policy keeps
+B - w of its first B slots, the w most recent stay, and one fixed-size gather (B + w slots out
+of B + w, the kept ones first) compacts them: no shape depends on the step. Rows due at the
+same step evict together; the others pass through the gather unchanged (`torch.where`).
+
+The step comes in two variants (`evicting` False / True), each one graph; the host picks the
+variant from the schedule (`vase.schedule`: it knows each row's length without reading the
+device), so neither recompiles as the sequence grows and an eviction is no graph break.
+Random draws of stochastic policies (sampling, VaSE-DKV's projection) are made on the host
+with each row's own generator, in the order the eager cache draws them, into fixed buffers
+the step reads (`NoiseReplay`): the compiled step keeps the eager cache's kept sets.
+
+It is built from an `EvictionCache` once every row is in the steady schedule (limit B + w:
+right after the prefill when the prompt is at most B tokens, else after the row's first
+eviction, which runs eagerly): `StaticEvictionCache.from_eager(cache)`.
+Dense storage only (kv_bits=16); selection methods (Quest) and `full` have no static form here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attention import KERNELS, _stock_kernel, base_kernel
+from .cache import EvictionCache, EvictionLayer
+
+STATIC_PREFIX = "vase_static_"
+
+#: the cache whose layers the static attention function reads (set by `activate`)
+_ACTIVE: list[StaticEvictionCache | None] = [None]
+
+
+class CompileUnsupportedError(ValueError):
+    """A configuration the compiled decode step does not run."""
+
+
+def check_compilable(cache: EvictionCache, kernel: str) -> None:
+    """Raise CompileUnsupportedError (one line saying what to change) when `cache` has no static form."""
+    policy = cache.policy
+    if cache.quant is not None:
+        raise CompileUnsupportedError("compile=True runs dense K/V storage only: drop kv_bits (or use compile=False)")
+    if not policy.evicts or getattr(policy, "selects", False):
+        raise CompileUnsupportedError(f"method {policy.name!r} has no static evicting form: compile=True supports "
+                                      f"the evicting methods (and 'full' through transformers' StaticCache)")
+    if kernel not in ("sdpa", "eager"):
+        raise CompileUnsupportedError(f"compile=True needs attn_implementation 'sdpa' or 'eager', not {kernel!r}")
+
+
+# -- random draws made on the host, replayed inside the step -------------------------------------------
+class _Recorder:
+    """A noise source (see `vase.policies.base.uniform_noise`) that records what a policy draws."""
+
+    def __init__(self) -> None:
+        self.draws: list[tuple[str, tuple[int, ...]]] = []
+
+    def draw(self, kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        self.draws.append((kind, tuple(shape[1:])))
+        return torch.rand(shape, device=device) if kind == "uniform" else torch.randn(shape, device=device)
+
+
+class NoiseReplay:
+    """A noise source that hands out pre-drawn tensors [batch, ...] in order (built inside the step)."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor]):
+        self.buffers = list(buffers)
+        self.next = 0
+
+    def draw(self, kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        buf = self.buffers[self.next]
+        self.next += 1
+        return buf
+
+
+def _fill(buffers: list[torch.Tensor], draws: list[tuple[str, tuple[int, ...]]], rows: list[int],
+          generators: Sequence[torch.Generator]) -> None:
+    """Draw each recorded (kind, shape) for `rows` with their generators, as the eager cache would."""
+    for buf, (kind, shape) in zip(buffers, draws):
+        for r in rows:
+            fn = torch.rand if kind == "uniform" else torch.randn
+            buf[r].copy_(fn(shape, generator=generators[r], device=buf.device))
+
+
+# -- one layer ---------------------------------------------------------------------------------------
+class StaticLayer(CacheLayerMixin):
+    """One layer's fixed buffers (see the module docstring); built by `from_eager`."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: StaticEvictionCache, src: EvictionLayer):
+        super().__init__()
+        self.cache, self.cfg, self.layer_idx = cache, cache.cfg, src.layer_idx
+        B, w = self.cfg.budget, self.cfg.window
+        cap = B + w
+        b, h, _, d = src.keys.shape
+        device = src.keys.device
+        pads = torch.tensor(src.pad, device=device)
+        reals = src.length - pads
+        if int(reals.max()) > cap:
+            raise RuntimeError(f"layer {src.layer_idx} stores {int(reals.max())} tokens in a row, more than B + w "
+                               f"= {cap}: convert only once every row is in the steady schedule")
+        # Row r's real slots pad[r] .. length-1 move to the front; slots past its length are never read.
+        index = (torch.arange(cap, device=device)[None, :] + pads[:, None]).clamp(max=src.capacity - 1)
+        index = index[:, None, :].expand(b, h, cap)
+        self.keys = src.keys.gather(2, index[..., None].expand(-1, -1, -1, d)).contiguous()
+        self.values = src.values.gather(2, index[..., None].expand(-1, -1, -1, src.values.shape[-1])).contiguous()
+        valid = torch.arange(cap, device=device)[None, None, :] < reals[:, None, None]
+        self.positions = src.positions.gather(2, index).masked_fill(~valid, -1).contiguous()
+        self.slot_state = {k: v.gather(2, index).masked_fill(~valid, 0).contiguous()
+                           for k, v in src.slot_state.items()}
+        self.length = reals.to(torch.long).clone()
+        self.seen = torch.tensor(src.seen, dtype=torch.long, device=device)
+        hq = cache.q_heads
+        if src.queries is not None:
+            self.queries = src.queries.clone()
+        else:
+            self.queries = src.keys.new_zeros(b, hq, w, d)
+        self.queries_seen = torch.tensor(src.queries_seen, dtype=torch.long, device=device)
+        self.layer_state = {k: v.clone() for k, v in src.layer_state.items()}
+        self.state_ready = list(src.state_ready)
+        self.noise: list[torch.Tensor] = []
+        self.device = device
+        self.is_initialized = True
+        # host mirrors (the schedule): no device reads in the decode loop
+        self.host_length = reals.tolist()
+        self.host_seen = src.seen
+        self.evictions = src.evictions
+        self.tokens_evicted = src.tokens_evicted
+        self.row_evictions = list(src.row_evictions)
+        self.row_peak = list(src.row_peak)
+        self.row_pad0 = list(src.row_pad0)
+
+    # -- the step (traced) ------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append one token per row (key/value_states [b, kv_heads, 1, d]); evict first when the step does.
+
+        Returns the whole buffers [b, kv_heads, B + w, d]; `step_mask` masks the unused slots."""
+        if key_states.shape[2] != 1:
+            raise ValueError("the static cache takes one token per row per step (prefill runs eagerly)")
+        if self.cache.evicting:
+            self._evict()
+        b, h, _, d = self.keys.shape
+        slot = self.length.view(b, 1, 1)
+        self.keys.scatter_(2, slot[..., None].expand(b, h, 1, d), key_states)
+        self.values.scatter_(2, slot[..., None].expand(b, h, 1, self.values.shape[-1]), value_states)
+        self.positions.scatter_(2, slot.expand(b, h, 1), self.seen.view(1, 1, 1).expand(b, h, 1))
+        for state in self.slot_state.values():
+            state.scatter_(2, slot.expand(b, h, 1), 0.0)
+        self.length.add_(1)
+        self.seen.add_(1)
+        return self.keys, self.values
+
+    def step_mask(self, query: torch.Tensor, kind: str) -> torch.Tensor:
+        """Record the query [b, q_heads, 1, d] and return the mask [b, 1, 1, B + w] over the valid prefix."""
+        if self.cfg.policy.needs_queries:
+            slot = (self.queries_seen % self.cfg.window).view(1)
+            self.queries.index_copy_(2, slot, query.to(self.queries.dtype))
+            self.queries_seen.add_(1)
+        cap = self.keys.shape[2]
+        valid = torch.arange(cap, device=query.device)[None, :] < self.length[:, None]
+        valid = valid[:, None, None, :]
+        if kind == "additive":
+            return torch.zeros(valid.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~valid, torch.finfo(query.dtype).min)
+        return valid
+
+    def _query_window(self) -> torch.Tensor:
+        w = self.cfg.window
+        order = (self.queries_seen - w + torch.arange(w, device=self.queries.device)) % w
+        return self.queries.index_select(2, order)
+
+    def _evict(self) -> None:
+        """Rows at B + w keep B slots: B - w chosen by the policy among the first B, then the w most recent."""
+        cfg, policy = self.cfg, self.cfg.policy
+        B, w = cfg.budget, cfg.window
+        b, h, cap, d = self.keys.shape
+        device = self.keys.device
+        due = self.length >= cap  # [b]
+        extra = {name: state[:, :, :B].clone() for name, state in self.slot_state.items()}
+        extra.update(self.layer_state)
+        queries = self._query_window() if policy.needs_queries else None
+        noise = NoiseReplay(self.noise) if policy.stochastic else None
+        keep = policy.select(self.keys[:, :, :B], self.values[:, :, :B], queries, B - w, generator=noise,
+                             budget=B, **extra)
+        if cfg.sort_kept:
+            keep = keep.sort(-1).values
+        recent = torch.arange(B, cap, device=device).expand(b, h, w)
+        index = torch.cat([keep, recent, recent], dim=-1)  # the last w slots are free after the gather
+        index = torch.where(due[:, None, None], index, torch.arange(cap, device=device).expand(b, h, cap))
+        for name, state in self.slot_state.items():  # the policy's updates (H2O's accumulator), due rows only
+            state[:, :, :B].copy_(torch.where(due[:, None, None], extra[name], state[:, :, :B]))
+        for buf in (self.keys, self.values):
+            buf.copy_(buf.gather(2, index[..., None].expand(-1, -1, -1, buf.shape[-1])))
+        for buf in (self.positions, *self.slot_state.values()):
+            buf.copy_(buf.gather(2, index))
+        # freed slots: empty position, zero state
+        free = torch.arange(cap, device=device)[None, None, :] >= B
+        free = free & due[:, None, None]
+        self.positions.masked_fill_(free, -1)
+        for buf in self.slot_state.values():
+            buf.masked_fill_(free, 0.0)
+        self.length.copy_(torch.where(due, torch.full_like(self.length, B), self.length))
+
+    # -- host side: the schedule and the random draws, before a step --------------------------------
+    def due_rows(self) -> list[int]:
+        cap = self.cfg.budget + self.cfg.window
+        return [r for r, n in enumerate(self.host_length) if n >= cap]
+
+    def prepare(self, due: list[int]) -> None:
+        """Before an evicting step: draw fresh rows' per-layer state, then the policy's noise, per row generator."""
+        gens = self.cache.generators
+        policy = self.cfg.policy
+        fresh = [r for r in due if not self.state_ready[r]]
+        if fresh:
+            b, h, _, d = self.keys.shape
+            state = policy.init_layer_state(len(fresh), h, d, [gens[r] for r in fresh], self.device)
+            for name, value in state.items():
+                self.layer_state[name][fresh] = value
+            for r in fresh:
+                self.state_ready[r] = True
+        if policy.stochastic:
+            _fill(self.noise, self.cache.draws, due, gens)
+
+    def advance(self, due: list[int]) -> None:
+        """After a step: the host mirror of lengths and the counters."""
+        B = self.cfg.budget
+        h = self.keys.shape[1]
+        for r in due:
+            self.tokens_evicted += (self.host_length[r] - B) * h
+            self.row_evictions[r] += 1
+            self.row_peak[r] = max(self.row_peak[r], self.host_length[r])
+            self.host_length[r] = B
+        if due:
+            self.evictions += 1
+        self.host_length = [n + 1 for n in self.host_length]
+        self.host_seen += 1
+
+    # -- transformers' layer interface ------------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states) -> None:  # built initialised
+        return None
+
+    def get_seq_length(self) -> int:
+        return self.host_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class StaticEvictionCache(Cache):
+    """The fixed-shape form of an `EvictionCache` (see the module docstring): `from_eager(cache)`."""
+
+    def __init__(self, eager: EvictionCache, q_heads: int):
+        self.cfg = eager.cfg
+        self.policy = eager.policy
+        self.generators = eager.generators
+        self.q_heads = q_heads
+        self.evicting = False
+        self.draws: list[tuple[str, tuple[int, ...]]] = []
+        super().__init__(layers=[StaticLayer(self, l) for l in eager.layers])
+        if self.policy.stochastic:
+            self.draws = self._record_draws()
+            first = self.layers[0]
+            b = first.keys.shape[0]
+            for layer in self.layers:
+                layer.noise = [torch.zeros(b, *shape, device=first.device) for _, shape in self.draws]
+        self._alloc_layer_state()
+
+    @classmethod
+    def from_eager(cls, cache: EvictionCache, q_heads: int) -> StaticEvictionCache:
+        """Build from `cache` once `ready(cache)`; the eager cache is not used afterwards."""
+        if not ready(cache):
+            raise RuntimeError("convert only once every row is in the steady schedule (limit B + w)")
+        return cls(cache, q_heads)
+
+    def _alloc_layer_state(self) -> None:
+        """Fixed buffers for the policy's per-layer state (CurDKV's projection), filled row by row later."""
+        first = self.layers[0]
+        b, h, _, d = first.keys.shape
+        probe = self.policy.init_layer_state(1, h, d, [torch.Generator(device=first.device)], first.device)
+        for layer in self.layers:
+            for name, value in probe.items():
+                if name not in layer.layer_state:
+                    layer.layer_state[name] = value.new_zeros(b, *value.shape[1:])
+
+    def _record_draws(self) -> list[tuple[str, tuple[int, ...]]]:
+        """What the policy draws at one eviction of one row (shapes only depend on B, w and the head sizes)."""
+        first = self.layers[0]
+        B, w = self.cfg.budget, self.cfg.window
+        _, h, _, d = first.keys.shape
+        dev = first.device
+        keys = torch.randn(1, h, B, d, device=dev)
+        queries = torch.randn(1, self.q_heads, w, d, device=dev)
+        extra = {name: torch.zeros(1, h, B, device=dev) for name in self.policy.slot_state}
+        extra.update(self.policy.init_layer_state(1, h, d, [torch.Generator(device=dev)], dev))
+        rec = _Recorder()
+        self.policy.select(keys, keys.clone(), queries if self.policy.needs_queries else None, B - w,
+                           generator=rec, budget=B, **extra)
+        return rec.draws
+
+    # -- host side ------------------------------------------------------------------------------------------
+    def due_rows(self) -> list[int]:
+        return self.layers[0].due_rows()
+
+    def prepare(self, due: list[int]) -> None:
+        for layer in self.layers:  # layer order = the eager cache's draw order per row generator
+            layer.prepare(due)
+
+    def advance(self, due: list[int]) -> None:
+        for layer in self.layers:
+            layer.advance(due)
+
+    def kept_positions(self, layer: int = 0) -> list[list[list[int]]]:
+        """Per row and KV head: the sorted sequence indices stored in `layer` (for comparisons)."""
+        lay = self.layers[layer]
+        pos = lay.positions.cpu()
+        out = []
+        for r, n in enumerate(lay.host_length):
+            out.append([sorted(pos[r, k, :n].tolist()) for k in range(pos.shape[1])])
+        return out
+
+    def stats(self) -> dict:
+        first = self.layers[0]
+        b, h, cap, d = first.keys.shape
+        per_token = h * 2 * d * first.keys.element_size()
+        return {
+            "method": self.policy.name, "budget": self.cfg.budget, "window": self.cfg.window,
+            "evictions": first.evictions, "layer_evictions": sum(l.evictions for l in self.layers),
+            "tokens_evicted": first.tokens_evicted, "stored_length": max(first.host_length),
+            "seen_length": first.host_seen, "capacity": cap,
+            "kv_bytes": sum(sum(l.host_length) * per_token for l in self.layers),
+            "kv_bytes_capacity": sum(2 * l.keys.numel() * l.keys.element_size() for l in self.layers),
+            "kv_bytes_full": sum(b * l.host_seen * per_token for l in self.layers),
+        }
+
+    def row_stats(self) -> list[dict]:
+        rows = []
+        first = self.layers[0]
+        for r in range(len(first.host_length)):
+            now = peak = full = 0
+            for l in self.layers:
+                per_token = 2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
+                now += l.host_length[r] * per_token
+                peak += max(l.row_peak[r], l.host_length[r]) * per_token
+                full += (l.host_seen - l.row_pad0[r]) * per_token
+            rows.append({"evictions": first.row_evictions[r], "kv_bytes": now, "kv_bytes_peak": peak,
+                         "kv_bytes_full": full})
+        return rows
+
+    def batch_select_indices(self, indices) -> None:
+        raise RuntimeError("the compiled decode keeps every row in the batch (a finished row's tokens are ignored)")
+
+
+def ready(cache: EvictionCache) -> bool:
+    """Whether every row of every layer is in the steady schedule (limit B + w) and fits B + w slots."""
+    cap = cache.cfg.budget + cache.cfg.window
+    for layer in cache.layers:
+        if not layer.is_initialized or layer.pad is None:
+            return False
+        if any(lim != cap for lim in layer.limit) or max(layer.real_lengths()) > cap:
+            return False
+    return True
+
+
+# -- the attention function of the static step --------------------------------------------------------------
+def _make_static_attention(kernel: str):
+    kind = "additive" if kernel == "eager" else "bool"
+
+    def vase_static_attention(module, query, key, value, attention_mask, **kwargs):
+        cache = _ACTIVE[0]
+        mask = cache.layers[module.layer_idx].step_mask(query, kind)
+        return _stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
+
+    vase_static_attention.__name__ = f"{STATIC_PREFIX}{kernel}"
+    return vase_static_attention
+
+
+def register_static() -> None:
+    """Register `vase_static_sdpa` / `vase_static_eager` (idempotent). No mask function is registered:
+    transformers then hands the attention function no mask of its own, and the cache supplies it."""
+    for kernel in ("sdpa", "eager"):
+        if STATIC_PREFIX + kernel not in AttentionInterface._global_mapping:
+            AttentionInterface.register(STATIC_PREFIX + kernel, _make_static_attention(kernel))
+
+
+def static_kernel(model) -> str:
+    impl = model.config._attn_implementation or "eager"
+    if impl.startswith(STATIC_PREFIX):
+        return impl[len(STATIC_PREFIX):]
+    return base_kernel(model)
+
+
+def activate(model, cache: StaticEvictionCache | None) -> None:
+    """Point the model's attention at `cache`'s static layers (None: back to vase's eager kernel)."""
+    kernel = static_kernel(model)
+    if cache is None:
+        _ACTIVE[0] = None
+        if model.config._attn_implementation != "vase_" + kernel:
+            model.set_attn_implementation("vase_" + kernel)
+        return
+    if kernel not in KERNELS[:2]:
+        raise CompileUnsupportedError(f"compile=True needs attn_implementation 'sdpa' or 'eager', not {kernel!r}")
+    register_static()
+    _ACTIVE[0] = cache
+    if model.config._attn_implementation != STATIC_PREFIX + kernel:
+        model.set_attn_implementation(STATIC_PREFIX + kernel)

@@ -1,0 +1,176 @@
+"""The compiled decode step (`vase.static`, `vase.compiled`): same kept sets and logits as the eager
+cache through several evictions, no recompilation and no graph break at an eviction.
+
+Tiny float64 models on CPU; the compiled runs teacher-force the same tokens as the eager ones, so
+any difference is the step's. Tolerance: logits within 1e-9 (float64; inductor may reorder sums),
+kept sets (sequence positions stored per row and KV head) exactly equal.
+Every evicting method runs dynamo's full-graph capture with the `aot_eager` backend (fast); the
+inductor backend (the one users get) runs vase-attnv and h2o.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from vase.cache import EvictionCache
+from vase.compat import cache_kwargs
+from vase.compiled import CompiledSteps, teacher_forced
+from vase.policies import POLICIES
+from vase.static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable
+
+B, W, P, STEPS = 16, 4, 10, 30  # first eviction after 10 steps, then one every 4: 5 evictions per row
+EVICTING = [name for name, cls in POLICIES.items() if cls.evicts and not getattr(cls, "selects", False)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model().double()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(batch: int = 2, pad: int = 3):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 90, (batch, P), generator=gen)
+    mask = torch.ones(batch, P, dtype=torch.long)
+    if batch > 1:
+        mask[1, :pad] = 0  # row 1 is left-padded: it evicts on its own schedule
+    feed = torch.randint(0, 90, (batch, STEPS), generator=gen)
+    return ids, mask, feed
+
+
+class Counter:
+    """A torch.compile backend that counts the graphs dynamo hands it, then runs aot_eager."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+
+def run(model, method, compiled=None, batch=2, steps=STEPS, prompt=None, on_step=None):
+    """Prefill, then teacher-force `steps` tokens; returns (logits [steps, b, vocab], kept per layer, evictions)."""
+    ids, mask, feed = prompt or _inputs(batch)
+    feed = feed.repeat(1, -(-steps // feed.shape[1]))[:, :steps]
+    return teacher_forced(model, method, ids, mask, feed, B, W, steps=compiled, on_step=on_step)
+
+
+def _assert_same(model, method, backend, batch=2):
+    le, ke, ee = run(model, method, batch=batch)
+    lc, kc, ec = run(model, method, CompiledSteps(backend=backend), batch=batch)
+    assert ee == ec and ee >= 5, (ee, ec)
+    assert ke == kc, f"{method}: kept sets differ"
+    torch.testing.assert_close(lc, le, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", EVICTING)
+def test_compiled_step_keeps_what_eager_keeps_every_method(model, method):
+    _assert_same(model, method, "aot_eager")
+
+
+@pytest.mark.parametrize("method", ["vase-attnv", "h2o"])
+def test_inductor_step_keeps_what_eager_keeps(model, method):
+    _assert_same(model, method, "inductor")
+
+
+def test_batch_of_one_and_long_prompt(model):
+    """A prompt longer than B: the first eviction runs eagerly, then the static steps."""
+    gen = torch.Generator().manual_seed(1)
+    long = (torch.randint(0, 90, (1, B + 6), generator=gen), torch.ones(1, B + 6, dtype=torch.long),
+            torch.randint(0, 90, (1, 24), generator=gen))
+    le, ke, _ = run(model, "vase-attnv", prompt=long, steps=24)
+    lc, kc, _ = run(model, "vase-attnv", CompiledSteps(backend="aot_eager"), prompt=long, steps=24)
+    assert ke == kc
+    torch.testing.assert_close(lc, le, rtol=0, atol=1e-9)
+
+
+def test_no_recompilation_over_evictions(model):
+    """Warm-up compiles two graphs (plain and evicting step); 3 more evictions compile nothing."""
+    backend = Counter()
+    steps = CompiledSteps(backend=backend)
+    seen = {}
+
+    def on_step(t, stepper):
+        if stepper is not None:
+            seen[t] = (backend.graphs, stepper.cache.stats()["evictions"])
+
+    run(model, "vase-attnv", steps, batch=1, steps=STEPS, on_step=on_step)
+    # batch 1, P = 10: evictions before the feeds of steps 10, 14, 18, 22, 26
+    warm = seen[10]
+    assert warm[0] == 2, warm  # plain step (compiled at step 0) + evicting step (at the first eviction)
+    assert seen[STEPS - 1][1] - warm[1] >= 3  # at least three more evictions ...
+    assert seen[STEPS - 1][0] == 2  # ... and no new graph
+    # A second generation with a new cache of the same configuration reuses both graphs.
+    run(model, "vase-attnv", steps, batch=1, steps=12)
+    assert backend.graphs == 2
+
+
+def test_no_graph_break_at_an_eviction(model):
+    """dynamo's explain over the evicting step: one graph, no break."""
+    from vase.compiled import _evicting_step
+
+    ids, mask, feed = _inputs(1)
+    cache = EvictionCache(model, "vase-attnv", B, W, seed=[0])
+    with torch.inference_mode():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache), use_cache=True)
+        static = StaticEvictionCache.from_eager(cache, model.config.num_attention_heads)
+        static.layers[0].host_length = [B + W] * 1  # pretend full so the step evicts
+        for layer in static.layers:
+            layer.length.fill_(B + W)
+        activate(model, static)
+        try:
+            static.prepare([0])
+            static.evicting = True
+            explained = torch._dynamo.explain(_evicting_step)(model, static, feed[:, :1], pos[:, -1:] + 1)
+        finally:
+            static.evicting = False
+            activate(model, None)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_refusals_are_one_clear_line(model):
+    with pytest.raises(CompileUnsupportedError, match="kv_bits"):
+        check_compilable(EvictionCache(model, "vase-attnv", B, W, kv_bits=4), "sdpa")
+    with pytest.raises(CompileUnsupportedError, match="quest"):
+        check_compilable(EvictionCache(model, "quest", 32, W), "sdpa")
+    with pytest.raises(CompileUnsupportedError, match="flash_attention_2"):
+        check_compilable(EvictionCache(model, "vase-attnv", B, W), "flash_attention_2")
+
+
+@pytest.mark.parametrize("method", ["vase-attnv", "full"])
+def test_generate_compile_gives_the_eager_tokens(model, method):
+    """vase.generate(compile=...) end to end: padded batch, greedy, same tokens and evictions as eager."""
+    from tests.conftest import tiny_tokenizer
+    from vase.generation import generate
+
+    tok = tiny_tokenizer()
+    kw = dict(method=method, budget=B, window=W, max_new_tokens=36, greedy=True, ignore_eos=True, chat_template=False)
+    eager = generate(model, tok, ["hello there, general", "hi"], **kw)
+    compiled = generate(model, tok, ["hello there, general", "hi"], compile="aot_eager", **kw)
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats["evictions"] == eager.stats["evictions"]
+    if method != "full":
+        assert eager.stats["evictions"] >= 5
+    assert model.config._attn_implementation.startswith("vase_") or method == "full"
+
+
+def test_generate_compile_refuses_kv_bits_in_one_line(model):
+    from tests.conftest import tiny_tokenizer
+    from vase.generation import generate
+
+    with pytest.raises(CompileUnsupportedError, match="kv_bits"):
+        generate(model, tiny_tokenizer(), ["hi"], budget=B, window=W, max_new_tokens=4, compile=True, kv_bits=4)
