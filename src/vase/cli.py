@@ -428,6 +428,9 @@ def bench(
                                                            "holds this many requests at full length.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="--engine vllm: KV block size (vLLM's default: 128 on "
                                                      "CPU, 16 on GPU).")] = None,
+    compile_: Annotated[bool, typer.Option("--compile", help="Also run each configuration with its decode step "
+                                           "torch.compile'd (full: transformers' StaticCache; the first run of each "
+                                           "compiles, untimed).")] = False,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
     from .bench.report import write_report
@@ -459,7 +462,8 @@ def bench(
         mdl, _ = load(model, dtype, device, attn)
     rows = run_bench(mdl, method_list, split_list(budgets, int), split_list(lengths, int),
                      split_list(batch_sizes, int), prompt_length=prompt_length, window=window, warmup=warmup,
-                     repeats=repeats, include_dynamic=not no_dynamic, **params)
+                     repeats=repeats, include_dynamic=not no_dynamic, compile="both" if compile_ else False,
+                     **params)
     paths = write_report(rows, out, console=console)
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
 

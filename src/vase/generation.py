@@ -170,14 +170,17 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
              budget: int = 512, window: int = 64, max_new_tokens: int = 2048, temperature: float = 0.6,
              top_p: float = 0.95, top_k: int | None = None, greedy: bool = False,
              seed: int | Sequence[int] = 0, chat_template: bool = True, ignore_eos: bool = False,
-             sort_kept: bool = False, stream: Callable[[int, str], None] | None = None,
+             sort_kept: bool = False, stream: Callable[[int, str], None] | None = None, compile: bool | str = False,
              **method_params) -> GenerationOutput:
     """Generate from `prompts` with a bounded KV cache evicted by `method`.
 
     Sampling defaults are the paper's (temperature 0.6, top-p 0.95); `greedy=True` takes the
     argmax. Row r uses seed `seed + r` (or `seed[r]`) for both eviction and sampling, so a
     row's output does not depend on its batch. `stream(row, text)` receives decoded text
-    pieces as they are generated. Extra keyword arguments are the method's parameters.
+    pieces as they are generated. `compile=True` (or a `torch.compile` backend name; True is
+    inductor) runs the decode steps compiled over fixed-shape buffers (`vase.compiled`; `full` then
+    uses transformers' StaticCache); the first call of a configuration compiles for a while.
+    Extra keyword arguments are the method's parameters.
     """
     prompt_list = check_prompts(prompts)  # types and ranges at the door, one line naming the argument
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
@@ -191,6 +194,16 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
     cache = EvictionCache(model, method, budget, window, seed=seeds, sort_kept=sort_kept,
                           max_length=input_ids.shape[1] + max_new_tokens, **method_params)
     sampler = Sampler(greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k)
+    run_decode = decode
+    if compile:
+        from functools import partial
+
+        from .compiled import compile_cache, compiled_steps, config_key, decode_compiled
+
+        cache = compile_cache(model, cache, input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
+        backend = compile if isinstance(compile, str) else "inductor"
+        run_decode = partial(decode_compiled, steps=compiled_steps(config_key(model, cache, len(prompt_list)),
+                                                                   backend=backend))
 
     on_token = None
     if stream is not None:
@@ -207,7 +220,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
 
     start = time.perf_counter()
     rows: list[dict] = [{} for _ in prompt_list]
-    ids, finished, prefill_seconds = decode(
+    ids, finished, prefill_seconds = run_decode(
         model, input_ids, attention_mask, cache, max_new_tokens=max_new_tokens, sampler=sampler, seeds=seeds,
         eos_token_ids=eos_ids(model, tokenizer), ignore_eos=ignore_eos, on_token=on_token, row_stats=rows)
     seconds = time.perf_counter() - start
@@ -218,8 +231,20 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
         finished=finished,
         seconds=seconds,
         prefill_seconds=prefill_seconds,
-        stats={**cache.stats(), "rows": rows},
+        stats={**_final_stats(cache, compile), "rows": rows},
     )
+
+
+def _final_stats(cache, compiled: bool) -> dict:
+    """cache.stats() at the end (of the static form when the compiled decode converted it)."""
+    if compiled:
+        from .compiled import decode_compiled
+
+        if decode_compiled.last_cache is not None:
+            return decode_compiled.last_cache.stats()
+        if not isinstance(cache, EvictionCache):
+            return {"method": "full", "evictions": 0}
+    return cache.stats()
 
 
 def eos_ids(model, tokenizer) -> list[int]:
