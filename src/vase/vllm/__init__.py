@@ -1,4 +1,4 @@
-"""vase inside vLLM 0.32 (CPU build): config (`additional_config`), per-request stats (`request_stats`), and the plugin (scheduler, worker, query capture, paged eviction) are ready; the GPU worker is not.
+"""vase inside vLLM 0.32: config (`additional_config`), per-request stats (`request_stats`), and the plugin (scheduler, CPU worker, query capture, paged eviction); the GPU worker is built and unit-tested on CPU, not yet run on a GPU (docs/vllm-gpu.md).
 
 Importing this package does not import vLLM; vLLM loads `vase.vllm.plugin:register` through
 its `vllm.general_plugins` entry point, and nothing changes unless `additional_config` has a
