@@ -25,6 +25,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from .. import schedule
 from .capture import CapturePlan, QueryRing
 from .config import VaseConfigError, VaseVllmConfig
+from .offsets import capture_rows, token_offsets
 from .paged import Layout, RequestPolicyState, evict_paged
 from .refusals import check_attention_layer, check_kv_tensor, v2_runner_reason
 from .steps import VaseStepError, plan_step
@@ -196,7 +197,7 @@ class VaseCPUModelRunner(CPUModelRunner):
         starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
         table = batch.block_table[0]
         offsets = np.zeros(num_reqs, dtype=np.int64)  # logical - physical, per request
-        src, slot, pos = [], [], []
+        ring_slots = np.zeros(num_reqs, dtype=np.int64)
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             c, n = int(computed[i]), int(scheduled[i])
             req = self._vase_request(req_id, i, c)
@@ -210,19 +211,17 @@ class VaseCPUModelRunner(CPUModelRunner):
                                     f"and the worker disagree on its schedule")
             if plan.evict_from:
                 self._vase_evict(req_id, req, i, plan.evict_from, plan.evict_to, seen=c)
-            offsets[i] = plan.offset
-            take = min(n, w)  # the last w queries of this step join the request's window
-            src.append(starts[i] + n - take + np.arange(take))
-            slot.append(np.full(take, req.slot))
-            pos.append((c + n - take + np.arange(take)) % w)
-        as_long = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)
+            offsets[i], ring_slots[i] = plan.offset, req.slot
+        # the last w queries of this step join each request's window (shared with the GPU worker: vase.vllm.offsets)
+        src, slot, pos = capture_rows(starts, computed, scheduled[:num_reqs], ring_slots, w)
+        as_long = lambda a: torch.from_numpy(a).to(self.device)
         self.vase_ring.plan = CapturePlan(src=as_long(src), slot=as_long(slot), pos=as_long(pos))
         if offsets.any():
             off = torch.from_numpy(offsets).to(self.device)
             self.seq_lens[:num_reqs] -= off.to(self.seq_lens.dtype)
             self.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(offsets).to(self.optimistic_seq_lens_cpu.dtype)
             total = int(scheduled.sum())
-            per_token = torch.from_numpy(np.repeat(offsets, scheduled[:num_reqs])).to(self.device)
+            per_token = torch.from_numpy(token_offsets(offsets, scheduled[:num_reqs])).to(self.device)
             physical = self.positions[:total] - per_token.to(self.positions.dtype)
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
