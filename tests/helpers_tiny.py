@@ -1,7 +1,9 @@
 """A tiny random Qwen3 model and a character-level tokenizer with a chat template, for eval tests.
 
 Importable from subprocesses (``from tests.helpers_tiny import tiny_model_and_tokenizer``), which
-build bit-identical weights from the same seed.
+build bit-identical weights from the same seed. Tests that compare tokens across batch compositions
+or processes pass ``dtype=torch.float64``, so that another CPU's float32 rounding cannot flip a token
+(see tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def tiny_model(vocab_size: int, seed: int = 0) -> Qwen3ForCausalLM:
+def tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    """Weights drawn in float32 from `seed`, then cast to `dtype` (float64 holds the same weights exactly)."""
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                       eos_token_id=1, pad_token_id=0, attn_implementation="sdpa")
-    return Qwen3ForCausalLM(cfg).eval()
+    return Qwen3ForCausalLM(cfg).to(dtype).eval()
 
 
-def tiny_model_and_tokenizer(seed: int = 0):
+def tiny_model_and_tokenizer(seed: int = 0, dtype: torch.dtype = torch.float32):
     tok = tiny_tokenizer()
-    return tiny_model(len(tok), seed), tok
+    return tiny_model(len(tok), seed, dtype), tok

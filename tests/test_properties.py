@@ -167,10 +167,10 @@ def test_store_keeps_each_record_exactly_once(tmp_path_factory, ops):
                 finished.add(key)
         elif op[0] == "kill":
             line = (json.dumps(_record(op[1]), ensure_ascii=False) + "\n").encode()
-            store._f.write(line[: min(op[2], len(line) - 1)])  # the write never finished: no newline
-            store._f.flush()
-            store._f.close()  # the process dies: the lock goes with it, no clean close
-            store._f = None
+            with open(path, "ab") as f:  # the write never finished: no newline
+                f.write(line[: min(op[2], len(line) - 1)])
+            os.close(store._fd)  # the process dies: the lock goes with its descriptor, no clean close
+            store._fd = None
             store = None
     if store is not None:
         store.close()
