@@ -1,7 +1,9 @@
 """The evaluation runner: resume after a kill, torn lines, multi-process merge, fidelity, config.
 
 Everything runs on a tiny random Qwen3 (tests/helpers_tiny.py) with budget 24 and window 8, so
-eviction really happens within the 24 new tokens (prompts are ~170 characters = tokens).
+eviction really happens within the 24 new tokens (prompts are ~170 characters = tokens). The model is
+float64: a resumed unit decodes its samples in another batch than the clean run did, and another CPU's
+float32 kernels round a batch of 1 and a batch of 2 differently (a flipped token, not a lost record).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import vase
 from tests.helpers_tiny import tiny_model_and_tokenizer
@@ -49,7 +52,7 @@ N_SAMPLES = N_UNITS * 2
 
 @pytest.fixture(scope="module")
 def tiny():
-    return tiny_model_and_tokenizer()
+    return tiny_model_and_tokenizer(dtype=torch.float64)
 
 
 class Counting:
@@ -106,7 +109,7 @@ SCRIPT = textwrap.dedent("""
             count[0] += 1
             return real_append(self, record)
         store_mod.JsonlStore.append = append
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model_and_tokenizer(dtype=torch.float64)  # as the `tiny` fixture
     print(run_eval(EvalConfig(**args), model, tok, progress=False))
 """)
 
@@ -207,7 +210,7 @@ def test_row_cache_stats_match_the_cache(tiny):
         assert {k: est[k] for k in ("kv_bytes", "kv_bytes_full", "evictions")} == \
             {k: out.stats[k] for k in ("kv_bytes", "kv_bytes_full", "evictions")}, (prompt, method, n)
     # Rows that stop on EOS: every generated token was fed.
-    model2, _ = tiny_model_and_tokenizer()
+    model2, _ = tiny_model_and_tokenizer(dtype=torch.float64)
     model2.generation_config.eos_token_id = list(range(1, 80))
     out = vase.generate(model2, tok, ["x" * 30], method="snapkv", budget=24, window=8, max_new_tokens=50, seed=1)
     assert out.finished[0]
