@@ -26,6 +26,7 @@ from .. import schedule
 from .capture import CapturePlan, QueryRing
 from .config import VaseConfigError, VaseVllmConfig
 from .offsets import capture_rows, token_offsets
+from .heads import RankHeads, rank_policy
 from .paged import Layout, RequestPolicyState, evict_paged
 from .refusals import check_attention_layer, check_kv_tensor, v2_runner_reason
 from .steps import VaseStepError, plan_step
@@ -91,7 +92,12 @@ class VaseCPUModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
-        self.vase_policy = self.vase_config.policy
+        # Under tensor parallelism each rank selects over all global KV heads, so its kept set is TP = 1's.
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        heads = RankHeads.of_rank(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                                  vllm_config.model_config.get_total_num_kv_heads())
+        self.vase_policy = rank_policy(self.vase_config.policy, heads)
         self.vase_requests: dict[str, _Request] = {}
         self.vase_ring: QueryRing | None = None
         self.vase_layers: list[str] = []
