@@ -27,6 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--random-init", default=None, help="a vase.bench.shapes name instead of --model")
+    p.add_argument("--num-layers", type=int, default=None, help="with --random-init: fewer layers (a loaded machine)")
+    p.add_argument("--methods", default="vase-attnv", help="comma-separated evicting methods")
+    p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--budget", type=int, default=512)
@@ -66,7 +69,8 @@ def main(argv=None) -> int:
     if args.random_init:
         from vase.bench.shapes import build_random_model
 
-        model = build_random_model(args.random_init, dtype=torch.float32, device="cpu", attn_implementation="sdpa")
+        model = build_random_model(args.random_init, dtype=torch.float32, device="cpu", attn_implementation="sdpa",
+                                   num_layers=args.num_layers)
     else:
         from vase.models import load_model
 
@@ -84,11 +88,14 @@ def main(argv=None) -> int:
               f"{' compiled' if row.get('compiled') else ''}: {row['tok_s']:.2f} tok/s ({row['seg_tok_s']})",
               flush=True)
 
-    rows = run_bench(model, ["vase-attnv"], [args.budget], args.lengths, args.batch_sizes, prompt_length=args.prompt,
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    rows = run_bench(model, methods, [args.budget], args.lengths, args.batch_sizes, prompt_length=args.prompt,
                      window=args.window, warmup=1, repeats=args.repeats, include_dynamic=False, segments=4,
-                     warmup_tokens=warm, compile="both", progress=progress)
+                     warmup_tokens=warm, compile=False if args.no_compile else "both", progress=progress)
     write_csv(rows, out / "compile_bench.csv")
-    md = (f"Eager vs compiled decode, {getattr(model.config, 'name_or_path', '') or args.random_init}, "
+    name = (f"{args.random_init} (random weights{f', {args.num_layers} layers' if args.num_layers else ''})"
+            if args.random_init else getattr(model.config, "name_or_path", ""))
+    md = (f"Eager vs compiled decode, {name}, "
           f"{torch.get_num_threads()} thread(s), prompt {args.prompt}, B = {args.budget}, w = {args.window}, "
           f"median of {args.repeats}; total {time.perf_counter() - start:.0f} s\n\n" + table(rows))
     (out / "compile_bench.md").write_text(md)

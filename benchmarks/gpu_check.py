@@ -69,12 +69,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--all-methods", action="store_true", help="part (a): compile every evicting method")
     p.add_argument("--skip-speed", action="store_true", help="skip part (b)")
     p.add_argument("--deadline-s", type=float, default=450.0)
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the speed runs and of "
+                   "vase-attnv's check (the other methods' checks use aot_eager)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled runs (e.g. "
+                   "reduce-overhead: CUDA graphs); default: inductor's default")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.toy:
         args.device = args.device or "cpu"
         args.shape, args.batch, args.prompt = "tiny", 2, 16
         args.new_tokens, args.eager_tokens, args.budget, args.window = 48, 24, 24, 8
+        args.backend = "aot_eager"  # seconds instead of minutes of compiling; tests/test_compile.py runs inductor
+        args.check_methods = ("vase-attnv", "h2o")
+    else:
+        args.check_methods = COMPILED_CHECK
     return args
 
 
@@ -89,7 +97,7 @@ def _tiny(device: str):
     return Qwen3ForCausalLM(cfg).float().eval().to(device)
 
 
-def check(device: str, log, all_methods: bool = False) -> list[dict]:
+def check(device: str, log, methods_compiled: tuple[str, ...] | None = None, backend: str = "inductor") -> list[dict]:
     """Part (a): one dict per evicting method."""
     from vase.compiled import CompiledSteps, teacher_forced
     from vase.policies import POLICIES
@@ -108,13 +116,13 @@ def check(device: str, log, all_methods: bool = False) -> list[dict]:
         stochastic = POLICIES[method]().stochastic
         on_dev = [t.to(device) for t in (ids, mask, feed)]
         le, ke, ee = teacher_forced(dev_model, method, *on_dev, B, w)
-        backend = "inductor" if method == "vase-attnv" else "aot_eager"
+        method_backend = backend if method == "vase-attnv" else "aot_eager"
         row = {"method": method, "backend": None, "evictions": ee, "compiled_same_kept": None,
                "compiled_max_logit_diff": None}
-        if all_methods or method in COMPILED_CHECK:
+        if methods_compiled is None or method in methods_compiled:
             torch._dynamo.reset()
-            lc, kc, ec = teacher_forced(dev_model, method, *on_dev, B, w, steps=CompiledSteps(backend=backend))
-            row.update(backend=backend, compiled_same_kept=ke == kc and ee == ec,
+            lc, kc, ec = teacher_forced(dev_model, method, *on_dev, B, w, steps=CompiledSteps(backend=method_backend))
+            row.update(backend=method_backend, compiled_same_kept=ke == kc and ee == ec,
                        compiled_max_logit_diff=float((le - lc).abs().max()))
         if stochastic:
             row["cpu_same_kept"] = None  # device RNG streams differ
@@ -142,7 +150,7 @@ def speed_run(model, kind: str, args, new_tokens: int, device: torch.device, cac
     from vase.attention import uninstall
     from vase.bench.runner import BENCH_SAMPLER
     from vase.cache import EvictionCache
-    from vase.compiled import compile_cache, decode_compiled
+    from vase.compiled import compile_cache, compiled_steps, config_key, decode_compiled
     from vase.generation import decode
 
     vocab = model.config.vocab_size
@@ -160,7 +168,11 @@ def speed_run(model, kind: str, args, new_tokens: int, device: torch.device, cac
                               max_length=total)
         run = decode
         if kind.endswith("compiled"):
-            cache, run = compile_cache(model, cache, args.batch, total), decode_compiled
+            cache = compile_cache(model, cache, args.batch, total)
+            steps = compiled_steps(config_key(model, cache, args.batch), mode=args.compile_mode, backend=args.backend)
+
+            def run(*a, **kw):
+                return decode_compiled(*a, steps=steps, **kw)
     stamps: list[float] = []
     calls = [0]
 
@@ -273,7 +285,7 @@ def main(argv=None) -> int:
 
     log(json.dumps({k: report[k] for k in ("device", "gpu", "torch", "transformers")}))
     if not args.skip_check:
-        report["check"] = check(str(device), log, args.all_methods)
+        report["check"] = check(str(device), log, None if args.all_methods else args.check_methods, args.backend)
         write(report, out)
     if not args.skip_speed:
         speed(args, device, log, start, out, report)

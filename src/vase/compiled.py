@@ -60,6 +60,7 @@ class CompiledSteps:
 
     def __init__(self, mode: str | None = None, backend: str | Callable = "inductor", tag: str = "0"):
         opts = dict(fullgraph=True, dynamic=False, backend=backend)
+        self.mode = mode
         if mode is not None:
             opts["mode"] = mode
         self.plain = torch.compile(_fresh(_plain_step, tag), **opts)
@@ -181,7 +182,8 @@ def decode_compiled(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
             elif stepper is not None:
                 logits = stepper(feed, next_pos)
             elif ready(cache):
-                static = StaticEvictionCache.from_eager(cache, model.config.get_text_config().num_attention_heads)
+                static = StaticEvictionCache.from_eager(cache, model.config.get_text_config().num_attention_heads,
+                                                        static_addresses=steps.mode == "reduce-overhead")
                 activate(model, static)
                 stepper = StaticStepper(model, static, steps)
                 decode_compiled.last_cache = static

@@ -283,11 +283,20 @@ class StaticEvictionCache(Cache):
         self._alloc_layer_state()
 
     @classmethod
-    def from_eager(cls, cache: EvictionCache, q_heads: int) -> StaticEvictionCache:
-        """Build from `cache` once `ready(cache)`; the eager cache is not used afterwards."""
+    def from_eager(cls, cache: EvictionCache, q_heads: int, static_addresses: bool = False) -> StaticEvictionCache:
+        """Build from `cache` once `ready(cache)`; the eager cache is not used afterwards.
+
+        static_addresses: mark every buffer with `torch._dynamo.mark_static_address` (CUDA graphs,
+        `mode="reduce-overhead"`, need it; without it a new cache of the same shapes reuses the graphs)."""
         if not ready(cache):
             raise RuntimeError("convert only once every row is in the steady schedule (limit B + w)")
-        return cls(cache, q_heads)
+        static = cls(cache, q_heads)
+        if static_addresses:
+            for layer in static.layers:
+                for t in (layer.keys, layer.values, layer.positions, layer.length, layer.seen, layer.queries,
+                          layer.queries_seen, *layer.slot_state.values(), *layer.layer_state.values(), *layer.noise):
+                    torch._dynamo.mark_static_address(t)
+        return static
 
     def _alloc_layer_state(self) -> None:
         """Fixed buffers for the policy's per-layer state (CurDKV's projection), filled row by row later."""
