@@ -1,15 +1,18 @@
 """Worker side of the plugin: query capture, paged eviction, physical slot mapping and sequence lengths.
 
 `VaseCPUWorker` (set through `worker_cls`) runs `VaseCPUModelRunner`, vLLM's CPU model runner
-with three additions, all driven by `vase.schedule` from each request's (re)prefill length P
-and its logical length (nothing is fed back to the scheduler):
+with three additions, all driven by `vase.vllm.steps.plan_step` from each request's prompt
+length P0, the length of its last (re)prefill and its logical length (nothing is fed back to
+the scheduler):
 
-1. after vLLM prepares a step's inputs: a decoding request at an eviction step is evicted in
-   every layer (`vase.vllm.paged.evict_paged`, the same `policy.select` as the transformers
-   path), before the forward writes the new token;
+1. after vLLM prepares a step's inputs: a decoding request at an eviction step (or at its first
+   step after a recomputing prefill, when it had evicted before) is evicted in every layer
+   (`vase.vllm.paged.evict_paged`, the same `policy.select` as the transformers path), before
+   the forward writes the new token; a step that would not fit the request's blocks stops with
+   one line (`VaseStepError`);
 2. RoPE positions stay logical; the slot mapping and sequence lengths use the physical length
    (logical minus the tokens evicted so far);
-3. each attention layer records the last w post-RoPE queries of each request (`capture`).
+3. each attention layer records the last w post-RoPE queries of each request.
 """
 
 from __future__ import annotations
