@@ -69,6 +69,16 @@ def world(tmp_path_factory) -> dict[str, Any]:
     for name, text in configs.items():
         (root / name).write_text(text)
     (root / "latin1.yaml").write_bytes(b"limit: 3\n# caf\xe9\n")
+    more = {
+        "budget-float.yaml": "budgets: [32.5]\n", "samples-bool.yaml": "samples: true\nbudgets: [128]\n",
+        "window-float.yaml": "window: 8.9\nbudgets: [128]\n", "snapkv.yaml": "methods: [snapkv]\nbudgets: [128]\n",
+        "n-large.yaml": "methods: [snapkv]\nbudgets: [128]\nmethod_params:\n  snapkv: {n_large: 1000}\n",
+        "null-question.jsonl": '{"question": "1+1", "answer": "2"}\n{"question": null, "answer": "1"}\n',
+        "good.jsonl": '{"question": "1+1", "answer": "2"}\n', "bad-config.json": '{"model_type": "no-such-arch"}',
+    }
+    for name, text in more.items():
+        (root / name).write_text(text)
+    (root / "long.txt").write_text(" ".join(["word"] * 3000) + "\n")
     return w
 
 
@@ -99,7 +109,7 @@ class Case:
     """One bad input: a CLI argument list (``{name}`` filled from the world and ``tmp``), or an API call."""
 
     id: str
-    expect: str  # a regex the one message line must match (the value and/or the fix)
+    expect: str | None  # None: no error (a warning-only case); else a regex the one message line must match (the value and/or the fix)
     argv: list[str] | None = None
     api: Callable[..., Any] | None = None  # api(ctx) -> anything; must raise `error`
     error: type[BaseException] | tuple = ()
@@ -107,6 +117,7 @@ class Case:
     setup: Callable[[dict], None] | None = None  # prepares files under ctx["tmp"] (and may monkeypatch)
     check: Callable[[dict], None] | None = None  # afterwards: nothing lost
     stdin: bytes | None = None
+    warn: str | None = None  # a regex for the one "vase: warning: ..." line (CLI) or the UserWarning (API)
 
 
 def cli(id, expect, *argv, code=1, **kw) -> Case:
@@ -374,6 +385,48 @@ def _setup_emptied(ctx):
     ctx["monkeypatch"].setattr(generation, "generate", emptying)
 
 
+def _setup_foreign_records(ctx):
+    run = ctx["tmp"] / "run"
+    run.mkdir()
+    ident = {"methods": {"full": {}, "snapkv": {}}, "budgets": [24], "n_problems": 1, "samples": 1}
+    (run / "config.json").write_text(json.dumps({"identity": ident}))
+    other = json.loads(GOOD)
+    lines = [GOOD, json.dumps({**other, "method": "h2o", "budget": 24}), json.dumps({**other, "sample": 6}),
+             json.dumps({**other, "problem_index": 6, "problem_id": "p6"})]
+    (run / "samples.rank0.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def _check_foreign_dropped(ctx):
+    text = (ctx["tmp"] / "run" / "summary.csv").read_text()
+    assert text.count("\nfull,") == 1 and "h2o" not in text
+
+
+def _setup_bad_length(ctx):
+    _samples(ctx, [json.dumps({**json.loads(GOOD), "length": "long"})])
+    (ctx["tmp"] / "run" / "summary.csv").write_text("an old summary\n")
+
+
+def _changed_param(ctx):
+    from vase.eval.runner import write_run_config
+
+    method = {"method": "snapkv", "params": {"sinks": 4, "window_attention": "mean", "kernel": 7, "x": "y" * 200}}
+    old = {"limit": 2, "methods": {"full": {"method": "full", "params": {}}, "snapkv": method}}
+    new = json.loads(json.dumps(old))
+    new["methods"]["snapkv"]["params"]["sinks"] = 2
+    (ctx["tmp"] / "config.json").write_text(json.dumps({"identity": old}))
+    write_run_config(ctx["tmp"], {"identity": new})
+
+
+def _dangling(ctx, name: str = "out"):
+    (ctx["tmp"] / name).symlink_to(ctx["tmp"] / "nowhere")
+
+
+def _check_context(ctx, prompt: int, cap: int):
+    from vase.generation import check_context
+
+    assert check_context(ctx["tiny"][0], [prompt], cap) is None  # grows as needed: nothing preallocated
+
+
 def _crop(ctx):
     c = cache(ctx)
     gen_cache_fill(ctx, c)
@@ -454,7 +507,7 @@ CASES: list[Case] = [
     cli("prompt-and-file", r"give a PROMPT or --file, not both", *G, "--file", "{root}/empty.txt"),
     cli("prompt-file-missing", r"no such prompt file: /nonexistent/prompts.txt", "generate", "--file",
         "/nonexistent/prompts.txt"),
-    cli("prompt-file-dir", r"no such prompt file: .*no-config", "generate", "--file", "{root}/no-config"),
+    cli("prompt-file-dir", r"--file .*no-config is a folder, not a prompt file", "generate", "--file", "{root}/no-config"),
     cli("prompt-file-empty", r"no prompts found \(one prompt per line\)", "generate", "--file", "{root}/empty.txt"),
     cli("prompt-file-latin1", r"latin1.txt: line 2 is not UTF-8 text .*save the file as UTF-8", "generate", "--file",
         "{root}/latin1.txt"),
@@ -505,7 +558,7 @@ CASES: list[Case] = [
         "--question-field", "q", "--answer-field", "a", "--budgets", "128"),
     cli("eval-device-cuda", r"device 'cuda' was asked for but CUDA is not available", *E, "--budgets", "128",
         "--device", "cuda"),
-    cli("eval-output-dir-file", r"Not a directory: .*notes.txt", "eval", "--output-dir", "{root}/notes.txt",
+    cli("eval-output-dir-file", r"--output-dir .*notes.txt is a file, not a folder", "eval", "--output-dir", "{root}/notes.txt",
         "--budgets", "128"),
     cli("eval-fidelity-vllm", r"fidelity \(teacher forcing\) runs on the transformers engine only", *E, "--budgets",
         "128", "--fidelity", "--engine", "vllm"),
@@ -554,6 +607,87 @@ CASES: list[Case] = [
         "{tmp}/run", setup=lambda ctx: _samples(ctx, [GOOD, "{oops", GOOD])),
     cli("summarize-not-object", r"line 1 is not a valid record \(not a JSON object\)", "summarize", "{tmp}/run",
         setup=lambda ctx: _samples(ctx, ["[1, 2]", GOOD])),
+    # -- silent before (issue 16): each now one line, or one warning when the value is legal but ignored ------------
+    cli("eval-param-config-methods", r"method 'snapkv': bad parameters .*sample must be true or false", *E, "-c",
+        "{root}/snapkv.yaml", "-p", "sample=maybe", "--model", "/nonexistent/model"),
+    cli("eval-param-default-method", r"vase-attnv: n_large \(1000\) is larger than the budget \(128\)", *E,
+        "--budgets", "128", "-p", "n_large=1000", "--model", "/nonexistent/model"),
+    cli("eval-param-no-method-takes", r"--param rank: no method of this run takes it \(snapkv\)", *E, "--methods",
+        "snapkv", "--budgets", "128", "-p", "rank=3"),
+    cli("eval-param-some-methods", r"no such file or directory: /nonexistent/model", *E, "--methods",
+        "snapkv,vase-dkv", "--budgets", "128", "-p", "rank=3", "--model", "/nonexistent/model",
+        warn=r"--param rank applies to vase-dkv only \(snapkv take no 'rank'\)"),
+    cli("eval-budgets-empty", r"--budgets is empty \(''\): give a comma-separated list", *E, "--budgets", ""),
+    cli("eval-methods-empty", r"--methods is empty \(''\)", *E, "--methods", ""),
+    cli("bench-methods-empty", r"--methods is empty", "bench", "--methods", " , "),
+    cli("config-budget-float", r"budgets must be a whole number, got 32.5", *E, "-c", "{root}/budget-float.yaml"),
+    cli("config-samples-bool", r"samples must be an integer, got True", *E, "-c", "{root}/samples-bool.yaml"),
+    cli("config-window-float", r"window must be a whole number, got 8.9", *E, "-c", "{root}/window-float.yaml"),
+    cli("config-n-large-budget", r"snapkv: n_large \(1000\) is larger than the budget \(128\)", *E, "-c",
+        "{root}/n-large.yaml"),
+    cli("summarize-foreign-records", None, "summarize", "{tmp}/run", code=0, setup=_setup_foreign_records,
+        check=_check_foreign_dropped, warn=r"left out 3 samples record\(s\) that are not part of this run"),
+    cli("task-file-null-question", r"null-question.jsonl: row 2: question field 'question' is null", *E,
+        "--task-file", "{root}/null-question.jsonl", "--budgets", "128"),
+    cli("eval-task-and-task-file", r"give --task or --task-file, not both", *E, "--task", "gsm8k", "--task-file",
+        "{root}/good.jsonl"),
+    cli("generate-n-large-budget", r"n_large \(1000\) is larger than the budget \(100\)", *G, "--budget", "100",
+        "-p", "n_large=1000"),
+    cli("generate-quant-guard-budget", r"quant_guard \(1000\) is larger than the budget \(100\)", *G, "--budget",
+        "100", "--kv-bits", "4", "--quant-guard", "1000"),
+    cli("generate-greedy-temperature", r"no such file or directory: /nonexistent/model", *G, "--greedy",
+        "--temperature", "0.3", "--top-k", "5", "-m", "/nonexistent/model",
+        warn=r"--temperature/--top-k is ignored with --greedy"),
+    cli("bench-requests-transformers", r"no such file or directory: /nonexistent/model", "bench", "--requests", "4",
+        "--regimes", "tight", "-m", "/nonexistent/model",
+        warn=r"--requests, --regimes are ignored on the transformers engine"),
+    cli("generate-full-param", r"no such file or directory: /nonexistent/model", *G, "--method", "full", "-p",
+        "n_large=5", "-m", "/nonexistent/model", warn=r"--param n_large is ignored by 'full': it keeps every token"),
+    cli("report-inspect-missing", r"holds no samples.rank\*.jsonl records", "report", "{root}/no-config",
+        "--inspect", "/nonexistent/insp", warn=r"--inspect /nonexistent/insp: no such folder; ignored"),
+    cli("threads-zero", r"--threads must be >= 1, got 0", "--threads", "0", "methods"),
+    cli("threads-negative", r"--threads must be >= 1, got -2", "--threads", "-2", "methods"),
+    cli("prompt-past-context", r"prompt 0 is \d+ tokens, longer than the model's context \(2048 tokens", "generate",
+        "--file", "{root}/long.txt", "--model", "{plain}", "--budget", "24", "--window", "8", "--no-chat"),
+    api("prompt-and-cap-past-context", None, lambda c: _check_context(c, 100, 2000), (),
+        warn=r"prompt \(100 tokens\) \+ max_new_tokens \(2000\) passes the model's context \(2048 tokens\)"),
+    cli("sweep-compression-huge", r"--compressions 1000: every run is too short for it", "analyze", "sweep",
+        "--compressions", "1000", "--tasks", "arith", "--limit", "1", "--methods", "snapkv", "--window", "8",
+        "--max-new-tokens", "12", "--model", "{chat}", "--out", "{tmp}/sweep",
+        setup=lambda c: c["monkeypatch"].setattr("vase.cli.err_console.print", lambda *a, **k: None)),  # progress
+    # -- unclear before (issue 16): one line naming the file, flag or value and the fix ----------------------------
+    cli("summarize-length-str", r"samples.rank0.jsonl: line 1: 'length' is \"long\", not a number", "summarize",
+        "{tmp}/run", setup=_setup_bad_length, check=lambda c: not (c["tmp"] / "run" / "summary.csv").exists()),
+    api("run-param-changed", r"\(methods.snapkv.params.sinks: 4 -> 2\)\. It is never overwritten", _changed_param,
+        ConfigError),
+    cli("budget-huge", r"--budget 99999999999999999999 is too large \(at most 2147483647\)", *G, "--budget",
+        "99999999999999999999"),
+    cli("seed-huge", r"--seed 99999999999999999999 is too large", *G, "--seed", "99999999999999999999"),
+    cli("eval-budget-huge", r"budgets 99999999999999999999 is too large", *E, "--budgets", "99999999999999999999"),
+    api("max-new-tokens-huge", None, lambda c: _check_context(c, 5, 99999999999), (),
+        warn=r"max_new_tokens \(99999999999\) passes the model's context .*lower --max-new-tokens to 2043"),
+    cli("world-size-abc", r"WORLD_SIZE='abc' is not an integer: unset it", *E, "--budgets", "128",
+        setup=lambda c: c["monkeypatch"].setenv("WORLD_SIZE", "abc")),
+    cli("random-init-bad-config", r"--random-init .*bad-config.json: cannot build a model from it", "bench",
+        "--random-init", "{root}/bad-config.json", "--budgets", "128", "--lengths", "4"),
+    cli("model-empty", r"--model is empty \(''\)", *G, "-m", ""),
+    cli("eval-model-empty", r"--model is empty", *E, "-m", " "),
+    api("api-model-empty", r"the model is empty \(''\)", lambda c: load_model(""), ModelLoadError),
+    cli("vllm-kv-bits", r"drop them, or use --engine transformers", *G, "--engine", "vllm", "--kv-bits", "4"),
+    cli("task-file-folder", r"task file .*no-config is a folder, not a JSONL file", *E, "--task-file",
+        "{root}/no-config", "--budgets", "128"),
+    cli("config-folder", r"config file .*no-config is a folder", *E, "-c", "{root}/no-config"),
+    cli("summarize-file", r"notes.txt is a file, not a run folder", "summarize", "{root}/notes.txt"),
+    cli("report-file", r"notes.txt is a file, not a run folder", "report", "{root}/notes.txt"),
+    cli("data-dir-file", r"--data-dir .*notes.txt is a file, not a folder", *E, "--task", "gsm8k", "--data-dir",
+        "{root}/notes.txt", "--budgets", "128"),
+    cli("eval-output-dir-dangling", r"--output-dir .*out is a symbolic link to nothing", "eval", "--output-dir",
+        "{tmp}/out", "--budgets", "128", setup=_dangling),
+    cli("bench-out-file", r"--out .*notes.txt is a file, not a folder", "bench", "--out", "{root}/notes.txt"),
+    cli("inspect-out-dangling", r"--out .*out is a symbolic link to nothing", "inspect", "hi", "--out", "{tmp}/out",
+        setup=_dangling),
+    cli("sweep-unknown-task", r"--tasks: unknown task 'nosuch': choose from retrieval, ", "analyze", "sweep", "--tasks",
+        "nosuch"),
     # -- the Python API: types at the door -------------------------------------------------------------------------------
     api("cache-budget-str", r"^budget must be an integer, got 'abc' \(str\)$", lambda c: cache(c, budget="abc"),
         TypeError),
@@ -671,12 +805,27 @@ def test_bad_input(case: Case, world, tiny, tmp_path, capsys, monkeypatch):
         argv = [a.format(**ctx) for a in case.argv]
         code, out, err = run_cli(argv, ctx, case.stdin)
         lines = err.strip().splitlines()
+        warned = [line for line in lines if line.startswith("vase: warning: ")]
+        lines = [line for line in lines if not line.startswith("vase: warning: ")]
         assert code == case.code, (code, err)
         assert "Traceback" not in out + err
-        assert len(lines) == 1, err  # one line, nothing else on stderr
-        assert lines[0].startswith(("vase: error: ", "vase: interrupted")), lines[0]
-        assert re.search(case.expect, lines[0]), lines[0]
-        assert "results:" not in out  # never reports a result it did not produce
+        if case.warn is None:
+            assert not warned, warned
+        else:
+            assert len(warned) == 1 and re.search(case.warn, warned[0]), err  # one warning, naming the flag
+        if case.expect is None:  # a legal value: the command runs, with its warning
+            assert not lines, err
+        else:
+            assert len(lines) == 1, err  # one line, nothing else on stderr
+            assert lines[0].startswith(("vase: error: ", "vase: interrupted")), lines[0]
+            assert re.search(case.expect, lines[0]), lines[0]
+            assert "results:" not in out  # never reports a result it did not produce
+    elif case.expect is None:  # a legal call that must warn once
+        with pytest.warns(UserWarning) as record:
+            case.api(ctx)
+        messages = [str(w.message) for w in record]
+        assert len(messages) == 1 and re.search(case.warn, messages[0]), messages
+        assert len(messages[0].strip().splitlines()) == 1
     else:
         with pytest.raises(case.error) as info:
             case.api(ctx)

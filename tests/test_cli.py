@@ -157,3 +157,46 @@ def test_ctrl_c_during_eval_says_how_to_resume(tmp_path):
     # What finished is there, and the run really was cut short (800 samples: far more than can finish between
     # the first saved sample and the signal, even on an idle machine).
     assert 0 < len(read_all(run_dir)) < 400 * 2
+
+
+# ----------------------------------------------------------------------------- a CLI that answers at once
+
+#: Commands that must finish without importing transformers or vLLM: help, listings, and every refusal that
+#: needs no model (issue 16). Each runs in a fresh interpreter, which then lists what it imported.
+NO_MODEL_COMMANDS = [
+    ["--help"], ["methods"], ["eval", "--help"], ["generate", "--help"], ["bench", "--help"], ["serve", "--help"],
+    ["analyze", "sweep", "--help"], ["summarize", "--help"],
+    ["generate", "hi", "-p", "sinks=abc"], ["generate", "hi", "--budget", "20"], ["generate", "hi", "--kv-bits", "5"],
+    ["generate", "hi", "--budget", "99999999999999999999"], ["--threads", "0", "methods"],
+    ["eval", "--budgets", "20"], ["eval", "--methods", "snapk"], ["eval", "-c", "/nonexistent.yaml"],
+    ["eval", "--budgets", ""], ["summarize", "/nonexistent"], ["report", "/nonexistent"],
+    ["bench", "--budgets", "20"], ["inspect", "hi", "--budget", "10"],
+    ["analyze", "randomness", "--budget", "18", "--window", "16"], ["analyze", "sweep", "--tasks", "nosuch"],
+    ["serve", "--budget", "8"],
+]
+
+_LIST_IMPORTS = """
+import json, sys
+from vase.cli import main
+for args in json.loads(sys.argv[1]):  # one interpreter for all: imports only accumulate, so none may be heavy
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "vllm"))
+    print(json.dumps({"args": args, "code": code, "heavy": heavy[:5]}), flush=True)
+"""
+
+
+def test_no_model_commands_import_neither_transformers_nor_vllm():
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _LIST_IMPORTS, json.dumps(NO_MODEL_COMMANDS)], capture_output=True,
+                          text=True, timeout=300)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"args"')]
+    assert [r["args"] for r in results] == NO_MODEL_COMMANDS, proc.stderr[-500:]
+    for r in results:
+        assert r["heavy"] == [], r  # the first command that imported transformers or vLLM
+        help_like = "--help" in r["args"] or r["args"] == ["methods"]
+        assert (r["code"] == 0) == help_like, r

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -76,7 +77,7 @@ def test_cli_without_model_passes_vllm_options_through(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     seen: list[list[str]] = []
     monkeypatch.setattr(sv, "require_vllm", lambda: None)
-    monkeypatch.setattr(sv, "exec_serve", lambda argv: seen.append(list(argv)))
+    monkeypatch.setattr(sv, "run_serve", lambda argv, ready_timeout=300: seen.append(list(argv)) or 0)
     monkeypatch.setattr(sv, "_server_module", lambda: "vllm.entrypoints.openai.api_server")
     monkeypatch.setattr("vase.models.model_dir", lambda model: str(tmp_path) if model is None else model)
     main(["serve", "--max-model-len", "512", "--method", "snapkv", "--budget", "256", "--port", "9000",
@@ -87,6 +88,17 @@ def test_cli_without_model_passes_vllm_options_through(tmp_path, monkeypatch):
     assert argv[argv.index("--port") + 1] == "9000"
     assert argv[-4:] == ["--max-model-len", "512", "--dtype", "float32"]
     assert json.loads(argv[argv.index("--additional-config") + 1])["vase"]["method"] == "snapkv"
+
+
+def test_ready_line_names_url_model_method_and_budget(tmp_path):
+    from vase.vllm.serve import ready_line
+
+    (tmp_path / "config.json").write_text("{}")
+    argv = serve_argv(str(tmp_path), method="snapkv", budget=256, window=32, host="0.0.0.0", port=9001)
+    assert ready_line(argv, 73.4) == (f"vase serve: ready at http://localhost:9001/v1 (model {tmp_path}, method snapkv, "
+                                      f"budget 256, window 32) after 73 s")
+    full = serve_argv(str(tmp_path), method="full", budget=256, port=9002)
+    assert "method full (stock vLLM)" in ready_line(full, 1.0)
 
 
 def test_not_a_model_dir_is_refused(tmp_path):
@@ -103,19 +115,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(proc: subprocess.Popen, port: int, log_path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def _wait_ready(proc: subprocess.Popen, port: int, log_path) -> float:
+    """Seconds until `vase serve` printed its ready line (within START_TIMEOUT_S, the stated start-up bound)."""
+    t0 = time.monotonic()
+    deadline = t0 + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
+        if "vase serve: ready at" in log_path.read_text(errors="replace"):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+                assert r.status == 200  # the line is printed only once the server answers
+            return time.monotonic() - t0
         time.sleep(2)
-    raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
+    raise AssertionError(f"no ready line after {START_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
 
 
 def _start(tmp_path, port: int) -> tuple[subprocess.Popen, object]:
@@ -148,7 +160,8 @@ def server(tmp_path_factory):
     port = _free_port()
     proc, log_path = _start(tmp, port)
     try:
-        _wait_ready(proc, port, log_path)
+        seconds = _wait_ready(proc, port, log_path)
+        print(f"\nvase serve answered after {seconds:.0f} s")  # the start-up time the README quotes (pytest -s)
     except BaseException:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -238,6 +251,42 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(client):
         client.completions.create(model=DEFAULT_SERVED_NAME, prompt="hi", max_tokens=-1)
     r = client.completions.create(model=DEFAULT_SERVED_NAME, prompt="Hello", max_tokens=4, temperature=0.0)
     assert r.usage.completion_tokens >= 1
+
+
+@needs_vllm
+def test_ready_line_says_where_and_what(server):
+    line = next(x for x in server["log"].read_text(errors="replace").splitlines() if "vase serve: ready at" in x)
+    assert line.startswith(f"vase serve: ready at http://127.0.0.1:{server['port']}/v1 (model {DEFAULT_SERVED_NAME}, "
+                           f"method {METHOD}, budget {BUDGET}, window {WINDOW}) after ")
+
+
+def _post(port: int, body: bytes) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+@needs_vllm
+@pytest.mark.parametrize("case, body, status, words", [
+    ("malformed-json", b'{"model": "x", "prompt": ', 400, "json"),
+    ("negative-max-tokens", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("huge-max-tokens", {"prompt": "hi", "max_tokens": 10**9}, 400, "max"),
+    ("unknown-model", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}, 404, "no-such-model"),
+    ("prompt-past-context", {"prompt": "word " * 2000, "max_tokens": 4}, 400, "context"),
+])
+def test_bad_request_is_4xx_with_a_message_and_the_server_keeps_serving(server, case, body, status, words):
+    if isinstance(body, dict):
+        body = json.dumps({"model": DEFAULT_SERVED_NAME, **body}).encode()
+    code, text = _post(server["port"], body)
+    assert code == status, (case, code, text[:300])
+    assert words in text.lower(), (case, text[:300])  # the message says what was wrong
+    ok, reply = _post(server["port"], json.dumps({"model": DEFAULT_SERVED_NAME, "prompt": "Hello", "max_tokens": 2,
+                                                  "temperature": 0.0}).encode())
+    assert ok == 200, reply[:300]
 
 
 @needs_vllm

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 import yaml
 from rich.console import Console
-from typer.exceptions import TyperException
 from rich.table import Table
+from typer.exceptions import TyperException
 
 from .checks import check_sampling
+
+# Nothing here imports torch's model stack, transformers or vLLM at import time: `vase --help`, `vase methods`
+# and every refusal of a flag or config value answer at once; each command imports what it needs.
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Decode-time KV cache eviction for reasoning models (VaSE and baselines).")
@@ -29,9 +33,11 @@ def _options(threads: Annotated[Optional[int], typer.Option(help="CPU threads fo
              ) -> None:
     """Decode-time KV cache eviction for reasoning models (VaSE and baselines)."""
     if threads is not None:
+        if threads < 1:
+            raise UserError(f"--threads must be >= 1, got {threads}")
         import torch
 
-        torch.set_num_threads(max(1, threads))
+        torch.set_num_threads(threads)
 err_console = Console(stderr=True)
 
 # -- options shared by several subcommands ---------------------------------------------------------------------
@@ -48,6 +54,51 @@ SeedOpt = Annotated[int, typer.Option(help="Seed for eviction and sampling (row 
 
 class UserError(Exception):
     """An error the user can fix; printed as one line."""
+
+
+def warn(message: str) -> None:
+    """One line on stderr for a value that is legal but ignored (or risky): the flag and what happens."""
+    print(f"vase: warning: {message}", file=sys.stderr)
+
+
+def given(ctx: typer.Context | None, name: str) -> bool:
+    """Whether the user typed option ``name`` (not just its default)."""
+    source = ctx.get_parameter_source(name) if ctx is not None else None
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")  # by name: typer may vendor click
+
+
+#: Integers torch must be able to hold (a larger budget overflows a C long deep inside torch).
+_INT_MAX = 2**31 - 1
+
+
+def check_range(flag: str, value: int | None, maximum: int = _INT_MAX, minimum: int | None = None) -> None:
+    """A flag's integer within what torch can hold: one line naming the flag instead of torch's overflow."""
+    if value is None:
+        return
+    if abs(value) > maximum:
+        raise UserError(f"{flag} {value} is too large (at most {maximum})")
+    if minimum is not None and value < minimum:
+        raise UserError(f"{flag} must be >= {minimum}, got {value}")
+
+
+def check_model_opt(model: str | None) -> None:
+    if model is not None and not model.strip():
+        raise UserError(f"--model is empty ({model!r}): give a hub id, a model folder or a .gguf file, or leave "
+                        f"--model out for the default")
+
+
+def check_out_dir(path: Path | None, flag: str) -> None:
+    """An output folder that can be created or used: not a file, not a dangling symlink (checked before work)."""
+    if path is None:
+        return
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{flag} {path} is a symbolic link to nothing ({os.readlink(path)}): remove the link or "
+                        f"give another folder")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a folder: give a folder (it is created if missing)")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{flag} {path}: {parent} is a file, not a folder: give a folder")
 
 
 def parse_params(items: list[str] | None) -> dict:
@@ -67,30 +118,49 @@ def parse_params(items: list[str] | None) -> dict:
 
 
 def checked_params(methods: list[str], items: list[str] | None, *, budgets: list[int] | None = None,
-                   window: int | None = None) -> dict:
+                   window: int | None = None, storage: dict | None = None) -> dict:
     """Parse `--param` items and check every method takes them (types and ranges included) and, when given,
-    that each budget leaves room for the window and the method's sinks: all before any slow model load."""
+    that each budget leaves room for the window and the method's sinks, and holds the slots the method
+    reserves (n_large, --quant-guard): all before any slow model load."""
     from .checks import check_budget_window
+    from .eval.config import check_reserves
     from .policies import get_policy
 
     params = parse_params(items)
     for name in methods:
         policy = get_policy(name, **params)
+        if params and not (policy.evicts or getattr(policy, "selects", False)):
+            warn(f"--param {', '.join(sorted(params))} is ignored by {policy.name!r}: it keeps every token")
         for b in budgets or []:
+            check_range("--budget", b)
             check_budget_window(b, window, policy)
+            check_reserves(policy.name, b, policy, storage)
     return params
 
 
-def split_list(text: str, kind=str) -> list:
+def split_list(text: str, kind=str, flag: str = "the list") -> list:
+    """``"a,b"`` -> ``["a", "b"]`` as ``kind``; an empty list is refused (``--budgets ''`` is no budget)."""
     try:
-        return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"expected a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    if not items:
+        raise UserError(f"{flag} is empty ({text!r}): give a comma-separated list, e.g. {flag} "
+                        f"{'128,256' if kind is int else ('4,8' if kind is float else 'snapkv,vase-attnv')}")
+    return items
+
+
+def _quiet_loading() -> None:
+    """Turn off transformers' weight-loading bars (vase shows its own progress); imports transformers."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def load(model: str | None, dtype: str, device: str, attn: str):
     from .models import load_model
 
+    _quiet_loading()
     with err_console.status(f"loading {model or 'the default model'}..."):
         return load_model(model, dtype=dtype, device=device, attn_implementation=attn)
 
@@ -133,6 +203,8 @@ def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
             raise UserError(f"the prompts on stdin are not UTF-8 text ({exc.reason} at byte {exc.start}): convert "
                             f"them to UTF-8") from None
     elif file is not None:
+        if file.is_dir():
+            raise UserError(f"--file {file} is a folder, not a prompt file: give a text file (one prompt per line)")
         if not file.is_file():
             raise UserError(f"no such prompt file: {file}")
         data = file.read_bytes()
@@ -155,7 +227,7 @@ def quant_options(kv_bits: int, quant_guard: int | None) -> dict:
     """The EvictionCache keywords of --kv-bits / --quant-guard (none when they are left at their defaults)."""
     if kv_bits == 16 and quant_guard is None:
         return {}
-    from .quant_cache import quant_kwargs
+    from .quant import quant_kwargs
 
     return quant_kwargs(kv_bits, quant_guard)
 
@@ -170,6 +242,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 @app.command()
 def generate(
+    ctx: typer.Context,
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt ('-' reads prompts from stdin).")] = None,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Prompts, one per line ('-' = stdin).")] = None,
     method: Annotated[str, typer.Option(help="Eviction method (see `vase methods`).")] = "vase-attnv",
@@ -199,26 +272,35 @@ def generate(
                                         "plugin; no streaming, no --kv-bits).")] = "transformers",
 ) -> None:
     """Generate with a bounded KV cache, streaming the answer, then print a summary."""
-    from .generation import generate as run
-
     if engine not in ("transformers", "vllm"):
         raise UserError(f"unknown --engine {engine!r}: use transformers or vllm")
+    check_model_opt(model)
+    check_range("--seed", seed, 2**63 - 1)
+    check_range("--max-new-tokens", max_new_tokens)
     prompts = read_prompts(prompt, file)
-    params = checked_params([method], param, budgets=[budget], window=window)
     quant = quant_options(kv_bits, quant_guard)  # checked before the model loads
+    params = checked_params([method], param, budgets=[budget], window=window, storage=quant)
     if compare:
-        checked_params([compare], None, budgets=[budget], window=window)
+        checked_params([compare], None, budgets=[budget], window=window, storage=quant)
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+    if greedy:
+        ignored = [f for f, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--top-k", "top_k"))
+                   if given(ctx, name)]
+        if ignored:
+            warn(f"{'/'.join(ignored)} is ignored with --greedy (it takes the argmax)")
     if not chat and any(not p for p in prompts):
         raise UserError("an empty prompt with --no-chat gives the model nothing to start from: give some text")
     if batch_size < 1:
         raise UserError("--batch-size must be >= 1")
     if engine == "vllm":
         if quant:
-            raise UserError("--kv-bits/--quant-guard run on the transformers engine only: drop them or --engine vllm")
+            raise UserError("--kv-bits/--quant-guard run on the transformers engine only: drop them, or use "
+                            "--engine transformers")
         run, tok = vllm_runner(model, dtype, device, window, seed)
         mdl = None
     else:
+        from .generation import generate as run
+
         mdl, tok = load(model, dtype, device, attn)
     common = dict(budget=budget, window=window, max_new_tokens=max_new_tokens, temperature=temperature,
                   top_p=top_p, top_k=top_k, greedy=greedy, chat_template=chat, **quant)
@@ -327,24 +409,63 @@ def evaluate(
     Every finished sample is saved at once; run the same command again to resume.
     """
     from .eval.config import load_config
-    from .eval.runner import run_eval
 
+    if task is not None and task_file is not None:
+        raise UserError(f"give --task or --task-file, not both: --task {task} would label the problems of "
+                        f"{task_file} as {task!r} (the file's name labels them; name it e.g. {task}-mine.jsonl)")
+    check_model_opt(model)
     params = parse_params(param)
-    method_list = split_list(methods) if methods else None
+    method_list = split_list(methods, str, "--methods") if methods is not None else None
     overrides = dict(
         task=task, task_file=str(task_file) if task_file else None, question_field=question_field,
         answer_field=answer_field, data_dir=str(data_dir) if data_dir else None, methods=method_list,
-        budgets=split_list(budgets, int) if budgets else None, window=window, samples=samples, limit=limit,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy, seed=seed,
-        batch_size=batch_size, fidelity=fidelity, output_dir=str(output_dir) if output_dir else None, model=model,
-        dtype=dtype, device=device, attn_implementation=attn, engine=engine,
-        method_params={m: params for m in (method_list or [])} if params else None,
+        budgets=split_list(budgets, int, "--budgets") if budgets is not None else None, window=window,
+        samples=samples, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        greedy=greedy, seed=seed, batch_size=batch_size, fidelity=fidelity,
+        output_dir=str(output_dir) if output_dir else None, model=model, dtype=dtype, device=device,
+        attn_implementation=attn, engine=engine,
     )
     cfg = load_config(config, overrides)
     if cfg.task is None and cfg.task_file is None:
-        cfg = load_config(config, {**overrides, "task": "arith"})
+        overrides["task"] = "arith"
+        cfg = load_config(config, overrides)
+    if params:  # -p applies to the methods the run resolves to (flag, config file or default), not the flag alone
+        overrides["method_params"] = eval_params(cfg, params)
+        cfg = load_config(config, overrides)
+    check_out_dir(Path(cfg.output_dir).expanduser(), "--output-dir")
+    _quiet_loading()
+    from .eval.runner import run_eval
+
     run_dir = run_eval(cfg, wide=wide)
     console.print(f"results: {run_dir}")
+
+
+def eval_params(cfg, params: dict) -> dict[str, dict]:
+    """``-p KEY=VALUE`` of `vase eval` spread over the run's methods: each key goes to every method that takes
+    it (full keeps every token and takes none). A key no method takes is an error; one that some take is a
+    warning naming the others."""
+    from dataclasses import fields
+
+    from .eval.config import FULL, ConfigError
+    from .quant import CACHE_STORAGE_OPTIONS
+
+    specs = {label: s for label, s in cfg.method_specs().items() if label != FULL}
+    if not specs:
+        warn(f"--param {', '.join(sorted(params))} is ignored: the run holds only {FULL!r}, which keeps every token")
+        return {}
+    takes = {label: {f.name for f in fields(type(s.policy))} | set(CACHE_STORAGE_OPTIONS) for label, s in specs.items()}
+    out: dict[str, dict] = {label: {} for label in specs}
+    for key, value in params.items():
+        users = [label for label in specs if key in takes[label]]
+        if not users:
+            raise ConfigError(f"--param {key}: no method of this run takes it ({', '.join(specs)}); see `vase "
+                              f"methods` for each method's parameters")
+        others = [label for label in specs if label not in users]
+        if others:
+            warn(f"--param {key} applies to {', '.join(users)} only ({', '.join(others)} take no {key!r})")
+        for label in users:
+            out[label][key] = value
+    return {label: p for label, p in out.items() if p}
 
 
 @app.command()
@@ -360,19 +481,33 @@ def summarize(
     from .eval.report import parse_reference
     from .eval.report import summarize as build
 
-    if not run_dir.is_dir():
-        raise UserError(f"no such run folder: {run_dir}")
+    check_run_dir(run_dir)
+    reference = ("full", None)
     try:
         reference = parse_reference(against) if against else ("full", None)
         rows = build(run_dir, reference=reference, wide=wide)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    except BaseException as e:
+        # An old summary must not pass for this run's (as `vase eval` does when its summary fails).
+        stem = "summary" if tuple(reference) == ("full", None) else f"summary-vs-{reference[0]}-{reference[1]}"
+        for stale in (f"{stem}.csv", f"{stem}.md"):
+            (run_dir / stale).unlink(missing_ok=True)
+        if isinstance(e, ValueError):
+            raise UserError(str(e)) from None
+        raise
     if not rows:
         raise UserError(f"no finished samples in {run_dir}")
     if against:
         console.print(f"wrote {run_dir}/summary-vs-{reference[0]}-{reference[1]}.csv and .md")
     else:
         console.print(f"wrote {run_dir / 'summary.csv'}, {run_dir / 'summary.md'} and plots")
+
+
+def check_run_dir(run_dir: Path) -> None:
+    if run_dir.is_file():
+        raise UserError(f"{run_dir} is a file, not a run folder: give the folder `vase eval` printed after "
+                        f"'results:'")
+    if not run_dir.is_dir():
+        raise UserError(f"no such run folder: {run_dir}")
 
 
 @app.command()
@@ -386,10 +521,18 @@ def report(
     """The run as one self-contained HTML page: table with paired intervals, plots, per-problem drill-down."""
     from .eval.html import write_report
 
-    if not run_dir.is_dir():
-        raise UserError(f"no such run folder: {run_dir}")
+    check_run_dir(run_dir)
+    if out is not None and out.is_dir():
+        raise UserError(f"--out {out} is a folder: give the HTML file to write, e.g. {out / 'report.html'}")
+    found = []
+    for d in inspect or ():
+        if d.is_dir():
+            found.append(d)
+        else:
+            warn(f"--inspect {d}: {'not a folder' if d.exists() else 'no such folder'}; ignored (give a `vase "
+                 f"inspect` output folder)")
     try:
-        path = write_report(run_dir, out, inspect_dirs=inspect or ())
+        path = write_report(run_dir, out, inspect_dirs=found)
     except FileNotFoundError as e:
         raise UserError(str(e)) from e
     console.print(f"wrote {path}")
@@ -398,6 +541,7 @@ def report(
 # -- vase bench ------------------------------------------------------------------------------------------------
 @app.command()
 def bench(
+    ctx: typer.Context,
     methods: Annotated[str, typer.Option(help="Comma-separated eviction methods (full and dynamic are added).")]
     = "vase-attnv,vase-dkv",
     budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "512",
@@ -433,39 +577,58 @@ def bench(
                                            "compiles, untimed).")] = False,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
-    from .bench.report import write_report
-    from .bench.runner import run_bench
-
+    check_model_opt(model)
+    check_out_dir(out, "--out")
+    method_list, budget_list = split_list(methods, str, "--methods"), split_list(budgets, int, "--budgets")
     if engine == "vllm":
         from .bench.vllm_bench import cli_bench
 
-        paths = cli_bench(model, split_list(methods), split_list(budgets, int), split_list(lengths or "2048", int),
-                          requests=requests, prompt_len=prompt_length, window=window, regimes=split_list(regimes),
-                          pool_requests=pool_requests, block_size=block_size, dtype=None if dtype == "auto" else dtype,
-                          params=checked_params(split_list(methods), param), out=out, log=console.print)
+        paths = cli_bench(model, method_list, budget_list, split_list(lengths or "2048", int, "--lengths"),
+                          requests=requests, prompt_len=prompt_length, window=window,
+                          regimes=split_list(regimes, str, "--regimes"), pool_requests=pool_requests,
+                          block_size=block_size, dtype=None if dtype == "auto" else dtype,
+                          params=checked_params(method_list, param), out=out, log=console.print)
         console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
         return
     if engine != "transformers":
         raise UserError(f"--engine must be transformers or vllm, got {engine!r}")
-    lengths = lengths or "1024,4096"
-    method_list = split_list(methods)
-    params = {**checked_params(method_list, param, budgets=split_list(budgets, int), window=window),
-              **quant_options(kv_bits, None)}
+    ignored = [f"--{n.replace('_', '-')}" for n in ("requests", "regimes", "pool_requests", "block_size")
+               if given(ctx, n)]
+    if ignored:
+        warn(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored on the transformers engine "
+             f"(they size vLLM's pool): add --engine vllm, or drop {'it' if len(ignored) == 1 else 'them'}")
+    length_list = split_list(lengths or "1024,4096", int, "--lengths")
+    batch_list = split_list(batch_sizes, int, "--batch-sizes")
+    quant = quant_options(kv_bits, None)
+    params = {**checked_params(method_list, param, budgets=budget_list, window=window, storage=quant), **quant}
+    from .bench.report import write_report
+    from .bench.runner import run_bench
+
     if random_init:
-
-        from .bench.shapes import build_random_model
-        from .models import resolve_device, resolve_dtype
-
-        dev = resolve_device(device)
-        mdl = build_random_model(random_init, resolve_dtype(dtype, dev), dev, attn)
+        mdl = random_model(random_init, dtype, device, attn)
     else:
         mdl, _ = load(model, dtype, device, attn)
-    rows = run_bench(mdl, method_list, split_list(budgets, int), split_list(lengths, int),
-                     split_list(batch_sizes, int), prompt_length=prompt_length, window=window, warmup=warmup,
-                     repeats=repeats, include_dynamic=not no_dynamic, compile="both" if compile_ else False,
-                     **params)
+    rows = run_bench(mdl, method_list, budget_list, length_list, batch_list, prompt_length=prompt_length,
+                     window=window, warmup=warmup, repeats=repeats, include_dynamic=not no_dynamic,
+                     compile="both" if compile_ else False, **params)
     paths = write_report(rows, out, console=console)
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def random_model(spec: str, dtype: str, device: str, attn: str):
+    """`bench --random-init`: a named shape or a config.json, random weights; one line naming the file if bad."""
+    from .bench.shapes import build_random_model
+    from .models import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    _quiet_loading()
+    try:
+        return build_random_model(spec, resolve_dtype(dtype, dev), dev, attn)
+    except Exception as e:  # noqa: BLE001 - any reader's or config class's error means "bad file"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"--random-init {spec}: cannot build a model from it ({type(e).__name__}: {first[:200]}); "
+                        f"give a transformers config.json (with model_type) or one of qwen3-0.6b, qwen3-4b, "
+                        f"qwen3-14b, smollm2-135m") from None
 
 
 # -- vase serve ------------------------------------------------------------------------------------------------
@@ -481,12 +644,15 @@ def serve(
     param: ParamOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the server before saying what to check "
+                                                 "(it keeps waiting; 0 = never say).")] = 300.0,
 ) -> None:
     """Serve MODEL with vLLM's OpenAI-compatible server and the vase plugin.
 
     Any further option goes to vLLM unchanged (e.g. --max-model-len 8192 --kv-cache-memory-bytes 2000000000).
+    One line says when the server answers (URL, model, method, budget); start-up takes 1-2 minutes on a CPU.
     """
-    from .vllm.serve import exec_serve, require_vllm, serve_argv
+    from .vllm.serve import exec_serve, require_vllm, run_serve, serve_argv
 
     require_vllm()
     extra = list(ctx.args)
@@ -495,7 +661,13 @@ def serve(
     argv = serve_argv(model, method=method, budget=budget, window=window, params=parse_params(param), host=host,
                       port=port, extra=extra)
     err_console.print(f"vase serve: {' '.join(argv[1:])}", highlight=False, soft_wrap=True)
-    exec_serve(argv)
+    if ready_timeout < 0:
+        raise UserError(f"--ready-timeout must be >= 0 seconds, got {ready_timeout:g}")
+    if os.environ.get("VASE_SERVE_EXEC") == "1":  # replace this process (no ready line), as before
+        exec_serve(argv)
+    code = run_serve(argv, ready_timeout)
+    if code:
+        raise typer.Exit(code)
 
 
 # -- vase inspect ----------------------------------------------------------------------------------------------
@@ -516,9 +688,12 @@ def inspect(
     attn: AttnOpt = "sdpa",
 ) -> None:
     """Look inside one generation: kept tokens per head, value magnitudes, loop onset."""
+    check_model_opt(model)
+    check_range("--seed", seed, 2**63 - 1)
+    check_out_dir(out, "--out")
+    params = checked_params([method], param, budgets=[budget], window=window)
     from .analysis.inspect import inspect_generation
 
-    params = checked_params([method], param, budgets=[budget], window=window)
     mdl, tok = load(model, dtype, device, attn)
     report = inspect_generation(mdl, tok, prompt, out, method=method, budget=budget, window=window,
                                 max_new_tokens=max_new_tokens, greedy=greedy, seed=seed, **params)
@@ -546,6 +721,24 @@ TaskOpt = Annotated[str, typer.Option(help="Task of the prompts: arith (embedded
 DataDirOpt = Annotated[Optional[Path], typer.Option(help="Folder of task files (or $VASE_DATA_DIR).")]
 
 
+def analysis_prompts(task: str, *, limit: int, data_dir: Path | None, seed: int = 0, flag: str = "--task"
+                     ) -> list[str]:
+    """The prompts of an analysis task; an unknown task names the flag the analysis really has."""
+    from .analysis.sweep import task_prompts
+    from .eval.tasks import TaskError
+
+    try:
+        return task_prompts(task, limit=limit, data_dir=data_dir, seed=seed)
+    except TaskError as e:
+        if str(e).startswith("unknown task"):
+            from .eval.tasks import TASK_NAMES
+
+            extra = "retrieval, " if flag == "--tasks" else ""
+            raise UserError(f"{flag}: unknown task {task!r}: choose from {extra}{', '.join(TASK_NAMES)}, arith-N, "
+                            f"recall-N") from None
+        raise
+
+
 @analyze_app.command("randomness")
 def analyze_randomness(
     task: TaskOpt = "arith",
@@ -565,11 +758,12 @@ def analyze_randomness(
     attn: AttnOpt = "sdpa",
 ) -> None:
     """Deterministic vs stochastic eviction (snapkv vs snapkv-sample, vase-attnv top-k vs sampled)."""
-    from .analysis.randomness import print_report, run_randomness
-    from .analysis.sweep import task_prompts
-
+    check_model_opt(model)
+    check_out_dir(out, "--out")
     checked_params(["snapkv", "vase-attnv"], None, budgets=[budget], window=window)  # before the model loads
-    prompts = task_prompts(task, data_dir=data_dir, limit=limit)
+    prompts = analysis_prompts(task, data_dir=data_dir, limit=limit)
+    from .analysis.randomness import print_report, run_randomness
+
     mdl, tok = load(model, dtype, device, attn)
     report = run_randomness(mdl, tok, prompts, out, budget=budget, window=window, seeds=seeds,
                             max_new_tokens=max_new_tokens, loop_tokens=loop_tokens, seed=seed,
@@ -600,15 +794,29 @@ def analyze_sweep(
     attn: AttnOpt = "sdpa",
 ) -> None:
     """Fidelity of eviction methods and Quest (selection) at equal sparsity, at several compressions."""
-    from .analysis.sweep import markdown_table, run_sweep, task_prompts
+    from .analysis.sweep import markdown_table, run_sweep
 
-    names = split_list(tasks)
-    prompts = {t: task_prompts(t, limit=limit, data_dir=data_dir, seed=seed) for t in names}
+    check_model_opt(model)
+    check_out_dir(out, "--out")
+    names = split_list(tasks, str, "--tasks")
+    compression_list = split_list(compressions, float, "--compressions")
+    prompts = {t: analysis_prompts(t, limit=limit, data_dir=data_dir, seed=seed, flag="--tasks") for t in names}
     caps = {t: retrieval_tokens if t == "retrieval" else max_new_tokens for t in names}
     mdl, tok = load(model, dtype, device, attn)
-    report = run_sweep(mdl, tok, out, tasks=prompts, methods=split_list(methods),
-                       compressions=split_list(compressions, float), window=window, max_new_tokens=caps, seed=seed,
+    report = run_sweep(mdl, tok, out, tasks=prompts, methods=split_list(methods, str, "--methods"),
+                       compressions=compression_list, window=window, max_new_tokens=caps, seed=seed,
                        progress=lambda m: err_console.print(m, highlight=False))
+    # A compression is measured when some problem ran at its own budget: a row whose every budget was clamped
+    # to window + 8 (or that no problem reached) measures another compression than the one asked for.
+    measured = {r["compression"] for r in report["rows"] if r["clamped"] < r["problems"]}
+    empty = [c for c in compression_list if c not in measured]
+    if empty:
+        shown = ",".join(f"{c:g}" for c in empty)
+        message = (f"--compressions {shown}: every run is too short for it (the budget is clamped to window + 8 = "
+                   f"{window + 8}, or nothing was evicted): lower the compression or raise --max-new-tokens")
+        if not measured:
+            raise UserError(message)
+        warn(message + "; those rows do not measure it")
     console.out(markdown_table(report), highlight=False)
     console.print(f"{report['seconds']:.0f} s; wrote {out}/sweep.json, sweep.csv, sweep.md, sweep.png")
 
@@ -619,9 +827,25 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("VASE_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
-    from transformers.utils import logging as hf_logging
+    with warnings.catch_warnings():  # vase's own warnings as one line each; restored afterwards
+        warnings.showwarning = _one_line_warning(warnings.showwarning)
+        _run(args, debug)
 
-    hf_logging.disable_progress_bar()  # weight-loading bars; vase shows its own progress
+
+def _one_line_warning(previous):
+    """A showwarning that prints vase's own warnings as ``vase: warning: ...`` and hands others on."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(here + os.sep):
+            print(f"vase: warning: {str(message).strip().splitlines()[0]}", file=sys.stderr)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    return show
+
+
+def _run(args: list[str], debug: bool) -> None:
     try:
         result = app(args=args, prog_name="vase", standalone_mode=False)
         if result == 130:  # typer turns Ctrl-C into Exit(130), which comes back as the return value here

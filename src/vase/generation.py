@@ -190,9 +190,10 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
     for i in (attention_mask.sum(-1) == 0).nonzero().flatten().tolist():  # would decode from padding alone
         raise ValueError(f"prompt {i} ({prompt_list[i]!r}) encodes to no tokens (empty, and no chat template or "
                          f"BOS to start from): give some text, or use a tokenizer with a chat template")
+    total = check_context(model, attention_mask.sum(-1).tolist(), max_new_tokens)
     seeds = row_seeds(seed, len(prompt_list))
     cache = EvictionCache(model, method, budget, window, seed=seeds, sort_kept=sort_kept,
-                          max_length=input_ids.shape[1] + max_new_tokens, **method_params)
+                          max_length=total, **method_params)
     sampler = Sampler(greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k)
     run_decode = decode
     if compile:
@@ -233,6 +234,37 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
         prefill_seconds=prefill_seconds,
         stats={**_final_stats(cache, compile), "rows": rows},
     )
+
+
+def model_context(model) -> int | None:
+    """The model's context length (``max_position_embeddings`` of its text config), or None if it has none."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    n = getattr(cfg, "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_context(model, prompt_lengths: Sequence[int], max_new_tokens: int) -> int | None:
+    """Prompts must fit the model's context (ValueError naming the prompt); prompt + cap beyond it is only
+    warned about (generation usually stops earlier). Returns the length to preallocate the full cache for:
+    prompt + cap, or None (grow as needed) when that passes the context, e.g. ``--max-new-tokens 99999999999``."""
+    import warnings
+
+    longest = max(prompt_lengths, default=0)
+    context = model_context(model)
+    if context is None:
+        return longest + max_new_tokens
+    for i, n in enumerate(prompt_lengths):
+        if n > context:
+            raise ValueError(f"prompt {i} is {n} tokens, longer than the model's context ({context} tokens, "
+                             f"max_position_embeddings): shorten it")
+    if longest + max_new_tokens > context:
+        warnings.warn(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) passes the model's context "
+                      f"({context} tokens): text past it is unreliable; lower --max-new-tokens to "
+                      f"{max(1, context - longest)} or less", stacklevel=3)
+        return None
+    return longest + max_new_tokens
 
 
 def _final_stats(cache, compiled: bool) -> dict:

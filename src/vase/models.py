@@ -782,6 +782,15 @@ def _folder_sha256(folder: Path, cache_dir: Path | None) -> str:
     return digest.hexdigest()
 
 
+def _model_name(model: str | os.PathLike[str] | None) -> str:
+    """The model spec as a string ("default" for None); ModelLoadError for an empty one (``-m ''``)."""
+    name = "default" if model is None else os.fspath(model)
+    if not isinstance(name, str) or not name.strip():
+        raise ModelLoadError(f"the model is empty ({name!r}): give a hub id, a model folder or a .gguf file with "
+                             f"--model, or leave --model out for the default")
+    return name
+
+
 def model_fingerprint(model: str | os.PathLike[str] | None = None, *, cache_dir: str | Path | None = None) -> str:
     """sha256 naming the model that ``load_model(model)`` would load, from its files, without loading it.
 
@@ -791,7 +800,7 @@ def model_fingerprint(model: str | os.PathLike[str] | None = None, *, cache_dir:
     files. File hashes are memoised like the GGUF hashes, so only the first call reads the weights.
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
-    name = "default" if model is None else os.fspath(model)
+    name = _model_name(model)
     if name == "default":
         return DEFAULT_GGUF_SHA256
     path = Path(name).expanduser()
@@ -838,7 +847,7 @@ def model_dir(model: str | os.PathLike[str] | None = None, *, cache_dir: str | P
     as :func:`load_model` does); a directory or a hub id is returned as given.
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
-    name = "default" if model is None else os.fspath(model)
+    name = _model_name(model)
     if name == "default":
         entry = _gguf_entry(Path(DEFAULT_GGUF_FILENAME), DEFAULT_GGUF_SHA256, cache, stem=_DEFAULT_ENTRY_STEM)
         return str(_ensure_entry(entry, DEFAULT_GGUF_SHA256, gguf=None))
@@ -888,7 +897,7 @@ def load_model(
     cache = Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
     options = {"dtype": resolved_dtype, "device": resolved_device, "attn_implementation": attn_implementation}
 
-    name = "default" if model is None else os.fspath(model)
+    name = _model_name(model)
     if name == "default":
         entry = _gguf_entry(Path(DEFAULT_GGUF_FILENAME), DEFAULT_GGUF_SHA256, cache, stem=_DEFAULT_ENTRY_STEM)
         entry = _ensure_entry(entry, DEFAULT_GGUF_SHA256, gguf=None)

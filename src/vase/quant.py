@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import torch
 
 BITS = (8, 4, 2)
+#: EvictionCache keywords about storage rather than the policy (eval configs pass them with a method's parameters).
+#: Here (torch only), not in quant_cache, so that checking a config never imports transformers.
+CACHE_STORAGE_OPTIONS = ("kv_bits", "quant_guard", "quant_group", "quant_select", "flush_every", "quant_key_scale")
 SCALE_DTYPE = torch.float16
 
 
@@ -102,3 +105,17 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     q = unpack(p.codes, p.bits).view(*p.codes.shape[:-1], -1, p.group).float()
     x = p.zero.float()[..., None] + q * p.scale.float()[..., None]
     return x.flatten(-2).to(dtype)
+
+
+def quant_kwargs(kv_bits: int, quant_guard: int | None = None) -> dict:
+    """EvictionCache keywords for `kv_bits` / `quant_guard`, checked before any model is loaded."""
+    if kv_bits != 16 and kv_bits not in BITS:
+        raise ValueError(f"--kv-bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {kv_bits}")
+    if quant_guard is not None and quant_guard < 0:
+        raise ValueError(f"--quant-guard is a number of tokens per KV head (0 = none), got {quant_guard}")
+    if kv_bits == 16 and quant_guard is not None:
+        raise ValueError("--quant-guard applies to a quantized cache: add --kv-bits 8, 4 or 2")
+    out: dict = {"kv_bits": kv_bits}
+    if quant_guard is not None:
+        out["quant_guard"] = quant_guard
+    return out

@@ -40,12 +40,11 @@ import torch
 from .cache import EvictionLayer
 from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
-from .quant import BITS, Packed, check_format, dequantize, packed_bytes, quantize
+from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, check_format, dequantize, packed_bytes,  # noqa: F401
+                    quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: kept importable from here
 from .schedule import physical_length
 
 SELECT = ("value", "random")
-#: EvictionCache keywords about storage rather than the policy (eval configs pass them with a method's parameters)
-CACHE_STORAGE_OPTIONS = ("kv_bits", "quant_guard", "quant_group", "quant_select", "flush_every", "quant_key_scale")
 
 
 @dataclass(frozen=True)
@@ -95,19 +94,6 @@ def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_g
                        metric=policy.metric, sinks=policy.sinks, flush_every=flush_every,
                        seed=seed if isinstance(seed, int) else int(seed[0]), key_scale=bool(key_scale))
 
-
-def quant_kwargs(kv_bits: int, quant_guard: int | None = None) -> dict:
-    """EvictionCache keywords for `kv_bits` / `quant_guard`, checked before any model is loaded."""
-    if kv_bits != 16 and kv_bits not in BITS:
-        raise ValueError(f"--kv-bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {kv_bits}")
-    if quant_guard is not None and quant_guard < 0:
-        raise ValueError(f"--quant-guard is a number of tokens per KV head (0 = none), got {quant_guard}")
-    if kv_bits == 16 and quant_guard is not None:
-        raise ValueError("--quant-guard applies to a quantized cache: add --kv-bits 8, 4 or 2")
-    out: dict = {"kv_bits": kv_bits}
-    if quant_guard is not None:
-        out["quant_guard"] = quant_guard
-    return out
 
 
 def _gather(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any
 
 from vase.checks import check_budget_window
 from vase.policies import Policy, UnknownMethodError, get_policy
-from vase.quant_cache import CACHE_STORAGE_OPTIONS
+from vase.quant import CACHE_STORAGE_OPTIONS  # torch only: checking a config imports no transformers
 
 __all__ = [
     "ConfigError",
@@ -35,6 +35,7 @@ __all__ = [
     "identity",
     "identity_hash",
     "identity_changes",
+    "records_of_run",
     "whole_number",
     "check_reserves",
     "runtime_identity",
@@ -336,6 +337,8 @@ class EvalConfig:
 
 
 def _read_file(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder: give the .toml, .yaml or .json file (-c FILE)")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     data = path.read_bytes()

@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_hash, run_name,
-                              runtime_identity)
+from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_changes, identity_hash,
+                              run_name, runtime_identity)
 from vase.eval.failures import classify_failure
 from vase.eval.grading import extract_answer, is_correct
 from vase.eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target, kl_per_token, kv_schedule
@@ -121,10 +121,18 @@ def sample_seed(seed: int, problem_index: int, sample: int) -> int:
 
 def dist_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from the torchrun / accelerate environment (0, 1, 0 alone)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    def env_int(name: str, default: str) -> int:
+        text = os.environ.get(name, default) or default
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"the environment variable {name}={text!r} is not an integer: unset it, or let torchrun "
+                              f"set it") from None
+
+    world = env_int("WORLD_SIZE", "1")
     local = os.environ.get("LOCAL_RANK")
-    rank = int(os.environ.get("RANK", local if local is not None else "0") or 0)
-    local_rank = int(local) if local is not None else rank
+    rank = env_int("RANK", local if local is not None else "0")
+    local_rank = env_int("LOCAL_RANK", "0") if local is not None else rank
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"bad distributed environment: RANK={rank} WORLD_SIZE={world}")
     return rank, world, local_rank
@@ -215,12 +223,8 @@ def write_run_config(run_dir: Path, meta: dict[str, Any]) -> None:
                                f"object): move it away or use another --output-dir")
     old, new = existing.get("identity"), _json_roundtrip(meta["identity"])
     if old != new:
-        if isinstance(old, dict):
-            keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        else:
-            keys = ["identity"]
-        detail = "; ".join(f"{k}: {old.get(k) if isinstance(old, dict) else None!r} -> {new.get(k)!r}"
-                           for k in keys)
+        changes = identity_changes(old, new)
+        detail = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
         raise RunConflictError(
             f"{run_dir} already holds a run with different settings ({detail}). It is never overwritten: "
             f"choose another run name or output dir")

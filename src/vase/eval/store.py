@@ -58,6 +58,10 @@ SAMPLES = "samples"
 FIDELITY = "fidelity"
 _KEYS = {SAMPLES: SAMPLE_KEY, FIDELITY: FIDELITY_KEY}
 _RANK_RE = re.compile(r"\.rank(\d+)\.jsonl$")
+#: Fields that must be numbers (or null) when a record has them: a summary computes with them.
+_NUMBER_FIELDS = ("length", "prompt_length", "kv_bytes", "kv_bytes_peak", "kv_bytes_full", "evictions",
+                  "kv_bytes_time_mean", "kv_bytes_allocated", "seconds", "prefill_seconds", "tokens_per_s",
+                  "n_tokens", "kl_mean", "top1_agree", "top1_disagree_share", "dnll_mean")
 
 
 class StoreError(RuntimeError):
@@ -168,7 +172,7 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _parse(data: bytes, path: Path) -> tuple[list[dict[str, Any]], int]:
+def _parse(data: bytes, path: Path, line_numbers: list[int] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Records of a JSONL file's bytes and how many leading bytes are intact.
 
     Only a last line without its newline is torn (a record is written as one line ending in a
@@ -196,6 +200,8 @@ def _parse(data: bytes, path: Path) -> tuple[list[dict[str, Any]], int]:
                 raise StoreError(f"{path}: line {lineno} is not a valid record ({e}); the file is corrupt: remove that "
                                  f"line to resume (it is left as it is; vase never cuts a complete line)") from e
             records.append(rec)
+            if line_numbers is not None:
+                line_numbers.append(lineno)
         pos = nl + 1
     return records, pos
 
@@ -220,11 +226,18 @@ def read_all(run_dir: str | Path, kind: str = SAMPLES, key_fields: Sequence[str]
     seen: set[tuple] = set()
     out: list[dict[str, Any]] = []
     for path in rank_files(run_dir, kind):
-        for n, rec in enumerate(read_jsonl(path), start=1):
+        lines: list[int] = []
+        records, _ = _parse(path.read_bytes(), path, lines)
+        for n, (rec, lineno) in enumerate(zip(records, lines), start=1):
             missing = [f for f in fields if f not in rec]
             if missing:
                 raise StoreError(f"{path}: record {n} lacks the field(s) {', '.join(map(repr, missing))}: it was not "
                                  f"written by `vase eval`; remove that line (or the file)")
+            for f in _NUMBER_FIELDS:
+                v = rec.get(f)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    raise StoreError(f"{path}: line {lineno}: {f!r} is {json.dumps(v)}, not a number: fix that line or "
+                                     f"remove it (vase writes numbers there)")
             k = record_key(rec, fields)
             if k not in seen:
                 seen.add(k)

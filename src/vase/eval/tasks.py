@@ -128,6 +128,8 @@ def parse_gsm8k_answer(answer: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if path.is_dir():
+        raise TaskError(f"task file {path} is a folder, not a JSONL file: give the file inside it (--task-file)")
     if not path.is_file():
         raise TaskError(f"task file not found: {path}")
     rows: list[dict[str, Any]] = []
@@ -212,7 +214,12 @@ def _rows_to_problems(
                 isinstance(v, str) and len(v) <= _META_MAX_CHARS
             ):
                 meta[k] = v
-        problems.append(Problem(ids[i], str(row[q_key]), gold, task, meta))
+        question = row[q_key]
+        if question is None or isinstance(question, (dict, list, bool)) or not str(question).strip():
+            # str(None) would send the prompt "None"
+            raise TaskError(f"{where}: question field {q_key!r} is {json.dumps(question)}: give every row a question "
+                            f"text (or name the right field with --question-field)")
+        problems.append(Problem(ids[i], str(question), gold, task, meta))
     return problems
 
 
@@ -268,9 +275,15 @@ def _local_candidates(spec: HubTask, data_dir: Path) -> list[Path]:
 
 def _resolve_data_dir(data_dir: str | Path | None) -> Path | None:
     if data_dir is not None:
-        return Path(data_dir).expanduser()
-    env = os.environ.get(DATA_DIR_ENV)
-    return Path(env).expanduser() if env else None
+        where, p = "--data-dir", Path(data_dir).expanduser()
+    else:
+        env = os.environ.get(DATA_DIR_ENV)
+        if not env:
+            return None
+        where, p = DATA_DIR_ENV, Path(env).expanduser()
+    if p.exists() and not p.is_dir():
+        raise TaskError(f"{where} {p} is a file, not a folder: give the folder that holds <task>_test.jsonl")
+    return p
 
 
 def _missing_message(spec: HubTask, data_dir: Path | None, reason: str) -> str:

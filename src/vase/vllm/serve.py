@@ -4,10 +4,14 @@
     vase serve Qwen/Qwen3-4B --method snapkv --budget 1024 -p smooth_kernel=7 --max-model-len 32768
 
 There is no server of our own: the command builds vLLM's argument list (the model, host and
-port, ``--additional-config '{"vase": {...}}'`` and every vLLM option given after ours) and
-replaces this process with vLLM's server, so signals (Ctrl-C, SIGTERM) reach vLLM directly and
-shut it down its own way. Method ``full`` runs stock vLLM (no vase section). No vllm import
-here: the argument list is built and checked without it.
+port, ``--additional-config '{"vase": {...}}'`` and every vLLM option given after ours) and runs
+vLLM's server as a child process with the same terminal. It watches ``/health`` and prints one
+line when the server answers (URL, model, method, budget, seconds taken); Ctrl-C and SIGTERM are
+passed on to vLLM, which shuts down its own way, and its exit status is ours. vLLM takes a while
+to start on a CPU (about 1-2 minutes on a busy 2-core machine, see the README): when it is not
+answering after ``--ready-timeout`` seconds a line says so and what to check, and the wait goes
+on. Method ``full`` runs stock vLLM (no vase section). No vllm import here: the argument list is
+built and checked without it.
 """
 
 from __future__ import annotations
@@ -16,13 +20,19 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
 from .config import additional_config
 
-__all__ = ["DEFAULT_SERVED_NAME", "ServeError", "vase_section", "serve_argv", "require_vllm", "exec_serve"]
+__all__ = ["DEFAULT_SERVED_NAME", "ServeError", "vase_section", "serve_argv", "require_vllm", "exec_serve",
+           "run_serve", "ready_line"]
 
 #: The name clients use for the embedded model (instead of its cache path).
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -67,8 +77,6 @@ def serve_argv(model: str | None, *, method: str, budget: int, window: int = 64,
     directory, a ``.gguf`` file (dequantised once into vase's cache) or a hub id. ``extra`` is
     passed to vLLM unchanged and may not repeat the options vase sets.
     """
-    from ..models import model_dir
-
     for flag in _OURS:
         if _given(extra, flag):
             hint = {"--additional-config": "use --method/--budget/--window/-p", "--model": "give MODEL as the "
@@ -76,7 +84,9 @@ def serve_argv(model: str | None, *, method: str, budget: int, window: int = 64,
             raise ServeError(f"{flag} is set by vase serve: {hint}")
     if not 0 < int(port) < 65536:
         raise ServeError(f"--port must be in 1..65535, got {port}")
-    section = vase_section(method, budget, window, params)
+    section = vase_section(method, budget, window, params)  # refused here, before transformers is imported
+    from ..models import model_dir
+
     module = _server_module()
     argv = [sys.executable, "-m", module]
     if module.endswith("cli.main"):
@@ -102,3 +112,71 @@ def exec_serve(argv: Sequence[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], list(argv))
+
+
+def _value(argv: Sequence[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def ready_line(argv: Sequence[str], seconds: float) -> str:
+    """The one line printed when the server answers: URL, served model, vase method and budget, start-up time."""
+    host, port = _value(argv, "--host") or "127.0.0.1", _value(argv, "--port") or "8000"
+    model = _value(argv, "--served-model-name") or _value(argv, "--model") or "?"
+    section = _value(argv, "--additional-config")
+    if section:
+        vase = json.loads(section).get("vase", {})
+        what = f"method {vase.get('method')}, budget {vase.get('budget')}, window {vase.get('window')}"
+    else:
+        what = "method full (stock vLLM)"
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    return f"vase serve: ready at http://{shown}:{port}/v1 (model {model}, {what}) after {seconds:.0f} s"
+
+
+def _watch(argv: Sequence[str], proc: subprocess.Popen, ready_timeout: float, t0: float) -> None:
+    """Poll ``/health`` until the server answers: print the ready line (or, past ``ready_timeout``, guidance)."""
+    host, port = _value(argv, "--host") or "127.0.0.1", _value(argv, "--port") or "8000"
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health"
+    warned = False
+    while proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    print(ready_line(argv, time.monotonic() - t0), file=sys.stderr, flush=True)
+                    return
+        except OSError:
+            pass
+        if ready_timeout > 0 and not warned and time.monotonic() - t0 > ready_timeout:
+            warned = True
+            print(f"vase serve: not answering after {ready_timeout:.0f} s (still waiting): vLLM on a CPU often takes "
+                  f"1-2 minutes; check the log above for an error, lower --max-model-len or --kv-cache-memory-bytes, "
+                  f"or raise --ready-timeout", file=sys.stderr, flush=True)
+        time.sleep(1)
+
+
+def run_serve(argv: Sequence[str], ready_timeout: float = 300.0) -> int:
+    """Run vLLM's server (``argv`` from :func:`serve_argv`) as a child; print one line when it answers.
+
+    SIGINT and SIGTERM are passed on to the server (it shuts down its own way); returns its exit status.
+    """
+    require_vllm()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(list(argv))
+
+    def forward(signum, frame):  # noqa: ARG001 - signal handler signature
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        threading.Thread(target=_watch, args=(argv, proc, ready_timeout, t0), daemon=True).start()
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
