@@ -346,8 +346,9 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="takes no parameter"):
         EvalConfig(methods=["snapkv"], budgets=[128], method_params={"snapkv": {"bogus": 1}})
     with pytest.raises(ConfigError, match="larger than window"):
-        EvalConfig(methods=["snapkv"], budgets=[68], window=64)
-    EvalConfig(methods=["snapkv"], budgets=[69], window=64)
+        EvalConfig(methods=["vase-attnv"], budgets=[68], window=64)  # its 4 protected sinks need B > 68
+    EvalConfig(methods=["vase-attnv"], budgets=[69], window=64)
+    EvalConfig(methods=["snapkv"], budgets=[66], window=64)  # snapkv protects no sinks (was refused: issue 17)
     with pytest.raises(ConfigError, match="samples"):
         EvalConfig(samples=0)
     with pytest.raises(ConfigError, match="not in methods"):
