@@ -81,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.new_tokens, args.eager_tokens, args.budget, args.window = 48, 24, 24, 8
         args.backend = "aot_eager"  # seconds instead of minutes of compiling; tests/test_compile.py runs inductor
         args.check_methods = ("vase-attnv", "h2o")
+        args.deadline_s = float("inf")  # CI checks both parts whatever the machine's speed
     else:
         args.check_methods = COMPILED_CHECK
     return args
