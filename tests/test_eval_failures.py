@@ -1,7 +1,16 @@
-"""Failure classes: the rules on hand-made edge cases, and the confusion counts on a labelled fixture.
+"""Failure classes: the rules on hand-made edge cases, and minimum precision and recall per class on
+two labelled fixtures.
 
-tests/fixtures/failures.jsonl holds constructed completions (``source: constructed``) and real ones
-from runs of the embedded SmolLM2-135M (``source: real ...``), each labelled by hand.
+- tests/fixtures/failures.jsonl (the development set): constructed completions (``source: constructed``)
+  and real ones from runs of the embedded SmolLM2-135M (``source: real ...``), labelled by hand. The
+  rules were written while looking at it, so it only guards against regressions.
+- tests/fixtures/failures_heldout.jsonl (the held-out set): 40 completions of real runs under eviction
+  (embedded SmolLM2-135M, the embedded arith and recall tasks at small budgets), labelled by reading
+  each text before the classifier was run on any of them; the rules were not changed afterwards.
+  These runs looped once in 40, so the loop floor waits for more loops (the xfail below).
+
+Both assert floors, not counts: precision and recall of each class must reach the numbers in
+``DEV_FLOORS`` / ``HELDOUT_FLOORS`` (fixed before the held-out items were classified).
 """
 
 from __future__ import annotations
@@ -22,35 +31,81 @@ from vase.eval.failures import (
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "failures.jsonl"
+HELDOUT = Path(__file__).parent / "fixtures" / "failures_heldout.jsonl"
+
+#: class -> (minimum precision, minimum recall) on the development set.
+DEV_FLOORS = {"phrase_loop": (0.85, 0.85), "truncated": (0.85, 0.85), "ok": (0.85, 0.85), "garbage": (0.85, 0.85)}
+#: class -> (minimum precision, minimum recall) on the held-out set; a class is scored once it has
+#: at least MIN_CLASS_ITEMS labelled items (fewer make a rate meaningless).
+HELDOUT_FLOORS = {"phrase_loop": (0.80, 0.75), "truncated": (0.75, 0.75), "ok": (0.90, 0.90), "garbage": (0.50, 0.50)}
+MIN_CLASS_ITEMS = 3
 
 
-def load_fixture() -> list[dict]:
-    return [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines() if line.strip()]
+def load_fixture(path: Path = FIXTURE) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def precision_recall(pairs: list[tuple[str, str]], cls: str) -> tuple[float, float]:
+    """(precision, recall) of `cls` over (label, predicted) pairs; 1.0 where nothing was predicted / labelled."""
+    tp = sum(lab == cls and pred == cls for lab, pred in pairs)
+    predicted = sum(pred == cls for _, pred in pairs)
+    labelled = sum(lab == cls for lab, _ in pairs)
+    return (tp / predicted if predicted else 1.0), (tp / labelled if labelled else 1.0)
+
+
+def _check_floors(entries: list[dict], floors: dict[str, tuple[float, float]], min_items: int = 1) -> dict:
+    pairs = [(e["label"], classify_failure(e["text"], e["hit_length_cap"])) for e in entries]
+    scored = {}
+    for cls, (p_min, r_min) in floors.items():
+        if sum(lab == cls for lab, _ in pairs) < min_items:
+            continue
+        p, r = precision_recall(pairs, cls)
+        scored[cls] = (p, r)
+        assert p >= p_min and r >= r_min, (f"{cls}: precision {p:.2f} (floor {p_min}), recall {r:.2f} (floor {r_min}); "
+                                           f"confusion {dict(Counter(pairs))}")
+    return scored
+
+
+def test_precision_recall_by_hand() -> None:
+    pairs = [("ok", "ok"), ("ok", "truncated"), ("truncated", "truncated"), ("phrase_loop", "truncated")]
+    assert precision_recall(pairs, "truncated") == (1 / 3, 1.0)
+    assert precision_recall(pairs, "ok") == (1.0, 0.5)
+    assert precision_recall(pairs, "phrase_loop") == (1.0, 0.0)
+    assert precision_recall(pairs, "garbage") == (1.0, 1.0)
 
 
 def test_classes_tuple() -> None:
     assert FAILURE_CLASSES == ("garbage", "phrase_loop", "truncated", "ok")
 
 
-def test_fixture_confusion_counts() -> None:
+def test_development_fixture_floors() -> None:
     entries = load_fixture()
     assert len(entries) >= 30 and sum(e["source"].startswith("real") for e in entries) >= 10
-    confusion = Counter((e["label"], classify_failure(e["text"], e["hit_length_cap"])) for e in entries)
-    # (label, predicted) -> count.
-    assert dict(confusion) == EXPECTED_CONFUSION, dict(confusion)
-    assert sum(EXPECTED_CONFUSION.values()) == len(entries)
+    assert set(_check_floors(entries, DEV_FLOORS)) == set(FAILURE_CLASSES)
 
 
-# Measured on the 47 entries (26 constructed, 21 real). The one miss is real: "Then, we multiply 1.33 by
-# 1.33, which equals 1.33. Finally, we multiply ..." varies its first word, then leaves the loop for
-# "So, the final answer is" at the cap: neither sentence blocks nor back-to-back phrases repeat exactly.
-EXPECTED_CONFUSION = {
-    ("phrase_loop", "phrase_loop"): 8,
-    ("phrase_loop", "truncated"): 1,
-    ("ok", "ok"): 22,
-    ("truncated", "truncated"): 10,
-    ("garbage", "garbage"): 6,
-}
+def test_heldout_fixture_is_real() -> None:
+    entries = load_fixture(HELDOUT)
+    assert len(entries) >= 40 and all(e["source"].startswith("real") for e in entries)
+    assert len({e["text"] for e in entries}) == len(entries)  # no duplicates
+
+
+def test_heldout_fixture_floors() -> None:
+    scored = _check_floors(load_fixture(HELDOUT), HELDOUT_FLOORS, MIN_CLASS_ITEMS)
+    assert {"ok", "truncated"} <= set(scored)
+
+
+@pytest.mark.xfail(strict=True, reason="the held-out runs gave 1 loop in 40 completions: add real loops (e.g. greedy "
+                                      "runs at smaller budgets) until phrase_loop has 3+ items, then drop this mark")
+def test_heldout_fixture_scores_loops_beyond_the_length_cap() -> None:
+    """The loop floor is asserted, and the rule "capped -> truncated, else ok" misses some floor,
+    so the fixture tests more than the length cap."""
+    entries = load_fixture(HELDOUT)
+    assert "phrase_loop" in _check_floors(entries, HELDOUT_FLOORS, MIN_CLASS_ITEMS)
+    cap_only = [(e["label"], "truncated" if e["hit_length_cap"] else "ok") for e in entries]
+    assert any(sum(lab == cls for lab, _ in cap_only) >= MIN_CLASS_ITEMS
+               and not all(x >= m for x, m in zip(precision_recall(cap_only, cls), floors))
+               for cls, floors in HELDOUT_FLOORS.items()), "the length cap alone meets every floor"
 
 
 def test_sentence_loop_with_changing_numbers() -> None:
