@@ -336,6 +336,8 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="rebuild tables.md and the plot from results.json")
     ap.add_argument("--part", default="", help="write results-PART.json and skip configurations already in the "
                     "out dir's results*.json (parts can run in parallel)")
+    ap.add_argument("--reverse", action="store_true", help="run the configurations in reverse order")
+    ap.add_argument("--start", type=int, default=0, help="skip the first N configurations (in run order)")
     ap.add_argument("--skip-unquantized", action="store_true",
                     help="skip the kv_bits 16 configurations (eviction alone: no quantized entry, so unchanged by "
                          "the quantized cache's code)")
@@ -369,13 +371,18 @@ def main() -> None:
     token_bytes = cfg_m.num_hidden_layers * cfg_m.num_key_value_heads * 2 * head_dim  # x bytes per element
     rows = []
     wanted = set(filter(None, args.only.split(",")))
-    done = {(r["label"], r["tag"]) for f in out_dir.glob("results*.json") for r in json.loads(f.read_text())["rows"]} \
-        if args.part else set()
-    for cfg in configs():
-        if wanted and (cfg.tag or "main") not in wanted:
-            continue
-        if (label(cfg), cfg.tag) in done or (args.skip_unquantized and cfg.bits == 16):
-            continue
+    todo = [c for c in configs() if (not wanted or (c.tag or "main") in wanted)
+            and not (args.skip_unquantized and c.bits == 16)]
+    for cfg in (todo[::-1] if args.reverse else todo)[args.start:]:
+        if args.part:  # read before each configuration: parts running in parallel skip each other's results
+            done = set()
+            for f in out_dir.glob("results*.json"):
+                try:
+                    done |= {(r["label"], r["tag"]) for r in json.loads(f.read_text())["rows"]}
+                except json.JSONDecodeError:  # being written by another part
+                    pass
+            if (label(cfg), cfg.tag) in done:
+                continue
         t1 = time.time()
         per = []
         for t, ref in zip(trajs, refs):
