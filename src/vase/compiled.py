@@ -218,7 +218,7 @@ def teacher_forced(model, method: str, input_ids: torch.Tensor, attention_mask: 
     """Prefill left-padded `input_ids` [b, P], then feed the tokens `feed` [b, T] one step at a time.
 
     Eager (`steps` None) or with the compiled steps `steps` (eager until `ready`, as `decode_compiled`).
-    Returns (logits [T, b, vocab] float32, kept positions per layer [layer][row][kv_head] -> sorted sequence
+    Returns (logits [T, b, vocab] in the model dtype, kept positions per layer [layer][row][kv_head] -> sorted sequence
     indices, eviction events of layer 0). For comparing the two paths (tests, benchmarks/gpu_check.py).
     `on_step(t, stepper_or_None)` runs after step t."""
     b = input_ids.shape[0]
@@ -239,7 +239,7 @@ def teacher_forced(model, method: str, input_ids: torch.Tensor, attention_mask: 
                 out = stepper(tok, nxt)
             else:
                 out = model(input_ids=tok, position_ids=nxt, **cache_kwargs(cache), use_cache=True).logits[:, -1]
-            logits.append(out.float().clone())
+            logits.append(out.clone())  # own dtype: a float32 cast would turn 1e-15 differences into 1-ulp flips
             nxt = nxt + 1
             if on_step is not None:
                 on_step(t, stepper)
