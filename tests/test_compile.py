@@ -2,8 +2,9 @@
 cache through several evictions, no recompilation and no graph break at an eviction.
 
 Tiny float64 models on CPU; the compiled runs teacher-force the same tokens as the eager ones, so
-any difference is the step's. Tolerance: logits within 1e-9 (float64; inductor may reorder sums),
-kept sets (sequence positions stored per row and KV head) exactly equal.
+any difference is the step's. Kept sets (sequence positions stored per row and KV head): exactly
+equal. Logits: within 1e-9 with aot_eager (the eager kernels), 1e-5 with inductor (transformers
+computes the RoPE angles in float32 and inductor fuses that differently: 1e-7 seen).
 Every evicting method runs dynamo's full-graph capture with the `aot_eager` backend (fast); the
 inductor backend (the one users get) runs vase-attnv and h2o.
 """
@@ -72,7 +73,7 @@ def _assert_same(model, method, backend, batch=2):
     lc, kc, ec = run(model, method, CompiledSteps(backend=backend), batch=batch)
     assert ee == ec and ee >= 5, (ee, ec)
     assert ke == kc, f"{method}: kept sets differ"
-    torch.testing.assert_close(lc, le, rtol=0, atol=1e-9)
+    torch.testing.assert_close(lc, le, rtol=0, atol=1e-5 if backend == "inductor" else 1e-9)
 
 
 @pytest.mark.parametrize("method", EVICTING)
