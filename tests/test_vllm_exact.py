@@ -182,13 +182,19 @@ def test_streaming_input_requests_are_refused_in_one_line(preempting):
     assert "s1" not in core(preempting).scheduler.requests
 
 
-def test_a_request_whose_blocks_cannot_hold_its_physical_length_fails_loudly(tiny):
+@pytest.fixture(scope="module")
+def mismatched(tiny):
+    # Module-scoped: in process, tearing an engine down resets vLLM's distributed state the others still use.
+    return make_engine(tiny, additional_config("snapkv", 80, 16))
+
+
+def test_a_request_whose_blocks_cannot_hold_its_physical_length_fails_loudly(mismatched):
     """The invariant before every forward: if the scheduler handed back one block too many, the worker stops
     with one line instead of writing into a block it no longer owns."""
     from vase.vllm.scheduler import EvictingKVCacheManager
     from vase.vllm.steps import VaseStepError
 
-    llm = make_engine(tiny, additional_config("snapkv", 80, 16))
+    llm = mismatched
     manager = core(llm).scheduler.kv_cache_manager
     assert isinstance(manager, EvictingKVCacheManager)
     # The scheduler now follows B = 16 (at most 2 blocks for a 20-token prompt), the worker B = 80 (3 blocks).
