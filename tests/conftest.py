@@ -66,3 +66,12 @@ def qwen3():
 @pytest.fixture
 def tokenizer():
     return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny model and tokenizer saved to a folder, as a user's local checkpoint (one per test module)."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)

@@ -58,7 +58,9 @@ def test_rows_have_every_csv_column(rows):
     assert full["vs_full"] == pytest.approx(1.0) and full["vs_dynamic"] > 0 and full["eviction_fired"] is None
     attnv = pick(rows, "vase-attnv", 80)
     assert attnv["evictions"] == attnv["expected_evictions"] == expected_evictions(P, 80, B, W) == 7
-    assert attnv["eviction_fired"] is True and not attnv["flag"]
+    # No schedule flag; a "rate fell" note is a timing reading (noisy on a shared machine), not checked here.
+    assert attnv["eviction_fired"] is True
+    assert all(note.startswith("rate fell over the output") for note in attnv["flag"].split("; ") if note)
     assert attnv["vs_full"] == pytest.approx(attnv["tok_s"] / full["tok_s"])
     assert attnv["vs_dynamic"] == pytest.approx(attnv["tok_s"] / pick(rows, "dynamic", 80)["tok_s"])
     assert attnv["evict_ms"] > 0 and attnv["evict_step_ms"] == attnv["evict_step_ms"]  # measured, not NaN

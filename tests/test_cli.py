@@ -9,17 +9,8 @@ import sys
 import pytest
 
 import vase
-from vase.cli import first_divergence, main
-
-from .conftest import tiny_model, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_model().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
+from vase.cli import main
+from vase.eval.paired import first_divergence
 
 
 def run_cli(args, capsys, stdin: str | None = None, monkeypatch=None):

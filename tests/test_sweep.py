@@ -112,14 +112,6 @@ def test_run_sweep_on_a_tiny_model(tmp_path):
     assert "| quest |" in markdown_table(report) and "tokens attended per step" in markdown_table(report)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_model().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
-
-
 def _cli(args, capsys):
     from vase.cli import main
 

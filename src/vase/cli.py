@@ -129,7 +129,7 @@ def checked_params(methods: list[str], items: list[str] | None, *, budgets: list
     params = parse_params(items)
     for name in methods:
         policy = get_policy(name, **params)
-        if params and not (policy.evicts or getattr(policy, "selects", False)):
+        if params and not (policy.evicts or policy.selects):
             warn(f"--param {', '.join(sorted(params))} is ignored by {policy.name!r}: it keeps every token")
         for b in budgets or []:
             check_range("--budget", b)
@@ -165,14 +165,6 @@ def load(model: str | None, dtype: str, device: str, attn: str):
         return load_model(model, dtype=dtype, device=device, attn_implementation=attn)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 # -- vase methods ------------------------------------------------------------------------------------------------
 @app.command()
 def methods() -> None:
@@ -186,7 +178,7 @@ def methods() -> None:
     for name, cls in POLICIES.items():
         params = get_policy(name).params()
         shown = ", ".join(f"{k}={v}" for k, v in params.items())
-        table.add_row(name, cls.summary, shown if cls.evicts or getattr(cls, "selects", False) else "-")
+        table.add_row(name, cls.summary, shown if cls.evicts or cls.selects else "-")
     console.print(table)
     console.print("Modifiers compose with any method: -p value_guard=0.25 (or n_large=N), -p sample=true, "
                   "-p protect_sinks=true.")
@@ -230,14 +222,6 @@ def quant_options(kv_bits: int, quant_guard: int | None) -> dict:
     from .quant import quant_kwargs
 
     return quant_kwargs(kv_bits, quant_guard)
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token, or None if one is a prefix of the other and equal length."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @app.command()
@@ -329,6 +313,8 @@ def generate(
             if single:
                 console.out("")
             print_summary(compare, other)
+            from .eval.paired import first_divergence
+
             for r in range(len(batch)):
                 at = first_divergence(out.token_ids[r], other.token_ids[r])
                 label = f"prompt {start + r + 1}: " if not single else ""
@@ -360,6 +346,8 @@ def vllm_runner(model: str | None, dtype: str, device: str, window: int, seed: i
 
 
 def print_summary(method: str, out) -> None:
+    from .units import human_bytes
+
     s = out.stats
     console.print(
         f"[dim]{method}: {out.new_tokens} tokens, {out.tokens_per_second:.1f} tok/s, "

@@ -111,7 +111,7 @@ class StaticStepper:
 def compile_cache(model, cache: EvictionCache, batch: int, total: int):
     """The cache `decode_compiled` runs for `cache`'s method: transformers' StaticCache of `total`
     slots for `full`, else `cache` itself once it is checked compilable (one-line refusal otherwise)."""
-    if not cache.policy.evicts and not getattr(cache.policy, "selects", False):
+    if not cache.policy.evicts and not cache.policy.selects:
         if cache.quant is not None:
             raise CompileUnsupportedError("compile=True runs dense K/V storage only: drop kv_bits (or use "
                                           "compile=False)")

@@ -73,7 +73,7 @@ def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_g
         if quant_guard is not None or quant_select != "value" or key_scale:
             raise ValueError("quant_guard/quant_select only apply to a quantized cache: pass kv_bits=8, 4 or 2")
         return None
-    if getattr(policy, "selects", False):
+    if policy.selects:
         raise ValueError(f"{policy.name} selects from a full cache at every step; kv_bits applies to the owned "
                          "cache of an eviction method or 'full'")
     if kv_bits not in BITS:

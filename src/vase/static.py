@@ -52,7 +52,7 @@ def check_compilable(cache: EvictionCache, kernel: str) -> None:
     policy = cache.policy
     if cache.quant is not None:
         raise CompileUnsupportedError("compile=True runs dense K/V storage only: drop kv_bits (or use compile=False)")
-    if not policy.evicts or getattr(policy, "selects", False):
+    if not policy.evicts or policy.selects:
         raise CompileUnsupportedError(f"method {policy.name!r} has no static evicting form: compile=True supports "
                                       f"the evicting methods (and 'full' through transformers' StaticCache)")
     if kernel not in ("sdpa", "eager"):

@@ -151,7 +151,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
 
 def _selects(method: str) -> bool:
     name, params = parse_method(method)
-    return bool(getattr(get_policy(name, **params), "selects", False))
+    return get_policy(name, **params).selects
 
 
 def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[str]],
@@ -215,7 +215,7 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
                     if _selects(m):
                         b = quest_budget
                         seen = selection_attended_sum(P, T, b, t0, n_layers=n_layers,
-                                                      dense_layers=getattr(policy, "dense_layers", 0))
+                                                      dense_layers=sum(map(policy.attends_densely, range(n_layers))))
                     elif policy.evicts:
                         b, seen = budget, evicting_attended_sum(P, T, budget, window, t0)
                     else:  # full: everything visible

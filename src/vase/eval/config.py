@@ -109,7 +109,7 @@ def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
 def check_reserves(label: str, budget: int, policy: Policy, storage: Mapping[str, Any] | None = None) -> None:
     """Slots a method reserves must fit in the budget: ``n_large`` (the value guard) and ``quant_guard``
     (old tokens kept in full precision). ConfigError naming the parameter, the budget and the fix."""
-    n_large = getattr(policy, "n_large", None)
+    n_large = policy.n_large
     if policy.evicts and n_large is not None and n_large > budget:
         raise ConfigError(f"{label}: n_large ({n_large}) is larger than the budget ({budget}): the value guard "
                           f"reserves slots inside the budget; lower -p n_large or raise the budget")

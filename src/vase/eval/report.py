@@ -45,8 +45,9 @@ from vase.eval.paired import (
     paired_problem_diffs,
     sign_flip_test,
 )
-from vase.eval.config import records_of_run
+from vase.eval.config import FULL, records_of_run
 from vase.eval.store import FIDELITY, SAMPLES, atomic_write_text
+from vase.units import human_bytes
 
 __all__ = [
     "COLUMNS",
@@ -69,7 +70,6 @@ __all__ = [
     "PLOT_FILES",
 ]
 
-FULL = "full"
 
 #: summary.csv columns, in order. ``*_pct`` are percentages; ``*_lo`` / ``*_hi`` bound 95 % bootstrap
 #: intervals over problems; ``d_*`` are paired differences method - full; budget is empty for ``full``.
@@ -371,14 +371,6 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     p = Path(path)
     atomic_write_text(p, buf.getvalue())  # a reader never sees half a summary, a crash never leaves one
     return p
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
 
 
 def _interval(r: Mapping[str, Any], mean: str, lo: str, hi: str, fmt: str) -> str:

@@ -591,7 +591,7 @@ class _Runner:
             # Means over the targets after the first eviction only: earlier ones are full's own and dilute it.
             # Selection (Quest) is measured from the same target on as the eviction methods at its budget.
             t_ev = first_evicted_target(len(prompt_ids), budget=u.budget, window=c.window,
-                                        evicts=spec.evicts or getattr(spec.policy, "selects", False))
+                                        evicts=spec.evicts or spec.policy.selects)
             extra["first_evicted"] = t_ev
             extra["n_tokens_evicted"] = max(0, len(targets) - t_ev) if t_ev is not None else 0
             if t_ev is not None and t_ev < len(targets):

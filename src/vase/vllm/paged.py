@@ -123,8 +123,7 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
             slot_state[name] = torch.zeros(1, h, length, dtype=torch.float32, device=keys.device)
         extra[name] = slot_state[name][:, :, :n_cand]
     if layer not in state.layer_state:  # hook 2: drawn once per layer, right before its first eviction
-        init = getattr(policy, "init_layer_state", None)
-        state.layer_state[layer] = init(1, h, keys.shape[-1], [state.generator], keys.device) if init else {}
+        state.layer_state[layer] = policy.init_layer_state(1, h, keys.shape[-1], [state.generator], keys.device)
     extra.update(state.layer_state[layer])
     generator = [state.generator] if policy.stochastic else None
     kept = policy.select(keys[:, :, :n_cand], values[:, :, :n_cand], queries if policy.needs_queries else None,
