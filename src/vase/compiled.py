@@ -15,7 +15,6 @@ The model call stays transformers' own; only the step function around it is comp
 
 from __future__ import annotations
 
-import time
 import types
 from collections.abc import Callable, Sequence
 
@@ -25,6 +24,7 @@ from transformers import StaticCache
 from .attention import uninstall
 from .cache import EvictionCache
 from .compat import cache_kwargs
+from .generation import prefill, sampler_generators
 from .static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, ready, static_kernel
 
 
@@ -135,9 +135,8 @@ def decode_compiled(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     decode_compiled.last_cache = None
     b = input_ids.shape[0]
     device = input_ids.device
-    generators = [torch.Generator(device=device).manual_seed(s + 1_000_003) for s in seeds]
+    generators = sampler_generators(seeds, device)
     eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     full = isinstance(cache, StaticCache)
     if not full:
         check_compilable(cache, static_kernel(model))
@@ -150,15 +149,11 @@ def decode_compiled(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
             step_mask = torch.ones(b, total, dtype=attention_mask.dtype, device=device)
             step_mask[:, :input_ids.shape[1]] = attention_mask
 
-    start = time.perf_counter()
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cache_kwargs(cache),
-                use_cache=True, logits_to_keep=1)
-    prefill_seconds = time.perf_counter() - start
+    positions, logits, prefill_seconds = prefill(model, input_ids, attention_mask, cache)
     generated: list[list[int]] = [[] for _ in range(b)]
     finished = [False] * b
     done_rows = [False] * b
     next_pos = positions[:, -1:] + 1
-    logits = out.logits[:, -1]
     stepper: StaticStepper | None = None
     try:
         for _ in range(max_new_tokens):
@@ -223,9 +218,7 @@ def teacher_forced(model, method: str, input_ids: torch.Tensor, attention_mask: 
     `on_step(t, stepper_or_None)` runs after step t."""
     b = input_ids.shape[0]
     cache = EvictionCache(model, method, budget, window, seed=list(seeds or range(7, 7 + b)), **params)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cache_kwargs(cache),
-          use_cache=True, logits_to_keep=1)
+    positions, _, _ = prefill(model, input_ids, attention_mask, cache)
     nxt = positions[:, -1:] + 1
     logits, stepper = [], None
     try:

@@ -105,6 +105,26 @@ def encode_prompts(tokenizer, prompts: Sequence[str], chat_template: bool = True
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
+def sampler_generators(seeds: Sequence[int], device: torch.device) -> list[torch.Generator]:
+    """One sampling generator per row, seeded apart from the cache's eviction generators (same seeds).
+
+    Shared by the eager and the compiled decode, so both sample the same tokens."""
+    return [torch.Generator(device=device).manual_seed(s + 1_000_003) for s in seeds]
+
+
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                           float]:
+    """Run the prompt through `model` into `cache`.
+
+    input_ids, attention_mask: [b, P] (left padding). Returns the positions [b, P] (padding at 0),
+    the last position's logits [b, vocab] and the prefill's wall seconds."""
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    start = time.perf_counter()
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cache_kwargs(cache),
+                use_cache=True, logits_to_keep=1)
+    return positions, out.logits[:, -1], time.perf_counter() - start
+
+
 @torch.inference_mode()
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, *, max_new_tokens: int,
            sampler: Sampler, seeds: Sequence[int], eos_token_ids: Sequence[int] = (), ignore_eos: bool = False,
@@ -118,19 +138,13 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
     """
     b = input_ids.shape[0]
     device = input_ids.device
-    generators = [torch.Generator(device=device).manual_seed(s + 1_000_003) for s in seeds]
+    generators = sampler_generators(seeds, device)
     eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-    start = time.perf_counter()
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cache_kwargs(cache),
-                use_cache=True, logits_to_keep=1)
-    prefill_seconds = time.perf_counter() - start
+    positions, logits, prefill_seconds = prefill(model, input_ids, attention_mask, cache)
     generated: list[list[int]] = [[] for _ in range(b)]
     finished = [False] * b
     active = list(range(b))
     next_pos = positions[:, -1:] + 1
-    logits = out.logits[:, -1]
     for _ in range(max_new_tokens):
         tokens = sampler(logits, [generators[r] for r in active])
         done = torch.isin(tokens, eos).tolist() if not ignore_eos else [False] * len(active)
