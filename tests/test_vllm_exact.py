@@ -8,8 +8,6 @@ first step whose top-2 margin is below that tolerance.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 
 import pytest
@@ -18,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 import torch  # noqa: E402
 
-from tests.vllm_tiny import save_tiny_llama  # noqa: E402
+from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm  # noqa: E402
 from vase import schedule  # noqa: E402
 from vase.policies import get_policy, method_names  # noqa: E402
 from vase.vllm import VaseVllmConfig, additional_config, request_stats  # noqa: E402
@@ -28,47 +26,16 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads, head_dim 
 EVICTING = [m for m in method_names() if get_policy(m).evicts]
 
 
-@contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def make_engine(path: str, vase: dict | None, pool_blocks: int = 32, **kwargs):
-    from vllm import LLM
-
     options = dict(model=path, max_model_len=512, kv_cache_memory_bytes=pool_blocks * BLOCK * BYTES_PER_TOKEN,
                    block_size=BLOCK, enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8)
     options.update(kwargs)
-    with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1"):
-        return LLM(**options, additional_config=vase or {})
-
-
-def core(llm):
-    return llm.llm_engine.engine_core.engine_core
-
-
-def runner(llm):
-    return core(llm).model_executor.driver_worker.worker.model_runner
-
-
-def greedy(max_tokens: int, **kw):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+    return start_llm(options, vase)
 
 
 def prompt_ids(n: int, salt: int = 0) -> list[int]:

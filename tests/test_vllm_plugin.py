@@ -7,7 +7,6 @@ Each engine configuration is built once per module (a start takes 10-20 s here).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 import torch  # noqa: E402
 
+from tests.vllm_tiny import core, greedy, runner, start_llm  # noqa: E402
 from vase import schedule  # noqa: E402
 from vase.vllm import VaseConfigError, VaseVllmConfig, additional_config, max_blocks, request_stats  # noqa: E402
 
@@ -41,42 +41,11 @@ def _block_bytes(path: str) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4 * BLOCK  # float32
 
 
-@contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def make_engine(path: str, vase: dict | None = None, **kwargs):
-    from vllm import LLM
-
     options = dict(model=path, max_model_len=MAX_LEN, kv_cache_memory_bytes=POOL_BLOCKS * _block_bytes(path),
                    block_size=BLOCK, enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8)
     options.update(kwargs)
-    with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1"):
-        return LLM(**options, additional_config=vase or {})
-
-
-def core(llm):
-    return llm.llm_engine.engine_core.engine_core
-
-
-def runner(llm):
-    return core(llm).model_executor.driver_worker.worker.model_runner
-
-
-def greedy(max_tokens: int, **kw):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+    return start_llm(options, vase)
 
 
 def prompt_ids(n: int, salt: int = 0) -> list[int]:
