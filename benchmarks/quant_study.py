@@ -22,17 +22,17 @@ import argparse
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
 from vase.eval.grading import is_correct
 from vase.eval.prompts import build_prompt
 from vase.eval.tasks import load_task
-from vase.generation import Sampler, decode, encode_prompts, eos_ids
+from vase.generation import Sampler, decode, encode_prompts, eos_ids, forced_log_probs
 from vase.models import load_model
 from vase.quant_cache import QuantLayer, entry_bytes
 
@@ -95,39 +95,35 @@ def held_bytes(cache: EvictionCache, full_bytes: int) -> int:
     return total
 
 
-@torch.inference_mode()
 def forced(model, prompt: list[int], target: list[int], cfg: Config, budget: int, seed: int) -> dict:
-    """Teacher-force `target` through the configured cache: log-probs [T, V], peak bytes, first eviction."""
+    """Teacher-force `target` [T] through the configured cache (`vase.generation.forced_log_probs`, observed
+    chunk by chunk): log-probs [T, V], peak bytes, first eviction."""
     kw = dict(cfg.params)
     if cfg.bits != 16:
         kw.update(kv_bits=cfg.bits, quant_guard=cfg.guard, quant_group=GROUP, quant_select=cfg.select,
                   flush_every=FLUSH)
-    cache = EvictionCache(model, cfg.method, budget, WINDOW, seed=[seed],
-                          max_length=len(prompt) + len(target), **kw)
-    p = torch.tensor([prompt])
-    out = model(input_ids=p, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
-    pieces = [out.logits[0, -1:].float().log_softmax(-1)]
-    layer0 = cache.layers[0]
-    peak16 = peak32 = 0
-    first_evict = None
-    fed, total = 0, len(target) - 1
-    tgt = torch.tensor(target)
-    steady = not cache.policy.evicts
-    while fed < total:
-        if steady:  # bytes once the cache is in its steady state (after the first eviction)
-            peak16, peak32 = max(peak16, held_bytes(cache, 2)), max(peak32, held_bytes(cache, 4))
-        n = min(layer0.room(), total - fed)
-        chunk = tgt[fed:fed + n].view(1, -1)
-        pos = torch.arange(layer0.seen, layer0.seen + n).view(1, -1)
-        out = model(input_ids=chunk, position_ids=pos, **cache_kwargs(cache), use_cache=True)
-        if first_evict is None and layer0.evictions:
-            first_evict = fed + 1  # row fed+1 of the log-probs is the first one predicted after it
-            steady = True
-        pieces.append(out.logits[0].float().log_softmax(-1))
-        fed += n
-    peak16, peak32 = max(peak16, held_bytes(cache, 2)), max(peak32, held_bytes(cache, 4))
-    return {"logprobs": torch.cat(pieces), "peak16": peak16, "peak32": peak32, "first_evict": first_evict,
-            "evictions": layer0.evictions}
+    seen: dict = {"cache": None, "peak16": 0, "peak32": 0, "first_evict": None, "steady": None}
+
+    @contextmanager
+    def observe(cache: EvictionCache, start: int, n: int):
+        if seen["steady"] is None:
+            seen["cache"], seen["steady"] = cache, not cache.policy.evicts
+        if seen["steady"]:  # bytes once the cache is in its steady state (after the first eviction)
+            seen["peak16"] = max(seen["peak16"], held_bytes(cache, 2))
+            seen["peak32"] = max(seen["peak32"], held_bytes(cache, 4))
+        yield
+        if seen["first_evict"] is None and cache.layers[0].evictions:
+            seen["first_evict"] = start + 1  # row start+1 of the log-probs is the first one predicted after it
+            seen["steady"] = True
+
+    logprobs = forced_log_probs(model, prompt, target, method=cfg.method, budget=budget, window=WINDOW, seed=seed,
+                                on_chunk=observe, **kw)
+    cache = seen["cache"]
+    if cache is None:
+        raise ValueError(f"a target of {len(target)} tokens feeds no chunk: the study needs at least 2")
+    peak16, peak32 = max(seen["peak16"], held_bytes(cache, 2)), max(seen["peak32"], held_bytes(cache, 4))
+    return {"logprobs": logprobs, "peak16": peak16, "peak32": peak32, "first_evict": seen["first_evict"],
+            "evictions": cache.layers[0].evictions}
 
 
 def configs() -> list[Config]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -293,10 +294,14 @@ def _final_stats(cache, compiled: bool) -> dict:
     return cache.stats()
 
 
-def eos_ids(model, tokenizer) -> list[int]:
-    """Every token that ends generation: the generation config's EOS ids and the tokenizer's."""
+def eos_ids(model, tokenizer, *, generation_eos: int | Sequence[int] | None = None) -> list[int]:
+    """Every token that ends generation: the generation config's EOS ids and the tokenizer's, sorted.
+
+    model: a transformers model (its ``generation_config.eos_token_id`` is read), or None with
+    ``generation_eos`` given instead (another engine's generation config, e.g. vLLM's)."""
     found: set[int] = set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    gen_eos = (generation_eos if model is None
+               else getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     for value in (gen_eos, tokenizer.eos_token_id):
         if isinstance(value, int):
             found.add(value)
@@ -305,16 +310,30 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(found)
 
 
+#: ``on_chunk(cache, start, n)`` of :func:`forced_log_probs`: a context manager entered around each chunk's forward.
+ChunkObserver = Callable[[EvictionCache, int, int], AbstractContextManager]
+
+
 @torch.inference_mode()
 def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
                      method: str | Policy = "full", budget: int = 512, window: int = 64, seed: int = 0,
-                     max_chunk: int | None = None, **method_params) -> torch.Tensor:
+                     max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
+                     **method_params) -> torch.Tensor:
     """Teacher-force `target_ids` after `prompt_ids` through a cache evicted by `method`.
 
-    Returns float32 log-probabilities [T, vocab]: row t is the distribution that predicted
-    target t. Tokens are fed in chunks that end exactly where token-by-token decoding would
-    evict, so the cache evicts the same way as when generating; `max_chunk` caps the tokens per call
-    (full in chunks of `w` measures the arithmetic noise floor of the fidelity metrics).
+    prompt_ids: [P] token ids; target_ids: [T] token ids (T >= 1). Returns float32 log-probabilities
+    [T, vocab] on the model's device: row t is the distribution that predicted target t. Tokens are
+    fed in chunks that end exactly where token-by-token decoding would evict, so the cache evicts the
+    same way as when generating; `max_chunk` caps the tokens per call (full in chunks of `w` measures
+    the arithmetic noise floor of the fidelity metrics). Extra keyword arguments go to the
+    EvictionCache (the method's parameters, ``kv_bits``, ...).
+
+    on_chunk: the studies' window on the loop (they observe it instead of copying it). For each chunk
+    of targets ``target_ids[start:start + n]`` (they yield rows ``start + 1 .. start + n``),
+    ``on_chunk(cache, start, n)`` returns a context manager entered just before that chunk's forward
+    and left just after it: state read on entry is the cache before the chunk, on exit after it (an
+    eviction made by the chunk shows in the layers' ``evictions``). The prompt's forward is not a
+    chunk; T = 1 feeds no chunk at all.
     """
     device = next(model.parameters()).device
     prompt = torch.as_tensor(prompt_ids, device=device).view(1, -1)
@@ -331,7 +350,8 @@ def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids
         n = min(layer0.room(), total - fed, max_chunk or total)
         chunk = target[fed:fed + n].view(1, -1)
         pos = torch.arange(layer0.seen, layer0.seen + n, device=device).view(1, -1)
-        out = model(input_ids=chunk, position_ids=pos, **cache_kwargs(cache), use_cache=True)
+        with on_chunk(cache, fed, n) if on_chunk is not None else nullcontext():
+            out = model(input_ids=chunk, position_ids=pos, **cache_kwargs(cache), use_cache=True)
         pieces.append(out.logits[0].float().log_softmax(-1))
         fed += n
     return torch.cat(pieces)

@@ -25,13 +25,12 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..cache import EvictionCache
-from ..compat import cache_kwargs
 from ..policies import get_policy
 
 # -- mechanics (pure tensor code, tested on hand-made inputs) -------------------------------------------------
@@ -178,26 +177,25 @@ class Trace:
 def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *, method: str = "full",
                   budget: int = 512, window: int = 64, seed: int = 0, reference: torch.Tensor | None = None,
                   keep_outputs: bool = False, **method_params) -> Trace:
-    """Teacher-force `target_ids` after `prompt_ids` as `vase.generation.forced_log_probs` does (same
-    chunks, same evictions, same log-probs) while recording kept sets and attention outputs.
+    """Teacher-force `target_ids` [T] after `prompt_ids` [P] through `vase.generation.forced_log_probs`
+    (same chunks, same evictions, same log-probs), observing each chunk to record kept sets and
+    attention outputs.
 
     reference: [layers, T - 1, hidden] attention outputs of a full run; the trace then holds the
     relative error per layer and fed target. keep_outputs: keep this run's own outputs (for full).
     """
-    device = next(model.parameters()).device
-    prompt = torch.as_tensor(list(prompt_ids), device=device).view(1, -1)
-    target = torch.as_tensor(list(target_ids), device=device).view(-1)
-    P, T = prompt.shape[1], target.numel()
+    from ..generation import forced_log_probs
+
+    P, T = len(prompt_ids), len(target_ids)
     if T < 2:
         raise ValueError(f"need at least 2 target tokens to trace, got {T}")
     n_total = P + T
-    cache = EvictionCache(model, method, budget, window, seed=[seed], max_length=n_total, **method_params)
     mods = attention_modules(model)
     n_layers = len(mods)
     hidden = model.config.get_text_config().hidden_size
     outputs = torch.zeros(n_layers, T - 1, hidden) if keep_outputs else None
     errors = torch.zeros(n_layers, T - 1) if reference is not None else None
-    fed = [0]  # targets fed before the current chunk; -1 during the prompt
+    fed = [-1]  # targets fed before the current chunk; -1 outside the chunks (the prompt)
 
     def hook(module, args, output):
         if fed[0] < 0:
@@ -209,33 +207,30 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
         if errors is not None:
             errors[module.layer_idx, a:b] = relative_error(out, reference[module.layer_idx, a:b])
 
-    handles = [m.register_forward_hook(hook) for m in mods]
     trace = Trace(log_probs=torch.empty(0), attn_out=None, attn_err=None)
-    try:
-        fed[0] = -1
-        out = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
-        pieces = [out.logits[0, -1:].float().log_softmax(-1).cpu()]
+
+    @contextmanager
+    def observe(cache, start: int, n: int):
         layers = cache.layers
-        total, done = T - 1, 0
-        while done < total:
-            n = min(layers[0].room(), total - done)
-            before = [layer.evictions for layer in layers]
-            offered = torch.stack([_held(layer, n_total, layer.length - window) for layer in layers])
-            fed[0] = done
-            chunk = target[done:done + n].view(1, -1)
-            pos = torch.arange(layers[0].seen, layers[0].seen + n, device=device).view(1, -1)
-            out = model(input_ids=chunk, position_ids=pos, **cache_kwargs(cache), use_cache=True)
-            pieces.append(out.logits[0].float().log_softmax(-1).cpu())
-            if any(layer.evictions != b for layer, b in zip(layers, before)):
-                held = torch.stack([_held(layer, n_total) for layer in layers])
-                trace.candidates.append(offered)
-                trace.kept.append(held & offered)
-                trace.evict_targets.append(done + 1)  # row done + 1 is the first predicted after the eviction
-            done += n
+        before = [layer.evictions for layer in layers]
+        offered = torch.stack([_held(layer, n_total, layer.length - window) for layer in layers])
+        fed[0] = start
+        yield
+        fed[0] = -1
+        if any(layer.evictions != b for layer, b in zip(layers, before)):
+            held = torch.stack([_held(layer, n_total) for layer in layers])
+            trace.candidates.append(offered)
+            trace.kept.append(held & offered)
+            trace.evict_targets.append(start + 1)  # row start + 1 is the first predicted after the eviction
+
+    handles = [m.register_forward_hook(hook) for m in mods]
+    try:
+        log_probs = forced_log_probs(model, list(prompt_ids), list(target_ids), method=method, budget=budget,
+                                     window=window, seed=seed, on_chunk=observe, **method_params)
     finally:
         for h in handles:
             h.remove()
-    trace.log_probs = torch.cat(pieces)
+    trace.log_probs = log_probs.cpu()
     trace.attn_out, trace.attn_err = outputs, errors
     return trace
 
