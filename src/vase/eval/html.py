@@ -21,11 +21,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vase.eval.cells import LEGEND, table_cells
+from vase.eval.config import FULL, records_of_run
 from vase.eval.paired import first_divergence
-from vase.eval.report import (FULL, LEGEND, _noise_line, conclusion, figures, run_header, run_window, summary_rows,
-                              table_cells)
-from vase.eval.config import records_of_run
+from vase.eval.plots import figures
+from vase.eval.report import run_header, run_window
 from vase.eval.store import FIDELITY, SAMPLES
+from vase.eval.table import conclusion, noise_line, row_label, summary_rows
 
 __all__ = ["write_report", "render_report", "common_prefix"]
 
@@ -89,10 +91,6 @@ def _highlighted(text: str, start: int | None) -> str:
     return _e(text[:start]) + '<span class="div">' + _e(text[start:]) + "</span>"
 
 
-def _label(r: Mapping[str, Any]) -> str:
-    return r["method"] if r.get("budget") is None else f"{r['method']} B={r['budget']}"
-
-
 def _inspect_entries(dirs: Sequence[Path]) -> list[dict[str, Any]]:
     """``vase inspect`` outputs: each folder with inspect.json and kept.png."""
     found = []
@@ -140,7 +138,7 @@ def _problem_section(pid: str, recs: Sequence[Mapping[str, Any]], question: str 
                 f'<div class="kept"><img alt="kept-token map" src="data:image/png;base64,{_file_png(e["png"])}"></div>'
                 for e in kept[:1])
             cells.append(
-                f'<div class="cell"><b>{_e(_label(r))}</b><span class="badge {_e(r.get("failure"))}">'
+                f'<div class="cell"><b>{_e(row_label(r))}</b><span class="badge {_e(r.get("failure"))}">'
                 f'{_e(r.get("failure"))}</span> · answer <span class="{right}">{_e(r.get("answer"))}</span>'
                 f' · {_e(r.get("length"))} tokens · {_e(r.get("evictions") or 0)} evictions{_e(div)}'
                 f"<pre>{_highlighted(r.get('text') or '', start)}</pre>{kept_html}</div>")
@@ -175,7 +173,7 @@ def render_report(run_dir: str | Path, *, inspect_dirs: Sequence[str | Path] = (
     figs = figures(rows, samples)
     plots = "".join(f'<figure><img class="plot" alt="{_e(_PLOT_TITLES[k])}" src="data:image/png;base64,{_png(f)}">'
                     f"</figure>" for k, f in figs.items())
-    noise = _noise_line(rows)
+    noise = noise_line(rows)
     by_problem: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in samples:
         by_problem[str(r["problem_id"])].append(r)
