@@ -8,7 +8,8 @@ Three sources, tried in this order:
 3. The embedded tasks ``arith`` / ``arith-N``: seeded multi-step arithmetic word problems
    with exact integer answers, and ``recall`` / ``recall-N``: a value stated first, then N
    steps of unrelated actions, then the question about the value (what a method keeps decides
-   whether the value is still there when the answer is written). Neither needs a download.
+   whether the value is still there when the answer is written). Neither needs a download;
+   they are generated in :mod:`vase.eval.synthetic` (its names are re-exported here).
 
 Every failure a user can cause (missing file, bad JSON line, missing field, unknown name,
 no hub access) raises :class:`TaskError` with a message that says what to do.
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from vase.eval.grading import last_boxed
+from vase.eval.problems import Problem, TaskError
+from vase.eval.synthetic import (ARITH_DEFAULT_SIZE, ARITH_DEFAULT_STEPS, RECALL_DEFAULT_STEPS, apply_arith_op,
+                                 generate_arith, generate_recall, load_synthetic, synthetic_family)
 
 __all__ = [
     "Problem",
@@ -34,6 +36,7 @@ __all__ = [
     "TASK_NAMES",
     "ARITH_DEFAULT_STEPS",
     "ARITH_DEFAULT_SIZE",
+    "RECALL_DEFAULT_STEPS",
     "DATA_DIR_ENV",
     "task_kind",
     "load_task",
@@ -45,9 +48,6 @@ __all__ = [
 ]
 
 DATA_DIR_ENV = "VASE_DATA_DIR"
-ARITH_DEFAULT_STEPS = 3
-ARITH_DEFAULT_SIZE = 200
-RECALL_DEFAULT_STEPS = 4
 
 # Field names tried, in order, when the caller names none (hub formats differ per task).
 _QUESTION_FIELDS = ("question", "problem", "Question", "Problem")
@@ -55,25 +55,6 @@ _ANSWER_FIELDS = ("answer", "Answer")
 # Extra row fields kept in Problem.meta only when small: solutions and rationales are long
 # and are not needed once the gold answer is extracted.
 _META_MAX_CHARS = 200
-
-
-class TaskError(ValueError):
-    """A task cannot be loaded; the message says why and what to do."""
-
-
-@dataclass
-class Problem:
-    """One evaluation problem.
-
-    ``answer`` is the gold final answer as a string (for GSM8K the number after ``####``
-    with thousands separators removed). ``task`` is the task name, used to pick the prompt.
-    """
-
-    id: str
-    question: str
-    answer: str
-    task: str
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,10 +79,6 @@ HUB_TASKS: dict[str, HubTask] = {
 #: Every task name :func:`load_task` accepts without a file (``arith-N`` too).
 TASK_NAMES: tuple[str, ...] = (*HUB_TASKS, "arith", "recall")
 
-_ARITH_RE = re.compile(r"^arith(?:-(\d+))?$")
-_RECALL_RE = re.compile(r"^recall(?:-(\d+))?$")
-
-
 def task_kind(name: str) -> Literal["gsm8k", "math", "recall"]:
     """Prompt family of a task: ``"gsm8k"`` for GSM8K and arith, ``"recall"`` for recall,
     ``"math"`` otherwise.
@@ -110,9 +87,10 @@ def task_kind(name: str) -> Literal["gsm8k", "math", "recall"]:
     name starting with ``gsm8k`` gets the GSM8K prompt.
     """
     n = name.strip().lower()
-    if _RECALL_RE.match(n):
+    family = synthetic_family(n)
+    if family == "recall":
         return "recall"
-    if n.startswith("gsm8k") or _ARITH_RE.match(n):
+    if n.startswith("gsm8k") or family == "arith":
         return "gsm8k"
     return "math"
 
@@ -332,140 +310,6 @@ def _load_named(
     )
 
 
-# ----------------------------------------------------------------------------- arith
-
-_NAMES = (
-    ("Mia", "she"), ("Leo", "he"), ("Ava", "she"), ("Noah", "he"), ("Zoe", "she"),
-    ("Omar", "he"), ("Lena", "she"), ("Ravi", "he"), ("Ines", "she"), ("Tom", "he"),
-)
-_ITEMS = ("apples", "marbles", "stickers", "coins", "books", "pencils", "cards", "shells")
-_MAX_VALUE = 200  # keeps every intermediate value small enough to do in one's head
-_MAX_DELTA = 20
-
-# op -> (sentence templates, function); {k} is the operand, {pro} the pronoun.
-_OPS: dict[str, tuple[tuple[str, ...], Callable[[int, int], int]]] = {
-    "+": (("buys {k} more", "finds {k} more", "is given {k} more"), lambda v, k: v + k),
-    "-": (("gives away {k}", "loses {k}", "sells {k}"), lambda v, k: v - k),
-    "*": (("doubles what {pro} has", "triples what {pro} has"), lambda v, k: v * k),
-    "/": (("gives away half of them",), lambda v, k: v // k),
-}
-
-
-def _arith_step(rng: random.Random, v: int) -> tuple[str, int, str]:
-    """Choose one operation valid for the current value ``v`` (results stay in 1.._MAX)."""
-    choices: list[str] = []
-    if v + 1 <= _MAX_VALUE:
-        choices.append("+")
-    if v >= 2:
-        choices.append("-")
-    if v * 2 <= _MAX_VALUE:
-        choices.append("*")
-    if v >= 4 and v % 2 == 0:
-        choices.append("/")
-    op = rng.choice(choices)
-    if op == "+":
-        k = rng.randint(1, min(_MAX_DELTA, _MAX_VALUE - v))
-        phrase = rng.choice(_OPS["+"][0])
-    elif op == "-":
-        k = rng.randint(1, min(_MAX_DELTA, v - 1))
-        phrase = rng.choice(_OPS["-"][0])
-    elif op == "*":
-        k = 3 if v * 3 <= _MAX_VALUE and rng.random() < 0.3 else 2
-        phrase = _OPS["*"][0][0 if k == 2 else 1]
-    else:
-        k = 2
-        phrase = _OPS["/"][0][0]
-    return op, k, phrase
-
-
-def apply_arith_op(value: int, op: str, k: int) -> int:
-    """Apply one arith step; used by the generator and to check answers independently."""
-    return _OPS[op][1](value, k)
-
-
-def generate_arith(
-    n: int = ARITH_DEFAULT_SIZE, *, steps: int = ARITH_DEFAULT_STEPS, seed: int = 0
-) -> list[Problem]:
-    """Generate ``n`` arithmetic word problems of ``steps`` operations each.
-
-    Example: "Mia has 12 apples. She buys 7 more. Then she gives away 5. Then she doubles
-    what she has. How many apples does Mia have now?" (answer 28). One ``random.Random``
-    seeded with ``seed`` is drawn from in order, so the first ``m`` problems of any set are
-    the same whatever ``n`` is. Every intermediate value is a positive integer <= 200;
-    ``meta`` holds ``start`` and ``ops`` (``[op, k]`` pairs) to re-derive the answer.
-    """
-    if steps < 1:
-        raise TaskError(f"arith needs at least 1 step, got {steps}")
-    if n < 0:
-        raise TaskError(f"arith set size must be >= 0, got {n}")
-    rng = random.Random(seed)
-    name = "arith" if steps == ARITH_DEFAULT_STEPS else f"arith-{steps}"
-    problems: list[Problem] = []
-    for i in range(n):
-        person, pro = rng.choice(_NAMES)
-        item = rng.choice(_ITEMS)
-        v = rng.randint(2, _MAX_DELTA)
-        start = v
-        sentences = [f"{person} has {v} {item}."]
-        ops: list[list[Any]] = []
-        for s in range(steps):
-            op, k, phrase = _arith_step(rng, v)
-            v = apply_arith_op(v, op, k)
-            assert 1 <= v <= _MAX_VALUE  # the op choice above guarantees this
-            lead = pro.capitalize() if s == 0 else f"Then {pro}"
-            sentences.append(f"{lead} {phrase.format(k=k, pro=pro)}.")
-            ops.append([op, k])
-        sentences.append(f"How many {item} does {person} have now?")
-        problems.append(
-            Problem(
-                id=f"{name}-{i:04d}",
-                question=" ".join(sentences),
-                answer=str(v),
-                task=name,
-                meta={"index": i, "source": f"arith(seed={seed}, steps={steps})",
-                      "start": start, "ops": ops, "steps": steps},
-            )
-        )
-    return problems
-
-
-# ----------------------------------------------------------------------------- recall
-
-_ACTIONS = (
-    "walks to the park", "reads a book", "feeds the cat", "calls a friend", "paints a fence", "bakes bread",
-    "waters the plants", "cleans the kitchen", "writes a letter", "plays the piano", "visits the library",
-    "rides a bike",
-)
-
-
-def generate_recall(n: int = ARITH_DEFAULT_SIZE, *, steps: int = RECALL_DEFAULT_STEPS, seed: int = 0) -> list[Problem]:
-    """Generate ``n`` recall problems: a value first, ``steps`` unrelated actions, then the question.
-
-    Example (steps=2): "Leo has a box with 47 coins. Then Leo reads a book. Then Leo bakes bread.
-    How many coins are in the box?" (answer 47). The prompt (:mod:`vase.eval.prompts`) asks for
-    "The answer is N."; with a window ``w`` of 4 the first eviction comes before the number is
-    written, so the answer depends on whether the value was kept. Values are 11..99; one
-    ``random.Random(seed)`` is drawn from in order (prefix-stable like arith).
-    """
-    if not 1 <= steps <= len(_ACTIONS):
-        raise TaskError(f"recall needs 1 to {len(_ACTIONS)} steps, got {steps}")
-    if n < 0:
-        raise TaskError(f"recall set size must be >= 0, got {n}")
-    rng = random.Random(seed)
-    name = "recall" if steps == RECALL_DEFAULT_STEPS else f"recall-{steps}"
-    problems = []
-    for i in range(n):
-        person, _ = rng.choice(_NAMES)
-        value = rng.randint(11, 99)
-        acts = " ".join(f"Then {person} {a}." for a in rng.sample(_ACTIONS, steps))
-        problems.append(Problem(
-            id=f"{name}-{i:04d}", question=f"{person} has a box with {value} coins. {acts} How many coins are in "
-                                          f"the box?",
-            answer=str(value), task=name,
-            meta={"index": i, "source": f"recall(seed={seed}, steps={steps})", "steps": steps}))
-    return problems
-
-
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -505,13 +349,8 @@ def load_task(
         problems = load_jsonl_task(
             task_file, task=name, question_field=question_field, answer_field=answer_field
         )
-    elif (m := _ARITH_RE.match(key)) is not None:
-        steps = int(m.group(1)) if m.group(1) else ARITH_DEFAULT_STEPS
-        n = ARITH_DEFAULT_SIZE if limit is None else limit
-        return generate_arith(n, steps=steps, seed=seed)
-    elif (m := _RECALL_RE.match(key)) is not None:
-        steps = int(m.group(1)) if m.group(1) else RECALL_DEFAULT_STEPS
-        return generate_recall(ARITH_DEFAULT_SIZE if limit is None else limit, steps=steps, seed=seed)
+    elif (synthetic := load_synthetic(key, limit=limit, seed=seed)) is not None:
+        return synthetic  # generated to the asked size: nothing to cut
     elif key in HUB_TASKS:
         problems = _load_named(
             HUB_TASKS[key], _resolve_data_dir(data_dir), question_field, answer_field
