@@ -17,10 +17,10 @@ without transformers, so ``vase serve`` and config checks stay light.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from ..support import UnsupportedModelError, check_model_supported
+# The default model's constants and the load options are re-exported too (callers import them from here).
 from .default import (DEFAULT_GGUF_FILENAME, DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_REQUIREMENT, DEFAULT_GGUF_SHA256,
                       DEFAULT_MODEL, default_model_path)
 from .errors import ModelLoadError
@@ -42,21 +42,14 @@ __all__ = [
     "model_dir",
 ]
 
-#: public name -> submodule that defines it, imported on first access (it brings transformers)
-_LAZY = {"load_model": "load"}
-
 if TYPE_CHECKING:
     from .load import load_model
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+    if name == "load_model":  # imported on first use: it brings transformers
+        from .load import load_model
 
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+        globals()[name] = load_model  # later lookups skip __getattr__
+        return load_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
