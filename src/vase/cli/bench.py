@@ -1,0 +1,102 @@
+"""`vase bench`: decode throughput and memory of each method against the full cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import (ModelArgs, ParamOpt, UserError, WindowOpt, check_out_dir, checked_params, console, given,
+                     model_options, quant_options, quiet_loading, split_list, warn)
+
+__all__ = ["bench", "random_model"]
+
+
+@model_options
+def bench(
+    ctx: typer.Context,
+    methods: Annotated[str, typer.Option(help="Comma-separated eviction methods (full and dynamic are added).")]
+    = "vase-attnv,vase-dkv",
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets.")] = "512",
+    lengths: Annotated[Optional[str], typer.Option(help="Comma-separated numbers of new tokens (default 1024,4096; "
+                                                   "--engine vllm: one length, default 2048).")] = None,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1",
+    window: WindowOpt = 64,
+    prompt_length: Annotated[int, typer.Option(help="Random prompt tokens before decoding.")] = 128,
+    warmup: Annotated[int, typer.Option(help="Untimed runs per configuration.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 1,
+    no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
+    random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
+                                                       "qwen3-4b, qwen3-14b, smollm2-135m, or a config.json.")] = None,
+    param: ParamOpt = None,
+    kv_bits: Annotated[int, typer.Option("--kv-bits", help="The methods store old K/V in 8, 4 or 2 bits "
+                                         "(full and dynamic stay in full precision).")] = 16,
+    out: Annotated[Path, typer.Option(help="Folder for bench.csv, bench.md and the plots.")] = Path("bench-out"),
+    model: ModelArgs = ModelArgs(),
+    engine: Annotated[str, typer.Option(help="transformers, or vllm: N requests at once into one vLLM engine with a "
+                                        "fixed KV pool, stock vLLM (full) vs each method.")] = "transformers",
+    requests: Annotated[int, typer.Option(help="--engine vllm: requests submitted at once.")] = 16,
+    regimes: Annotated[str, typer.Option(help="--engine vllm: KV pool sizes, ample (holds every request at full "
+                                         "length) and/or tight (a quarter of them).")] = "ample,tight",
+    pool_requests: Annotated[Optional[float], typer.Option(help="--engine vllm: instead of --regimes, a pool that "
+                                                           "holds this many requests at full length.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="--engine vllm: KV block size (vLLM's default: 128 on "
+                                                     "CPU, 16 on GPU).")] = None,
+    compile_: Annotated[bool, typer.Option("--compile", help="Also run each configuration with its decode step "
+                                           "torch.compile'd (full: transformers' StaticCache; the first run of each "
+                                           "compiles, untimed).")] = False,
+) -> None:
+    """Decode throughput and memory of each method against the full cache, per output length."""
+    model.check()
+    check_out_dir(out, "--out")
+    method_list, budget_list = split_list(methods, str, "--methods"), split_list(budgets, int, "--budgets")
+    if engine == "vllm":
+        from ..bench.vllm_bench import cli_bench
+
+        paths = cli_bench(model.model, method_list, budget_list, split_list(lengths or "2048", int, "--lengths"),
+                          requests=requests, prompt_len=prompt_length, window=window,
+                          regimes=split_list(regimes, str, "--regimes"), pool_requests=pool_requests,
+                          block_size=block_size, dtype=None if model.dtype == "auto" else model.dtype,
+                          params=checked_params(method_list, param), out=out, log=console.print)
+        console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
+        return
+    if engine != "transformers":
+        raise UserError(f"--engine must be transformers or vllm, got {engine!r}")
+    ignored = [f"--{n.replace('_', '-')}" for n in ("requests", "regimes", "pool_requests", "block_size")
+               if given(ctx, n)]
+    if ignored:
+        warn(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored on the transformers engine "
+             f"(they size vLLM's pool): add --engine vllm, or drop {'it' if len(ignored) == 1 else 'them'}")
+    length_list = split_list(lengths or "1024,4096", int, "--lengths")
+    batch_list = split_list(batch_sizes, int, "--batch-sizes")
+    quant = quant_options(kv_bits, None)
+    params = {**checked_params(method_list, param, budgets=budget_list, window=window, storage=quant), **quant}
+    from ..bench.report import write_report
+    from ..bench.runner import run_bench
+
+    if random_init:
+        mdl = random_model(random_init, model)
+    else:
+        mdl, _ = model.load()
+    rows = run_bench(mdl, method_list, budget_list, length_list, batch_list, prompt_length=prompt_length,
+                     window=window, warmup=warmup, repeats=repeats, include_dynamic=not no_dynamic,
+                     compile="both" if compile_ else False, **params)
+    paths = write_report(rows, out, console=console)
+    console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def random_model(spec: str, model: ModelArgs):
+    """`bench --random-init`: a named shape or a config.json, random weights; one line naming the file if bad."""
+    from ..bench.shapes import build_random_model
+    from ..models import resolve_device, resolve_dtype
+
+    dev = resolve_device(model.device)
+    quiet_loading()
+    try:
+        return build_random_model(spec, resolve_dtype(model.dtype, dev), dev, model.attn)
+    except Exception as e:  # noqa: BLE001 - any reader's or config class's error means "bad file"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"--random-init {spec}: cannot build a model from it ({type(e).__name__}: {first[:200]}); "
+                        f"give a transformers config.json (with model_type) or one of qwen3-0.6b, qwen3-4b, "
+                        f"qwen3-14b, smollm2-135m") from None
