@@ -11,7 +11,8 @@ from vase.compat import cache_kwargs
 from vase.generation import forced_log_probs
 from vase.policies import value_magnitude
 from vase.quant import dequantize, pack, packed_bytes, quantize, unpack
-from vase.quant_cache import QuantLayer
+from vase.quant_cache import QuantSpec, QuantStorage
+from vase.storage import DenseStorage, KVStorage
 
 from .conftest import tiny_model, tiny_tokenizer
 
@@ -77,8 +78,12 @@ def feed(cache: EvictionCache, keys: torch.Tensor, values: torch.Tensor, chunks:
         at += n
 
 
-def held(layer: QuantLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer._materialize(layer.length)
+def held(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer.storage.materialize(layer.length)
+
+
+def precision(layer) -> torch.Tensor:
+    return layer.storage.precision_map(layer.length)
 
 
 def test_full_method_keeps_exactly_the_top_values_in_full_precision_and_quantizes_the_rest():
@@ -90,11 +95,11 @@ def test_full_method_keeps_exactly_the_top_values_in_full_precision_and_quantize
     cache = EvictionCache(None, "full", window=w, num_layers=1, kv_bits=4, quant_guard=R, quant_group=32)
     feed(cache, keys, values, [40] + [1] * (T - 40))
     layer = cache.layers[0]
-    assert isinstance(layer, QuantLayer)
+    assert isinstance(layer.storage, QuantStorage)
     k, v = held(layer)
-    fp = layer.precision_map()  # [b, h, L]
+    fp = precision(layer)  # [b, h, L]
     L = layer.length
-    old = torch.arange(L) < L - w - layer.unflushed
+    old = torch.arange(L) < L - w - layer.storage.unflushed
     # the reserve: sinks, then the largest value ranges among the old tokens, per head
     mag = value_magnitude(values[:, :, :L]).masked_fill(~old, float("-inf"))
     mag[..., :4] = float("inf")
@@ -126,10 +131,10 @@ def test_held_bytes_equal_the_formula():
         # K and V: codes + float16 scale and zero per group, and a 1-byte slot tag (100 slots fit int8)
         per_q = 2 * (d * bits // 8 + 2 * 2 * (d // 32)) + 1
         per_fp = 2 * d * 4 + 1 + 4  # K and V in float32, the slot tag, the float32 reserve rank
-        assert layer.unflushed == 6
+        assert layer.storage.unflushed == 6
         assert cache.stats()["kv_bytes"] == b * h * (n_q * per_q + n_fp * per_fp)
         assert cache.row_stats()[1]["kv_bytes"] == h * (n_q * per_q + n_fp * per_fp)
-        counts = layer.precision_map()
+        counts = precision(layer)
         assert int((counts == 0).sum()) == b * h * n_q and int((counts == 1).sum()) == b * h * n_fp
 
 
@@ -141,8 +146,9 @@ def test_held_buffers_are_the_packed_ones():
     feed(cache, torch.randn(b, h, T, d), torch.randn(b, h, T, d), [20] + [1] * (T - 20))
     layer = cache.layers[0]
     assert layer.keys.stride() == (0, 0, 0, 0) and layer.values.stride() == (0, 0, 0, 0)  # shape carriers only
-    held_storage = sum(t.untyped_storage().nbytes() for t in vars(layer).values() if isinstance(t, torch.Tensor))
-    held_storage += sum(t.untyped_storage().nbytes() for t in layer.held_tensors()[:6])
+    held_storage = sum(t.untyped_storage().nbytes() for obj in (layer, layer.storage) for t in vars(obj).values()
+                       if isinstance(t, torch.Tensor))
+    held_storage += sum(t.untyped_storage().nbytes() for t in layer.storage.held_tensors()[:6])
     full_kv = 2 * b * h * T * d * 4
     assert held_storage < 0.3 * full_kv  # 2-bit codes + scales + the full-precision reserve and window
     assert layer.capacity_bytes() < 0.3 * full_kv
@@ -157,9 +163,9 @@ def test_random_control_keeps_as_many_tokens_in_full_precision_but_not_the_large
     for select in ("value", "random"):
         cache = EvictionCache(None, "full", window=w, num_layers=1, kv_bits=4, quant_guard=R, quant_select=select)
         feed(cache, torch.randn(b, h, T, d), values, [10] + [1] * (T - 10))
-        fp = cache.layers[0].precision_map()[0, 0]
+        fp = precision(cache.layers[0])[0, 0]
         L = fp.shape[0]
-        old = torch.arange(L) < L - w - cache.layers[0].unflushed
+        old = torch.arange(L) < L - w - cache.layers[0].storage.unflushed
         counts[select] = (int((fp[old] == 1).sum()), int((fp[50:58] == 1).sum()), fp[:4].tolist())
     assert counts["value"][0] == counts["random"][0] == R
     assert counts["value"][1] == 8 and counts["random"][1] < 8
@@ -232,9 +238,10 @@ def test_eval_config_passes_storage_options_to_the_cache_not_the_policy():
                      method_params={"vase-kv4": {"method": "vase-attnv", "kv_bits": 4, "quant_guard": 8},
                                     "full-kv8": {"method": "full", "kv_bits": 8}})
     specs = cfg.method_specs()
-    assert specs["vase-kv4"].params == {"kv_bits": 4, "quant_guard": 8}
+    assert specs["vase-kv4"].storage == QuantSpec(bits=4, guard=8) and specs["vase-kv4"].params == {}
     assert specs["vase-kv4"].policy == specs["vase-attnv"].policy
-    assert specs["full-kv8"].params == {"kv_bits": 8} and not specs["full-kv8"].evicts
+    assert specs["full-kv8"].storage == QuantSpec(bits=8) and specs["full-kv8"].params == {}
+    assert not specs["full-kv8"].evicts and specs["vase-attnv"].storage is None
 
 
 def test_key_scale_divides_channels_before_per_token_groups():
@@ -250,12 +257,12 @@ def test_key_scale_divides_channels_before_per_token_groups():
         feed(cache, keys, values, [60] + [1] * (T - 60))
         layer = cache.layers[0]
         k, _ = held(layer)
-        quant = layer.precision_map() == 0
+        quant = precision(layer) == 0
         normal = torch.arange(d) != 3  # the error the outlier channel inflicts on the others
         err[scale] = float((k - keys)[quant][:, normal].pow(2).mean().sqrt())
         if scale:
             s = keys[:, :, :60].abs().amax(2, keepdim=True).half().float()  # from the prompt
-            assert torch.equal(layer.kscale.float(), s)
+            assert torch.equal(layer.storage.kscale.float(), s)
             scaled = (keys / s)[quant].view(-1, 1, 32)
             step = (scaled.amax(-1) - scaled.amin(-1)) / 15
             bound = step[..., None] * 0.5005 * s.expand_as(keys)[quant].view(-1, 1, 32) + 1e-5
@@ -312,20 +319,19 @@ def test_chunk_flushes_leave_the_stores_of_token_by_token_decoding():
                               max_length=T, quant_select="random")
         feed(cache, keys, values, chunks)
         layers.append(cache.layers[0])
-        cache.layers[0].view = None  # feed() stands in for attention, which would clear it
+        cache.layers[0].storage.view = None  # feed() stands in for attention, which would clear it
     a, c = layers
-    assert a.unflushed == c.unflushed == 3 and torch.equal(a.precision_map(), c.precision_map())
+    assert a.storage.unflushed == c.storage.unflushed == 3 and torch.equal(precision(a), precision(c))
     for x, y in zip(held(a), held(c)):
         assert torch.equal(x, y)
-    assert torch.equal(a.qn, c.qn) and torch.equal(a.fn, c.fn)
+    assert torch.equal(a.storage.qn, c.storage.qn) and torch.equal(a.storage.fn, c.storage.fn)
 
 
 # -- bytes: the slot tags are narrow and counted ---------------------------------------------------------------------
-def _quant_tensors(layer: QuantLayer) -> list[torch.Tensor]:
-    """Every tensor attribute the quantized layer holds beyond the base layer's bookkeeping."""
-    base = {"keys", "values", "positions", "queries"}
-    out = [t for name, t in vars(layer).items() if isinstance(t, torch.Tensor) and name not in base]
-    return out + [t for p in (layer.qk, layer.qv) for t in (p.codes, p.scale, p.zero)]
+def _quant_tensors(store: QuantStorage) -> list[torch.Tensor]:
+    """Every tensor attribute the quantized storage holds (beyond the shape carriers `keys` / `values`)."""
+    out = [t for name, t in vars(store).items() if isinstance(t, torch.Tensor) and name not in ("keys", "values")]
+    return out + [t for p in (store.qk, store.qv) for t in (p.codes, p.scale, p.zero)]
 
 
 @pytest.mark.parametrize("cap,dtype", [(100, torch.int8), (300, torch.int16)])
@@ -336,19 +342,20 @@ def test_slot_tags_are_narrow_and_their_bytes_counted(cap, dtype):
                           max_length=cap, quant_key_scale=True)
     feed(cache, torch.randn(b, h, 90, d), torch.randn(b, h, 90, d), [30] + [1] * 60)
     layer = cache.layers[0]
-    assert layer.qslot.dtype == layer.fslot.dtype == dtype
+    store = layer.storage
+    assert store.qslot.dtype == store.fslot.dtype == dtype
     # what is held between steps: every such tensor is in held_tensors, and capacity_bytes is their nbytes
-    held_ids = {id(t) for t in layer.held_tensors()}
-    assert all(id(t) in held_ids for t in _quant_tensors(layer))
-    assert layer.capacity_bytes() == sum(t.nbytes for t in _quant_tensors(layer))
+    held_ids = {id(t) for t in store.held_tensors()}
+    assert all(id(t) in held_ids for t in _quant_tensors(store))
+    assert layer.capacity_bytes() == sum(t.nbytes for t in _quant_tensors(store))
 
     def entry(tensors):  # bytes one (token, KV head) entry takes in these [b, h, n, ...] tensors
         return sum(t.nbytes // (t.shape[0] * t.shape[1] * t.shape[2]) for t in tensors)
 
-    per_q = entry([layer.qk.codes, layer.qk.scale, layer.qk.zero, layer.qv.codes, layer.qv.scale, layer.qv.zero,
-                   layer.qslot])
-    per_fp = entry([layer.fk, layer.fv, layer.fslot, layer.frank])
-    assert layer.held_bytes() == int(layer.qn.sum()) * per_q + int(layer.fn.sum()) * per_fp + layer.kscale.nbytes
+    per_q = entry([store.qk.codes, store.qk.scale, store.qk.zero, store.qv.codes, store.qv.scale, store.qv.zero,
+                   store.qslot])
+    per_fp = entry([store.fk, store.fv, store.fslot, store.frank])
+    assert layer.held_bytes() == int(store.qn.sum()) * per_q + int(store.fn.sum()) * per_fp + store.kscale.nbytes
     assert sum(layer.held_bytes(r) for r in range(b)) == layer.held_bytes()
     # the tag share at 2 bits, head_dim 64: 1 or 2 bytes on a 2 * (16 + 8) = 48-byte entry (int64 was 8)
     assert per_q == 48 + dtype.itemsize
@@ -418,3 +425,37 @@ def test_eval_kv_bytes_over_time_are_the_quantized_caches_own(tmp_path, method, 
     dense_mean = full["kv_bytes_time_mean"] if method == "full" else None
     if dense_mean is not None:  # same lengths as full: the ratio is the storage's, about 0.56 at 8 bits (fp32)
         assert 0.3 < rec["kv_bytes_time_mean"] / dense_mean < 0.8
+
+
+# -- the storage protocol: one argument picks the storage -----------------------------------------------------------
+def test_both_storages_implement_the_protocol_and_the_layer_composes_one():
+    dense = EvictionCache(None, "snapkv", budget=48, window=16, num_layers=2)
+    quant = EvictionCache(None, "snapkv", budget=48, window=16, num_layers=2, storage=QuantSpec(bits=4))
+    assert all(type(layer.storage) is DenseStorage for layer in dense.layers) and dense.quant is None
+    assert all(type(layer.storage) is QuantStorage for layer in quant.layers) and quant.quant.bits == 4
+    for layer in (*dense.layers, *quant.layers):
+        assert isinstance(layer.storage, KVStorage)
+    assert EvictionCache(None, "snapkv", budget=48, window=16, num_layers=1, kv_bits=16).quant is None
+    with pytest.raises(TypeError, match="pass the storage once"):
+        EvictionCache(None, "snapkv", budget=48, window=16, num_layers=1, storage=QuantSpec(bits=4), kv_bits=4)
+    with pytest.raises(TypeError, match="QuantSpec"):
+        EvictionCache(None, "snapkv", budget=48, window=16, num_layers=1, storage={"kv_bits": 4})
+
+
+def test_the_spec_and_the_keywords_are_one_request():
+    from vase.quant import CACHE_STORAGE_OPTIONS
+
+    spec = QuantSpec(bits=2, guard=5, group=16, select="random", flush_every=4, key_scale=True)
+    assert set(QuantSpec.KEYWORDS.values()) == set(CACHE_STORAGE_OPTIONS)
+    assert QuantSpec.from_options({**spec.options(), "n_large": 3}) == spec and QuantSpec.from_options({}) is None
+    torch.manual_seed(11)
+    b, h, T, d = 2, 2, 80, 32
+    keys, values = torch.randn(b, h, T, d), torch.randn(b, h, T, d)
+    caches = [EvictionCache(None, "knorm", budget=24, window=8, num_layers=1, storage=spec),  # needs no queries
+              EvictionCache(None, "knorm", budget=24, window=8, num_layers=1, **spec.options())]
+    for cache in caches:
+        feed(cache, keys, values, [30] + [1] * (T - 30))
+    a, c = (cache.layers[0] for cache in caches)
+    assert caches[0].quant == caches[1].quant and caches[0].stats() == caches[1].stats()
+    assert caches[0].stats()["evictions"] > 0
+    assert torch.equal(precision(a), precision(c)) and all(torch.equal(x, y) for x, y in zip(held(a), held(c)))

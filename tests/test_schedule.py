@@ -116,3 +116,52 @@ def test_blocks():
 
     assert [cdiv(a, 16) for a in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
     assert max_blocks(128, 32, 16) == 10 and max_blocks(120, 10, 16) == 9
+
+
+def _brute_force(P: int, B: int | None, w: int, n: int) -> dict[str, int]:
+    """A cache written token by token, evicting by the documented rule and nothing else (no schedule function):
+    before a write that would take it past its limit (max(P, B) + w, then B + w), a cache holding more than B
+    drops to B. B None never evicts."""
+    stored, limit = P, (max(P, B) + w if B is not None else None)
+    evictions, peak, total = 0, P, 0
+    for _ in range(n):
+        if limit is not None and stored + 1 > limit and stored > B:
+            stored, limit, evictions = B, B + w, evictions + 1
+        stored += 1
+        peak = max(peak, stored)
+        total += stored
+    return {"evictions": evictions, "stored": stored, "peak": peak, "seen": P + n, "stored_sum": total}
+
+
+@pytest.mark.parametrize("B", [None, 1, 4, 9, 16])
+@pytest.mark.parametrize("w", [1, 3, 8])
+def test_sequence_stats_and_their_users_equal_a_brute_force_cache(B, w):
+    """The one owner of the schedule (`sequence_stats` and the functions under it) against a brute-force
+    simulation over a grid of P, B, w, n; the eval's helpers (metrics, runner) return what the owner says."""
+    from dataclasses import asdict
+
+    from vase.eval.metrics import first_evicted_target, kv_schedule
+    from vase.eval.runner import row_cache_stats
+    from vase.schedule import cdiv, max_blocks, sequence_stats
+
+    for P in (0, 1, 2, 5, 9, 16, 17, 30):
+        for n in range(0, 60):
+            s = sequence_stats(P, B, w, n)
+            assert asdict(s) == _brute_force(P, B, w, n), (P, B, w, n)
+            evicts = B is not None
+            sched = kv_schedule(P, P + n, budget=B, window=w, evicts=evicts)
+            assert sched == {"evictions": s.evictions, "peak": s.peak,
+                             "time_mean": s.stored_sum / n if n else float(P)}
+            for finished in (True, False):  # the token sampled at the length cap is never written
+                row = row_cache_stats(P, n + (0 if finished or n == 0 else 1), finished, budget=B, window=w,
+                                      evicts=evicts, bytes_per_token=3)
+                assert row == {"evictions": s.evictions, "stored_length": s.stored, "seen_length": s.seen,
+                               "peak_length": s.peak, "kv_bytes": 3 * s.stored, "kv_bytes_peak": 3 * s.peak,
+                               "kv_bytes_full": 3 * s.seen}
+        if B is not None:  # target t is predicted from P + t tokens: the first one past the first limit
+            first = first_evicted_target(P, budget=B, window=w, evicts=True)
+            assert first == min(t for t in range(1, 200) if _brute_force(P, B, w, t)["evictions"]), (P, B, w)
+    for block in (1, 4, 16):
+        assert [cdiv(a, block) for a in range(40)] == [len(range(0, a, block)) for a in range(40)]
+        if B is not None:
+            assert max_blocks(B, w, block) == cdiv(B + w, block)

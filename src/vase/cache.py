@@ -8,7 +8,9 @@ of the same buffers. Stored tensors: [batch, kv_heads, length, head_dim].
 
 When each row evicts follows `vase.schedule` (the same pure functions the vLLM plugin uses);
 the policy's own state (per-slot and per-layer) is kept through the hooks documented on
-`vase.policies.Policy`, with no policy-specific code here.
+`vase.policies.Policy`, with no policy-specific code here. The K/V themselves live in the
+layer's `storage`, one `vase.storage.KVStorage` picked by the cache's `storage` argument:
+`DenseStorage` (full precision), or `vase.quant_cache.QuantStorage` (packed low-bit codes).
 
 Logical length (tokens seen, used for positions) and physical length (slots stored, used
 for masks) are kept apart. Left padding is owned here: row r's first `pad[r]` slots are
@@ -30,7 +32,10 @@ from .attention import PENDING_LAYER, install
 from .masks import and_selection, causal_padding_mask, real_slots
 from .checks import check_budget_window, check_method
 from .policies import Policy, get_policy
+from .quant import CACHE_STORAGE_OPTIONS
+from .quant_cache import QuantConfig, QuantSpec, QuantStorage
 from .schedule import first_limit, must_evict, room, steady_limit
+from .storage import DenseStorage, KVStorage, flat_slots
 
 
 class EvictedStateError(RuntimeError):
@@ -61,6 +66,7 @@ class EvictionLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, cache: "EvictionCache", layer_idx: int):
+        self.storage: KVStorage = cache.new_storage(layer_idx)  # first: the base class sets keys/values
         super().__init__()
         self.cache = cache
         self.cfg = cache.cfg
@@ -84,20 +90,37 @@ class EvictionLayer(CacheLayerMixin):
         self.awaiting_attention = False
 
     # -- storage -------------------------------------------------------------------------------
+    # transformers' CacheLayerMixin protocol has `keys` / `values` attributes: they are the storage's
+    # ([b, kv_heads, capacity, d]; a zero-stride shape carrier for the quantized storage).
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.storage.keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self.storage.keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.storage.values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self.storage.values = value
+
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, q, d = key_states.shape
+        b, h, q, _ = key_states.shape
         cfg = self.cfg
         if cfg.policy.evicts:
-            capacity = max(q, cfg.budget) + cfg.window
+            capacity = first_limit(q, cfg.budget, cfg.window)  # the prompt, or B, and a window to decode into
         else:
             capacity = max(q, cfg.max_length or 0) or 2 * q
         self.device = key_states.device
-        self.keys = key_states.new_zeros(b, h, capacity, d)
-        self.values = value_states.new_zeros(b, h, capacity, value_states.shape[-1])
+        self.storage.allocate(key_states, value_states, capacity)
         self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=self.device)
         for name in cfg.policy.slot_state:
             self.slot_state[name] = torch.zeros(b, h, capacity, dtype=torch.float32, device=self.device)
@@ -107,11 +130,7 @@ class EvictionLayer(CacheLayerMixin):
     def _grow(self, needed: int) -> None:
         """Only the full cache grows (amortised doubling) when no max_length was given."""
         new_cap = max(needed, 2 * self.capacity)
-        for attr in ("keys", "values"):
-            old = getattr(self, attr)
-            new = old.new_zeros(*old.shape[:2], new_cap, old.shape[3])
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, attr, new)
+        self.storage.grow(new_cap, self.length)
         pos = torch.full((*self.positions.shape[:2], new_cap), -1, dtype=torch.long, device=self.device)
         pos[..., : self.length] = self.positions[..., : self.length]
         self.positions = pos
@@ -150,7 +169,7 @@ class EvictionLayer(CacheLayerMixin):
                 raise ValueError(f"cannot append {q} tokens at once after prefill: at most the window "
                                  f"({cfg.window}) fits between evictions; feed fewer tokens per call")
             self._grow(end)
-        self._write(key_states, value_states, self.length, end)
+        self.storage.write(key_states, value_states, self.length, end)
         if q == 1:  # the decode hot path: a scalar fill instead of a new arange
             self.positions[:, :, self.length].fill_(self.seen)
         else:
@@ -161,35 +180,17 @@ class EvictionLayer(CacheLayerMixin):
         self.until_evict -= q
         self.awaiting_attention = True
         PENDING_LAYER.set(self)
-        return self._stored(end)
-
-    # The storage seam (vase.quant_cache.QuantLayer keeps K/V in packed low-bit codes instead).
-    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
-        """Store new K/V [b, kv_heads, q, d] in slots start..end-1 (their positions are written after)."""
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-
-    def _stored(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What attention reads: K/V of slots 0..end-1, [b, kv_heads, end, d] each."""
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def _candidates(self, sel, pad: int, n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of slots pad..n_cand-1 of the rows `sel` (a list or a full slice), for the policy."""
-        return self.keys[sel, :, pad:n_cand], self.values[sel, :, pad:n_cand]
-
-    def _take_rows(self, rows: list[int]) -> None:
-        """Keep only the K/V storage of batch rows `rows`."""
-        self.keys, self.values = self.keys[rows], self.values[rows]
+        if self.pad is not None:  # the new slots' positions are final (the prompt's wait for its padding)
+            self.storage.commit(self.positions, self.row_pad0, prompt=False)
+        return self.storage.read(end)
 
     def held_bytes(self, row: int | None = None) -> int:
-        """K/V bytes held now: one row's real tokens, or every stored slot of every row."""
-        b, h, _, d = self.keys.shape
-        per_token = h * (d + self.values.shape[-1]) * self.keys.element_size()
-        return (self.length - self.pad[row]) * per_token if row is not None else b * self.length * per_token
+        """K/V bytes held now (the storage's own count): one row's real tokens, or every stored slot of every row."""
+        return self.storage.held_bytes(self.length - self.pad[row] if row is not None else self.length, row)
 
     def capacity_bytes(self) -> int:
-        """K/V bytes allocated."""
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        """K/V bytes allocated (the storage's own count)."""
+        return self.storage.capacity_bytes()
 
     def room(self) -> int:
         """How many tokens one update can take, evicting exactly as token-by-token decoding would (batch of 1)."""
@@ -222,6 +223,7 @@ class EvictionLayer(CacheLayerMixin):
         self.row_pad0 = list(self.pad)
         self.state_ready = [False] * b
         self._reschedule()
+        self.storage.commit(self.positions, self.row_pad0, prompt=True)
 
     def record_queries(self, query: torch.Tensor) -> None:
         """Keep the last `w` post-RoPE queries [b, q_heads, q, d] in a ring buffer."""
@@ -280,7 +282,9 @@ class EvictionLayer(CacheLayerMixin):
             self.record_queries(query)
         mask = self.cache.attention_mask(self, query.shape[2], query.dtype, kind)
         selected = self.selection_mask(query)  # Quest: per-step page selection, else None
-        return mask if selected is None else and_selection(mask, selected, kind, query.dtype)
+        if selected is not None:
+            mask = and_selection(mask, selected, kind, query.dtype)
+        return self.storage.attention_mask(mask, query, kind, self.length)
 
     # -- eviction ---------------------------------------------------------------------------------
     def evict(self, due: list[int]) -> None:
@@ -324,7 +328,7 @@ class EvictionLayer(CacheLayerMixin):
         Padding never reaches the policy: it sees real tokens only, sinks first."""
         cfg, policy = self.cfg, self.cfg.policy
         sel = rows if len(rows) < self.keys.shape[0] else slice(None)
-        keys, values = self._candidates(sel, pad, n_cand)
+        keys, values = self.storage.candidates(sel, pad, n_cand, self.length)
         queries = self.query_window()[sel] if policy.needs_queries else None
         generators = [self.cache.generators[r] for r in rows] if policy.stochastic else None
         extra = {name: state[sel, :, pad:n_cand] for name, state in self.slot_state.items()}
@@ -353,15 +357,10 @@ class EvictionLayer(CacheLayerMixin):
             self.state_ready[r] = True
 
     def _compact(self, index: torch.Tensor) -> None:
-        """Move the slots `index` [b, h, n] to the front of every per-slot buffer, in place."""
+        """Move the slots `index` [b, h, n] to the front of the storage and of every per-slot buffer, in place."""
         b, h, n = index.shape
-        cap = self.capacity
-        # Whole rows of head_dim through a flat view of the (contiguous) buffers: index_select
-        # copies rows, much faster than gather with an index expanded over head_dim.
-        flat = (index + torch.arange(b * h, device=index.device).view(b, h, 1) * cap).view(-1)
-        for buf in (self.keys, self.values):
-            rows = buf.view(b * h * cap, -1).index_select(0, flat)
-            buf[:, :, :n] = rows.view(b, h, n, -1)
+        self.storage.compact(index)
+        flat = flat_slots(index, self.capacity)
         for buf in (self.positions, *self.slot_state.values()):
             buf[:, :, :n] = buf.view(-1).index_select(0, flat).view(b, h, n)
 
@@ -396,7 +395,7 @@ class EvictionLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         rows = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-        self._take_rows(rows)
+        self.storage.take_rows(rows)
         self.positions = self.positions[rows]
         self.slot_state = {k: v[rows] for k, v in self.slot_state.items()}
         self.layer_state = {k: v[rows] for k, v in self.layer_state.items()}
@@ -427,10 +426,13 @@ class EvictionCache(Cache):
     seed:        one seed, or one per batch row; row r of an int seed uses seed + r.
     sort_kept:   store kept tokens in position order instead of the policy's order.
     max_length:  prompt + new tokens, to preallocate the `full` cache once.
-    kv_bits:     16 (full precision), or 8 / 4 / 2: tokens leaving the window are stored as packed
-                 codes, except the `quant_guard` old tokens per KV head ranked first by the value
-                 guard's ranking (sinks first); quant_group, quant_select ("value" or "random"),
-                 flush_every, quant_key_scale: see `vase.quant_cache` and docs/quantization.md.
+    storage:     how K/V are held: None (full precision), or `vase.quant_cache.QuantSpec(bits=8 | 4 | 2,
+                 guard=R, ...)`: tokens leaving the window are stored as packed codes, except the R old
+                 tokens per KV head ranked first by the value guard's ranking (sinks first); see
+                 `vase.quant_cache` and docs/quantization.md. The keywords kv_bits, quant_guard,
+                 quant_group, quant_select, flush_every and quant_key_scale are the same request
+                 spelled out (`QuantSpec.from_options`), for callers that pass them with a method's
+                 parameters; give one or the other.
     Remaining keyword arguments are the method's parameters.
 
     Building it installs vase's attention function on `model` (see `vase.attention.install`).
@@ -438,9 +440,14 @@ class EvictionCache(Cache):
 
     def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int = 512, window: int = 64, *,
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
-                 num_layers: int | None = None, kv_bits: int = 16, quant_guard: int | None = None,
-                 quant_group: int | None = None, quant_select: str = "value", flush_every: int = 16,
-                 quant_key_scale: bool = False, **method_params):
+                 num_layers: int | None = None, storage: QuantSpec | None = None, **method_params):
+        spelled = {k: method_params.pop(k) for k in CACHE_STORAGE_OPTIONS if k in method_params}
+        if spelled:
+            if storage is not None:
+                raise TypeError(f"pass the storage once: storage={storage!r} or {', '.join(spelled)}, not both")
+            storage = QuantSpec.from_options(spelled)
+        if storage is not None and not isinstance(storage, QuantSpec):
+            raise TypeError(f"storage must be None (full precision) or a vase.quant_cache.QuantSpec, got {storage!r}")
         check_method(method)  # TypeError/ValueError naming the argument, before anything is built
         check_budget_window(budget, window)  # types and ranges first, before the policy is built
         policy = get_policy(method, **method_params)
@@ -455,19 +462,19 @@ class EvictionCache(Cache):
         self.seed = seed
         self.generators: list[torch.Generator] | None = None
         self._mask_memo: tuple | None = None
-        layer_cls = EvictionLayer
-        self.quant = None
-        if kv_bits != 16 or quant_guard is not None:  # quantized storage (vase.quant_cache)
-            from .quant_cache import QuantLayer, quant_config
-
-            self.quant = quant_config(policy, budget, window, kv_bits, quant_guard, quant_group, quant_select,
-                                      flush_every, seed, quant_key_scale)
-            layer_cls = QuantLayer if self.quant is not None else EvictionLayer
-        super().__init__(layers=[layer_cls(self, i) for i in range(num_layers)])
+        #: the quantized storage's validated configuration; None: full precision (`DenseStorage`)
+        self.quant: QuantConfig | None = None if storage is None else storage.resolve(policy, budget, window, seed)
+        super().__init__(layers=[EvictionLayer(self, i) for i in range(num_layers)])
 
     @property
     def policy(self) -> Policy:
         return self.cfg.policy
+
+    def new_storage(self, layer_idx: int) -> KVStorage:
+        """The empty K/V storage of layer `layer_idx` (allocated at its first update)."""
+        if self.quant is None:
+            return DenseStorage()
+        return QuantStorage(self.quant, self.cfg.window, layer_idx)
 
     def ensure_generators(self, batch: int, device: torch.device) -> None:
         """One generator per batch row, seeded from the user seed (row r: seed + r, or seed[r])."""

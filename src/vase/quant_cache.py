@@ -1,8 +1,9 @@
 """Quantized storage for the evicting cache, with one outlier reserve shared with eviction.
 
-`EvictionCache(model, method, budget, kv_bits=8|4|2, quant_guard=R)` builds `QuantLayer`s:
-each layer keeps the same slot bookkeeping as `EvictionLayer` (positions, padding, eviction
-schedule), but holds K/V in two stores instead of one full-precision buffer:
+`EvictionCache(model, method, budget, storage=QuantSpec(bits=8|4|2, guard=R))` (or the same
+request spelled `kv_bits=..., quant_guard=R`) gives each `EvictionLayer` a `QuantStorage`: the
+layer keeps its slot bookkeeping (positions, padding, eviction schedule) and the storage, one
+`vase.storage.KVStorage`, holds K/V in two stores instead of one full-precision buffer:
 
 - full precision: the recent window (the last `w` slots, plus up to `flush_every` tokens that
   left it since the last flush) and the reserve: per KV head, the `R` old tokens ranked first
@@ -11,14 +12,14 @@ schedule), but holds K/V in two stores instead of one full-precision buffer:
   quantized once when it leaves the window (or loses its reserve place to a larger one).
 
 Stores are rectangular per (row, KV head) with a slot number per entry (-1 = empty) and are
-left-packed after each compaction. Attention and the policy read `_materialize()`: a fresh
+left-packed after each compaction. Attention and the policy read `materialize()`: a fresh
 [b, h, L, d] tensor with dequantized codes and exact reserve/window rows, built per call and
 never kept, so between steps only the packed codes and the full-precision reserve are held.
 
 A multi-token write (teacher forcing) stores its tokens one after the other as token-by-token
 decoding does; a flush that falls inside the chunk quantizes tokens the chunk's earlier queries
 must still read exact, so their exact copies follow the stored slots and `attention_mask_for`
-gives each query the copy or the codes, as decoding at its position had them. Slot tags are
+gives each query the copy or the codes, as decoding at its position had them (`attention_mask`). Slot tags are
 stored in the narrowest integer type for the capacity and counted in the bytes; `QuantBytes`
 gives the same count from a stored length (the eval's per-sequence accounting).
 
@@ -33,18 +34,63 @@ and multiplied back on reading.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from .cache import EvictionLayer
 from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
 from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, check_format, dequantize, packed_bytes,  # noqa: F401
                     quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: kept importable from here
 from .schedule import physical_length
+from .storage import Rows
 
 SELECT = ("value", "random")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What a caller asks of the quantized storage: `EvictionCache(..., storage=QuantSpec(bits=4, guard=8))`.
+
+    bits: 8, 4 or 2 (16 = full precision); guard: R, old tokens per KV head kept in full precision
+    (None: the method's own reserve); group: quantization group along head_dim (None: min(32,
+    head_dim)); select: "value" (the value guard's ranking) or "random"; flush_every: tokens
+    between flushes into the packed store; key_scale: a per-channel key scale before the groups.
+    Checked against the method by `resolve` (so a spec can be built before any model or policy)."""
+
+    bits: int
+    guard: int | None = None
+    group: int | None = None
+    select: str = "value"
+    flush_every: int = 16
+    key_scale: bool = False
+
+    #: the EvictionCache keyword (`vase.quant.CACHE_STORAGE_OPTIONS`) of each field
+    KEYWORDS: ClassVar[dict[str, str]] = {"bits": "kv_bits", "guard": "quant_guard", "group": "quant_group",
+                                          "select": "quant_select", "flush_every": "flush_every",
+                                          "key_scale": "quant_key_scale"}
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "QuantSpec | None":
+        """The spec the keywords `kv_bits`, `quant_guard`, ... of `options` spell (others are ignored); None when
+        `options` holds none of them. Not checked here: `resolve` checks."""
+        given = {field: options[key] for field, key in cls.KEYWORDS.items() if key in options}
+        if not given:
+            return None
+        return cls(**{"bits": 16, **given})
+
+    def options(self) -> dict[str, Any]:
+        """The EvictionCache keywords of this spec (the inverse of `from_options`)."""
+        return {key: getattr(self, field) for field, key in self.KEYWORDS.items()}
+
+    def resolve(self, policy: Policy, budget: int, window: int, seed: int | Sequence[int]) -> "QuantConfig | None":
+        """The validated configuration for `policy` (`quant_config`); None when nothing is quantized (bits 16)."""
+        if self.bits == 16 and self.guard is None:  # full precision: the other fields are not read
+            return None
+        return quant_config(policy, budget, window, self.bits, self.guard, self.group, self.select,
+                            self.flush_every, seed, self.key_scale)
 
 
 @dataclass(frozen=True)
@@ -148,7 +194,7 @@ def full_precision_entries(length: int, unflushed: int, window: int, guard: int)
 class QuantBytes:
     """The bytes a quantized cache holds for one sequence (all layers), from its configuration and stored length.
 
-    The same entry sizes as `QuantLayer.held_bytes` (tags included), for the eval's per-sequence
+    The same entry sizes as `QuantStorage.held_bytes` (tags included), for the eval's per-sequence
     accounting where only the eviction schedule is known (`vase.schedule`)."""
 
     cfg: QuantConfig
@@ -181,16 +227,15 @@ class QuantBytes:
 
     @classmethod
     def for_model(cls, model, policy: Policy, budget: int | None, window: int,
-                  options: dict) -> "QuantBytes | None":
-        """The accounting of an `EvictionCache(model, policy, budget, window, **options)`; None when it is not
-        quantized (no kv_bits, or 16). `options` may hold method parameters too (only storage ones are read)."""
-        opts = {k: options[k] for k in CACHE_STORAGE_OPTIONS if k in options}
-        bits = int(opts.get("kv_bits", 16))
-        if bits == 16 or model is None:
+                  storage: QuantSpec | Mapping[str, Any] | None) -> "QuantBytes | None":
+        """The accounting of an `EvictionCache(model, policy, budget, window, storage=storage)`; None when it is
+        not quantized (no storage, or 16 bits). `storage` may also be keyword options (`kv_bits=...`), method
+        parameters among them (only the storage ones are read)."""
+        spec = QuantSpec.from_options(storage) if isinstance(storage, Mapping) else storage
+        if spec is None or int(spec.bits) == 16 or model is None:
             return None
-        cfg = quant_config(policy, budget or max(window + 1, 1), window, bits, opts.get("quant_guard"),
-                           opts.get("quant_group"), opts.get("quant_select", "value"), opts.get("flush_every", 16),
-                           0, opts.get("quant_key_scale", False))
+        cfg = quant_config(policy, budget or max(window + 1, 1), window, int(spec.bits), spec.guard, spec.group,
+                           spec.select, spec.flush_every, 0, spec.key_scale)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = int(text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
@@ -199,7 +244,7 @@ class QuantBytes:
                    head_dim, _itemsize(dtype))
 
     def allocated(self, capacity: int) -> int:
-        """Bytes a layer set with `capacity` slots allocates (`QuantLayer.capacity_bytes`, all layers)."""
+        """Bytes a layer set with `capacity` slots allocates (`QuantStorage.capacity_bytes`, all layers)."""
         quant, full = entry_bytes(self.head_dim, self.head_dim, self.cfg.bits, self.group, self.full_element_bytes,
                                   capacity)
         n_fp = self.cfg.guard + self.window + self.cfg.flush_every
@@ -208,16 +253,20 @@ class QuantBytes:
         return self.layers * self.kv_heads * ((capacity + 1) * quant + n_fp * full + counters + scales)
 
 
-class QuantLayer(EvictionLayer):
-    """An EvictionLayer whose K/V live in packed low-bit codes plus a full-precision reserve.
+class QuantStorage:
+    """A `vase.storage.KVStorage` whose K/V live in packed low-bit codes plus a full-precision reserve.
 
     `keys` / `values` are zero-stride carriers of shape [b, h, capacity, d] holding one element
-    (the base class reads shapes and dtypes from them); the data is in the stores below.
+    (the layer reads shapes and dtypes from them); the data is in the stores below.
     """
 
-    def __init__(self, cache, layer_idx: int):
-        super().__init__(cache, layer_idx)
-        self.qcfg: QuantConfig = cache.quant
+    def __init__(self, qcfg: QuantConfig, window: int, layer_idx: int):
+        self.qcfg = qcfg
+        self.window = window
+        self.layer_idx = layer_idx  # seeds the random control's draws per layer
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.device: torch.device | None = None
         self.fk = self.fv = self.fslot = self.frank = self.fn = None  # full-precision entries
         self.qk: Packed | None = None
         self.qv: Packed | None = None
@@ -229,15 +278,20 @@ class QuantLayer(EvictionLayer):
         self.unflushed = 0
         self.rank_gen: torch.Generator | None = None
 
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
     # -- allocation --------------------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)  # sizes, positions, slot state
-        b, h, cap, d = self.keys.shape
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        b, h, _, d = key_states.shape
+        cap = capacity
+        self.device = key_states.device
         self.group = self.qcfg.group or min(32, d)
         check_format(self.qcfg.bits, self.group, d)
         self.keys = key_states.new_zeros(()).expand(b, h, cap, d)
         self.values = value_states.new_zeros(()).expand(b, h, cap, value_states.shape[-1])
-        n_fp = self.qcfg.guard + self.cfg.window + self.qcfg.flush_every
+        n_fp = self.qcfg.guard + self.window + self.qcfg.flush_every
         self.fk = key_states.new_zeros(b, h, n_fp, d)
         self.fv = value_states.new_zeros(b, h, n_fp, value_states.shape[-1])
         self.fslot = torch.full((b, h, n_fp), -1, dtype=slot_dtype(cap), device=self.device)
@@ -274,38 +328,35 @@ class QuantLayer(EvictionLayer):
         else:
             self.qn = torch.zeros(b, h, dtype=torch.long, device=self.device)
 
-    def _grow(self, needed: int) -> None:
-        new_cap = max(needed, 2 * self.capacity)
-        pos = torch.full((*self.positions.shape[:2], new_cap), -1, dtype=torch.long, device=self.device)
-        pos[..., : self.length] = self.positions[..., : self.length]
-        self.positions = pos
+    def grow(self, capacity: int, length: int) -> None:
         b, h, _, d = self.keys.shape
-        self.keys = self.keys[:, :, :1].expand(b, h, new_cap, d)
-        self.values = self.values[:, :, :1].expand(b, h, new_cap, self.values.shape[-1])
-        self._alloc_quantized(new_cap)
+        self.keys = self.keys[:, :, :1].expand(b, h, capacity, d)
+        self.values = self.values[:, :, :1].expand(b, h, capacity, self.values.shape[-1])
+        self._alloc_quantized(capacity)
 
-    # -- the storage seam of EvictionLayer ------------------------------------------------------
-    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
-        # Stored in `_stored` (after the positions of the new slots are written), or, on the
-        # first forward, once the attention function has told us the padding.
+    # -- the KVStorage protocol ---------------------------------------------------------------------
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
+        # Stored by `commit`, once the positions of the new slots are written (on the first
+        # forward: once the attention function has told the layer the padding).
         self.pending = (key_states, value_states, start, end)
 
-    def _stored(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.pad is not None:
-            self._ingest(flush=False)
-        keys, values = self._materialize(end)
+    def commit(self, positions: torch.Tensor, pad0: list[int], prompt: bool) -> None:
+        if self.pending is not None:  # the prompt: quantize all but the window and the reserve at once
+            self._ingest(positions, pad0, flush=prompt)
+
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.materialize(end)
         if self.view is None:
             return keys, values
         # Teacher forcing: the exact copies of tokens a flush inside the chunk quantized follow the
-        # stored slots; attention_mask_for shows each query either the copy or the codes.
+        # stored slots; `attention_mask` shows each query either the copy or the codes.
         ek, ev = self.view[:2]
         return torch.cat([keys, ek.to(keys.dtype)], 2), torch.cat([values, ev.to(values.dtype)], 2)
 
-    def attention_mask_for(self, query: torch.Tensor, attention_mask: torch.Tensor | None, kind: str):
-        """The base mask, and after a chunk whose flushes quantized tokens partway through it, a per-head mask
+    def attention_mask(self, mask, query: torch.Tensor, kind: str, length: int):
+        """The layer's mask, and after a chunk whose flushes quantized tokens partway through it, a per-head mask
         [b, q_heads, q, L + E]: query i reads a token's exact copy (columns L..) while decoding at i held it
         exact, its codes (its slot) once decoding had quantized it."""
-        mask = super().attention_mask_for(query, attention_mask, kind)
         view, self.view = self.view, None
         if view is None:
             return mask
@@ -315,7 +366,7 @@ class QuantLayer(EvictionLayer):
                              "'sdpa' or 'eager', or feed one token per call")
         _, _, eslot, estep = view
         b, h, E = eslot.shape
-        q, L = query.shape[2], self.length
+        q, L = query.shape[2], length
         if mask is None:
             base = causal_padding_mask(None, q, L, "bool", query.dtype, self.device)
         else:
@@ -334,11 +385,11 @@ class QuantLayer(EvictionLayer):
                 ~full, torch.finfo(query.dtype).min)
         return full
 
-    def _candidates(self, sel, pad: int, n_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self._materialize(self.length)
-        return keys[sel, :, pad:n_cand], values[sel, :, pad:n_cand]
+    def candidates(self, rows: Rows, pad: int, n_cand: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.materialize(length)
+        return keys[rows, :, pad:n_cand], values[rows, :, pad:n_cand]
 
-    def _take_rows(self, rows: list[int]) -> None:
+    def take_rows(self, rows: list[int]) -> None:
         b = len(rows)
         _, h, cap, d = self.keys.shape
         self.keys = self.keys[:1].expand(b, h, cap, d)
@@ -349,41 +400,38 @@ class QuantLayer(EvictionLayer):
         for p in (self.qk, self.qv):
             p.codes, p.scale, p.zero = p.codes[rows], p.scale[rows], p.zero[rows]
 
-    def observe_padding(self, attention_mask: torch.Tensor | None) -> None:
-        first = self.pad is None
-        super().observe_padding(attention_mask)
-        if first and self.pending is not None:
-            self._ingest(flush=True)  # the prompt: quantize all but the window and the reserve
-
     # -- storing new tokens ------------------------------------------------------------------------
-    def _rank(self, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Reserve ranking of new tokens [b, h, q]: sinks +inf, padding -inf, else magnitude (or random)."""
+    def _rank(self, values: torch.Tensor, positions: torch.Tensor, pad0: list[int]) -> torch.Tensor:
+        """Reserve ranking of new tokens [b, h, q] (positions [b, h, q], -1 = padding; pad0: each row's prompt
+        padding): sinks +inf, padding -inf, else magnitude (or random)."""
         if self.qcfg.select == "value":
             rank = value_magnitude(values, self.qcfg.metric)
         else:  # one draw per token, in order: a chunk draws what token-by-token decoding draws
             rank = torch.cat([torch.rand((*positions.shape[:2], 1), generator=self.rank_gen, device=self.device)
                               for _ in range(positions.shape[2])], dim=2)
-        pad0 = torch.tensor(self.row_pad0, device=self.device).view(-1, 1, 1)
-        rank = rank.masked_fill((positions >= 0) & (positions - pad0 < self.qcfg.sinks), float("inf"))
+        pad = torch.tensor(pad0, device=self.device).view(-1, 1, 1)
+        rank = rank.masked_fill((positions >= 0) & (positions - pad < self.qcfg.sinks), float("inf"))
         return rank.masked_fill(positions < 0, float("-inf"))
 
-    def _ingest(self, flush: bool) -> None:
+    def _ingest(self, all_positions: torch.Tensor, pad0: list[int], flush: bool) -> None:
         """Move the pending new tokens into the stores; quantize what left the window when due.
+
+        all_positions: the layer's [b, h, capacity] sequence index per slot; pad0: each row's prompt padding.
 
         flush=True (the prompt): quantize at once. Otherwise the tokens are stored one after the
         other exactly as token-by-token decoding stores them (a flush every `flush_every` tokens,
         each with the window as it stood at that token), so a multi-token write (teacher forcing)
         leaves the same stores as decoding. A flush after the chunk's first token quantizes tokens
         that the chunk's earlier queries saw exact: their exact copies go to `self.view` for
-        `attention_mask_for` (each query then reads what decoding at its position read)."""
+        `attention_mask` (each query then reads what decoding at its position read)."""
         k, v, start, end = self.pending
         self.pending = None
         b, h, q, _ = k.shape
-        positions = self.positions[:, :, start:end]
+        positions = all_positions[:, :, start:end]
         slots = torch.arange(start, end, device=self.device).expand(b, h, q).masked_fill(positions < 0, -1)
-        rank = self._rank(v, positions)
-        if flush:
-            self._flush(k, v, slots, rank, self.length)
+        rank = self._rank(v, positions, pad0)
+        if flush:  # the prompt: everything written so far is stored (slots 0..end-1)
+            self._flush(k, v, slots, rank, end)
             self.unflushed = 0
             return
         F = self.qcfg.flush_every
@@ -435,7 +483,7 @@ class QuantLayer(EvictionLayer):
         ck, cv = torch.cat([self.fk, k], 2), torch.cat([self.fv, v], 2)
         cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
         valid = cs >= 0
-        old = valid & (cs < length - self.cfg.window)
+        old = valid & (cs < length - self.window)
         win = torch.zeros_like(old)
         if self.qcfg.guard:
             top = cr.masked_fill(~old, float("-inf")).topk(min(self.qcfg.guard, cs.shape[2]), dim=-1).indices
@@ -485,7 +533,7 @@ class QuantLayer(EvictionLayer):
         return exact
 
     # -- reading -------------------------------------------------------------------------------------
-    def _materialize(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def materialize(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the layer holds as K/V [b, h, length, d]: dequantized codes and exact full-precision rows.
 
         A new tensor per call (the caller drops it after attention); empty and padding slots are zero."""
@@ -518,7 +566,7 @@ class QuantLayer(EvictionLayer):
         return out_k[:, :, :length], out_v[:, :, :length]
 
     # -- compaction ----------------------------------------------------------------------------------
-    def _compact(self, index: torch.Tensor) -> None:
+    def compact(self, index: torch.Tensor) -> None:
         """Slots `index` [b, h, n] move to the front: renumber the store entries, drop the evicted ones."""
         b, h, n = index.shape
         cap = self.capacity
@@ -546,19 +594,16 @@ class QuantLayer(EvictionLayer):
                 buf = getattr(p, name)
                 buf[:, :, :trash] = _gather(buf[:, :, :trash], order)
 
-        flat = (index + torch.arange(b * h, device=index.device).view(b, h, 1) * cap).view(-1)
-        for buf in (self.positions, *self.slot_state.values()):
-            buf[:, :, :n] = buf.view(-1).index_select(0, flat).view(b, h, n)
-
     # -- bytes -----------------------------------------------------------------------------------------
     def _entry_bytes(self) -> tuple[int, int]:
         """Bytes of one (token, KV head) entry with its tags: (quantized, full precision)."""
         return entry_bytes(self.keys.shape[-1], self.values.shape[-1], self.qcfg.bits, self.group,
                            self.fk.element_size(), self.qslot.shape[2] - 1)
 
-    def held_bytes(self, row: int | None = None) -> int:
+    def held_bytes(self, slots: int | None = None, row: int | None = None) -> int:
         """K/V bytes held now (one batch row, or all): live quantized entries and live full-precision entries,
-        each with its slot tag (and a full-precision entry with its reserve rank), plus the key scales."""
+        each with its slot tag (and a full-precision entry with its reserve rank), plus the key scales.
+        `slots` (the layer's count of stored slots) is not read: the stores count their live entries."""
         quant, full = self._entry_bytes()
         qn, fn = (self.qn, self.fn) if row is None else (self.qn[row], self.fn[row])
         scales = 0 if self.kscale is None else self.kscale[0].numel() * self.kscale.element_size() * \
@@ -575,11 +620,11 @@ class QuantLayer(EvictionLayer):
                self.qn, self.fk, self.fv, self.fslot, self.frank, self.fn]
         return out + ([self.kscale] if self.kscale is not None else [])
 
-    def precision_map(self) -> torch.Tensor:
-        """Per stored slot: 1 = held in full precision, 0 = quantized, -1 = not held: [b, h, length]."""
+    def precision_map(self, length: int) -> torch.Tensor:
+        """Per stored slot 0..length-1: 1 = held in full precision, 0 = quantized, -1 = not held: [b, h, length]."""
         b, h = self.keys.shape[:2]
-        out = torch.full((b, h, self.length + 1), -1, dtype=torch.long, device=self.device)
+        out = torch.full((b, h, length + 1), -1, dtype=torch.long, device=self.device)
         for slot, val in ((self.qslot, 0), (self.fslot, 1)):
-            idx = torch.where((slot >= 0) & (slot < self.length), slot, self.length).long()
+            idx = torch.where((slot >= 0) & (slot < length), slot, length).long()
             out.scatter_(-1, idx, torch.full_like(idx, val))
-        return out[:, :, : self.length]
+        return out[:, :, :length]

@@ -22,9 +22,12 @@ the eviction steps (the count of generated tokens stored when the eviction runs)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
-    "cdiv", "eviction_steps", "first_eviction_step", "first_limit", "is_eviction_step", "max_blocks", "must_evict",
-    "num_evictions", "peak_length", "physical_length", "room", "steady_limit", "stored_length_sum",
+    "SequenceStats", "cdiv", "eviction_steps", "first_eviction_step", "first_limit", "is_eviction_step",
+    "max_blocks", "must_evict", "num_evictions", "peak_length", "physical_length", "room", "sequence_stats",
+    "steady_limit", "stored_length_sum",
 ]
 
 
@@ -113,6 +116,30 @@ def stored_length_sum(prefill_len: int, budget: int, window: int, n_generated: i
     after = n_generated - grow  # steps after it: B + 1 .. B + w, repeated
     cycles, rest = divmod(after, window)
     return total + after * budget + cycles * window * (window + 1) // 2 + rest * (rest + 1) // 2
+
+
+@dataclass(frozen=True)
+class SequenceStats:
+    """Where one sequence stands after `n_generated` tokens were written after its prompt (per layer and KV head)."""
+
+    evictions: int  # `num_evictions`
+    stored: int  # `physical_length`: tokens stored now
+    peak: int  # `peak_length`: most tokens ever stored (the prompt included)
+    seen: int  # tokens written: P + n
+    stored_sum: int  # `stored_length_sum`: stored tokens summed over the decode steps 1..n
+
+
+def sequence_stats(prefill_len: int, budget: int | None, window: int, n_generated: int) -> SequenceStats:
+    """`SequenceStats` of a sequence with prompt P = `prefill_len`; `budget` None: a cache that never evicts
+    (`full`: everything written stays stored). The one call the reports make for a sequence's lengths."""
+    P, n = prefill_len, n_generated
+    if budget is None:
+        if P < 0 or n < 0:
+            raise ValueError(f"prefill_len ({P}) and n_generated ({n}) must be >= 0")
+        return SequenceStats(evictions=0, stored=P + n, peak=P + n, seen=P + n, stored_sum=n * P + n * (n + 1) // 2)
+    return SequenceStats(evictions=num_evictions(P, budget, window, n), stored=physical_length(P, budget, window, n),
+                         peak=peak_length(P, budget, window, n), seen=P + n,
+                         stored_sum=stored_length_sum(P, budget, window, n))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 from vase.checks import check_budget_window
 from vase.policies import Policy, UnknownMethodError, get_policy
-from vase.quant import CACHE_STORAGE_OPTIONS  # torch only: checking a config imports no transformers
+from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
 
 __all__ = [
     "ConfigError",
@@ -65,16 +65,22 @@ def canonical_label(name: str) -> str:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One method of a run: its label in records, the registered method, its full parameters."""
+    """One method of a run: its label in records, the registered method, its policy parameters, its storage."""
 
     label: str
     method: str  # registered name passed to get_policy / generate
-    params: dict[str, Any]  # only what the user set (passed on as keyword arguments)
+    params: dict[str, Any]  # the policy's parameters, only what the user set (passed on as keyword arguments)
     policy: Policy  # get_policy(method, **params): its params() are the full identity
+    storage: QuantSpec | None = None  # how the cache holds K/V (from kv_bits, quant_guard, ...); None: full precision
 
     @property
     def evicts(self) -> bool:
         return bool(self.policy.evicts)
+
+    @property
+    def cache_params(self) -> dict[str, Any]:
+        """The keyword arguments `generate` / `forced_log_probs` pass to the cache: the policy's, and the storage."""
+        return self.params if self.storage is None else {**self.params, "storage": self.storage}
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "params": _jsonable(self.policy.params()), "repr": repr(self.policy)}
@@ -106,14 +112,16 @@ def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
     return value
 
 
-def check_reserves(label: str, budget: int, policy: Policy, storage: Mapping[str, Any] | None = None) -> None:
+def check_reserves(label: str, budget: int, policy: Policy,
+                   storage: QuantSpec | Mapping[str, Any] | None = None) -> None:
     """Slots a method reserves must fit in the budget: ``n_large`` (the value guard) and ``quant_guard``
-    (old tokens kept in full precision). ConfigError naming the parameter, the budget and the fix."""
+    (old tokens kept in full precision). ConfigError naming the parameter, the budget and the fix.
+    ``storage``: a QuantSpec, or the storage keywords (``{"quant_guard": R, ...}``)."""
     n_large = policy.n_large
     if policy.evicts and n_large is not None and n_large > budget:
         raise ConfigError(f"{label}: n_large ({n_large}) is larger than the budget ({budget}): the value guard "
                           f"reserves slots inside the budget; lower -p n_large or raise the budget")
-    guard = (storage or {}).get("quant_guard")
+    guard = storage.guard if isinstance(storage, QuantSpec) else (storage or {}).get("quant_guard")
     if isinstance(guard, int) and not isinstance(guard, bool) and guard > budget:
         raise ConfigError(f"{label}: quant_guard ({guard}) is larger than the budget ({budget}): it counts old "
                           f"tokens kept in full precision inside the budget; lower --quant-guard")
@@ -204,7 +212,7 @@ class EvalConfig:
         """Every method's reserved slots (n_large, quant_guard) fit in every budget."""
         for spec in self.method_specs().values():
             for b in self.budgets:
-                check_reserves(spec.label, b, spec.policy, spec.params)
+                check_reserves(spec.label, b, spec.policy, spec.storage)
 
     # -- normalisation ---------------------------------------------------------------------------
     def _coerce(self) -> None:
@@ -314,7 +322,9 @@ class EvalConfig:
             params = dict(self.method_params.get(label, {}))
             method = canonical_label(params.pop("method", label))
             # Storage options (kv_bits, quant_guard, ...) go to the cache, not the policy.
-            storage = {k: params.pop(k) for k in CACHE_STORAGE_OPTIONS if k in params}
+            storage = QuantSpec.from_options(params)
+            for key in QuantSpec.KEYWORDS.values():
+                params.pop(key, None)
             try:
                 policy = get_policy(method, **params)
             except UnknownMethodError as e:
@@ -326,7 +336,7 @@ class EvalConfig:
                 label = method = policy.name
             if label == FULL and policy.evicts:
                 raise ConfigError(f"the label {FULL!r} is reserved for the full-cache reference")
-            out[label] = MethodSpec(label, method, {**params, **storage}, policy)
+            out[label] = MethodSpec(label, method, params, policy, storage)
         return out
 
     def to_dict(self) -> dict[str, Any]:

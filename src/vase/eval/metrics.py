@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vase import schedule
 from vase.eval.failures import FAILURE_CLASSES
 
 __all__ = [
@@ -198,25 +199,14 @@ def kv_schedule(prompt_length: int, seen: int, *, budget: int | None, window: in
     ``seen`` counts every token fed (prompt included). Returns ``evictions``, ``peak`` and
     ``time_mean``: the stored length averaged over the tokens fed after the prompt (the prompt
     length itself when nothing was fed after it), in tokens; multiply by bytes per token.
+    The numbers are `vase.schedule.sequence_stats`'.
     """
     if seen < prompt_length:
         raise ValueError(f"kv_schedule: seen ({seen}) < prompt length ({prompt_length})")
     steps = seen - prompt_length
-    if not evicts or budget is None:
-        total = steps * prompt_length + steps * (steps + 1) / 2
-        return {"evictions": 0, "peak": seen, "time_mean": total / steps if steps else float(prompt_length)}
-    n, limit = prompt_length, max(prompt_length, budget) + window
-    peak, evictions, total = n, 0, 0.0
-    left = steps
-    while left > 0:
-        take = min(left, limit - n)  # tokens that still fit before the next eviction
-        total += take * n + take * (take + 1) / 2
-        n += take
-        left -= take
-        peak = max(peak, n)
-        if left > 0:
-            n, limit, evictions = budget, budget + window, evictions + 1
-    return {"evictions": evictions, "peak": peak, "time_mean": total / steps if steps else float(prompt_length)}
+    s = schedule.sequence_stats(prompt_length, budget if evicts else None, window, steps)
+    return {"evictions": s.evictions, "peak": s.peak,
+            "time_mean": s.stored_sum / steps if steps else float(prompt_length)}
 
 
 def decode_steps(length: int, finished: bool) -> int:
@@ -240,11 +230,12 @@ def first_evicted_target(prompt_length: int, *, budget: int | None, window: int,
 
     Row t of :func:`vase.generation.forced_log_probs` predicts target t from the prompt and
     targets ``< t``: the cache has then seen ``P + t`` tokens, and it first evicts when that
-    would pass ``max(P, B) + w``. None for a method that never evicts.
+    would pass ``max(P, B) + w``: one past `vase.schedule.first_eviction_step`. None for a method
+    that never evicts.
     """
     if not evicts or budget is None:
         return None
-    return max(prompt_length, budget) + window - prompt_length + 1
+    return schedule.first_eviction_step(prompt_length, budget, window) + 1
 
 
 def length_stats(records: Sequence[Record], *, key: str = "length") -> tuple[float, float]:

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from vase import schedule
 from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_changes, identity_hash,
                               run_name, runtime_identity)
 from vase.eval.failures import classify_failure
@@ -161,27 +162,16 @@ def row_cache_stats(prompt_length: int, n_generated: int, finished: bool, *, bud
     length cap is never fed); a row evicts when it would pass ``max(P, B) + w`` (then ``B + w``)
     and drops to ``B``. Returns evictions, stored/seen/peak lengths and the matching bytes.
     """
-    seen = prompt_length + n_generated - (0 if finished or n_generated == 0 else 1)
-    if not evicts or budget is None:
-        stored = peak = seen
-        evictions = 0
-    else:
-        first = max(prompt_length, budget) + window
-        if seen <= first:
-            stored = peak = seen
-            evictions = 0
-        else:
-            evictions = 1 + (seen - first - 1) // window
-            stored = budget + (seen - first - 1) % window + 1
-            peak = first
+    written = n_generated - (0 if finished or n_generated == 0 else 1)
+    s = schedule.sequence_stats(prompt_length, budget if evicts else None, window, written)
     return {
-        "evictions": evictions,
-        "stored_length": stored,
-        "seen_length": seen,
-        "peak_length": peak,
-        "kv_bytes": stored * bytes_per_token,
-        "kv_bytes_peak": peak * bytes_per_token,
-        "kv_bytes_full": seen * bytes_per_token,
+        "evictions": s.evictions,
+        "stored_length": s.stored,
+        "seen_length": s.seen,
+        "peak_length": s.peak,
+        "kv_bytes": s.stored * bytes_per_token,
+        "kv_bytes_peak": s.peak * bytes_per_token,
+        "kv_bytes_full": s.seen * bytes_per_token,
     }
 
 
@@ -450,7 +440,7 @@ class _Runner:
         out = self.generate_fn(
             self.model, self.tokenizer, prompts, method=spec.method, budget=budget, window=c.window,
             max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.params)
+            greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.cache_params)
         if len(out.texts) != len(batch):
             raise RuntimeError(f"generate returned {len(out.texts)} completions for {len(batch)} prompts")
         seconds = _finite(out.seconds)
@@ -507,7 +497,7 @@ class _Runner:
         cap = int(cap) if isinstance(cap, int) and cap > 0 else None
         quant = self._quant_bytes(spec, budget)
         if quant is not None:  # kv_bits: the quantized cache's own bytes (codes, exact entries, tags) per step
-            c = cap or (max(P, budget or 0) + self.config.window if spec.evicts else seen)
+            c = cap or (schedule.first_limit(P, budget, self.config.window) if spec.evicts else seen)
             steps = seen - P
             mean = quant.byte_steps(P, steps, c, budget, spec.evicts) / steps if steps else quant.held(P, 0, c)
             return {"kv_bytes_time_mean": mean if agree else None,
@@ -517,11 +507,11 @@ class _Runner:
 
     def _quant_bytes(self, spec: MethodSpec, budget: int | None):
         """`vase.quant_cache.QuantBytes` of the method's cache when it is quantized (kv_bits), else None."""
-        if int(spec.params.get("kv_bits", 16)) == 16:
+        if spec.storage is None or int(spec.storage.bits) == 16:
             return None
         from vase.quant_cache import QuantBytes
 
-        return QuantBytes.for_model(self.model, spec.policy, budget, self.config.window, spec.params)
+        return QuantBytes.for_model(self.model, spec.policy, budget, self.config.window, spec.storage)
 
     def _row_stats(self, spec: MethodSpec, budget: int | None, prompt_length: int, n_generated: int,
                    finished: bool, row: dict | None) -> dict[str, int]:
@@ -535,7 +525,8 @@ class _Runner:
         quant = self._quant_bytes(spec, budget)
         if quant is not None:  # the held and peak bytes of the quantized cache (the full reference stays dense)
             steps = est["seen_length"] - prompt_length
-            cap = max(prompt_length, budget or 0) + self.config.window if spec.evicts else est["seen_length"]
+            cap = schedule.first_limit(prompt_length, budget, self.config.window) if spec.evicts \
+                else est["seen_length"]
             peak_step = est["peak_length"] - prompt_length  # the peak is reached before the first eviction
             est["kv_bytes"] = quant.held(est["stored_length"], steps, cap)
             est["kv_bytes_peak"] = quant.held(est["peak_length"], peak_step, cap)
@@ -586,7 +577,7 @@ class _Runner:
                 extra = self._noise_floor(prompt_ids, targets, full_lp, target_t, seed0)
             else:
                 comp = self.forced_fn(self.model, prompt_ids, targets, method=spec.method, budget=u.budget,
-                                      window=c.window, seed=seed0, **spec.params)
+                                      window=c.window, seed=seed0, **spec.cache_params)
             m = _chunked_fidelity(full_lp, comp, target_t)
             # Means over the targets after the first eviction only: earlier ones are full's own and dilute it.
             # Selection (Quest) is measured from the same target on as the eviction methods at its budget.

@@ -1,0 +1,134 @@
+"""Where one cache layer keeps its K/V: the storage protocol, and the dense storage.
+
+`vase.cache.EvictionLayer` owns the bookkeeping of a layer (positions, padding, the eviction
+schedule, the policy's state) and composes one `KVStorage` for the K/V themselves. The layer
+says which slots to write, read, keep or drop; the storage decides how they are held and counts
+its own bytes. Two storages implement the protocol:
+
+- `DenseStorage` (here): preallocated full-precision buffers [b, kv_heads, capacity, d];
+- `vase.quant_cache.QuantStorage`: packed low-bit codes plus a full-precision reserve.
+
+Torch only: no transformers here, so a storage can be checked or counted without a model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+Rows = list[int] | slice  # batch rows: a list of row indices, or every row (slice(None))
+
+
+def flat_slots(index: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Flat indices [b * h * n] into a [b, h, capacity] buffer viewed as one axis, of the slots `index` [b, h, n]."""
+    b, h, _ = index.shape
+    return (index + torch.arange(b * h, device=index.device).view(b, h, 1) * capacity).view(-1)
+
+
+@runtime_checkable
+class KVStorage(Protocol):
+    """What an `EvictionLayer` asks of its K/V storage. Slots are indices along the capacity axis.
+
+    `keys` / `values` [b, kv_heads, capacity, d] carry the batch, heads, capacity, head_dim and
+    dtype the layer reads (the data itself for the dense storage, a zero-stride carrier for a
+    storage that holds something else); None before `allocate`.
+    """
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        """Allocate `capacity` slots for K/V shaped like the first ones written ([b, kv_heads, q, d])."""
+
+    def grow(self, capacity: int, length: int) -> None:
+        """Grow to `capacity` slots, keeping slots 0..length-1 (the full cache without max_length)."""
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
+        """Store new K/V [b, kv_heads, end - start, d] in slots start..end-1."""
+
+    def commit(self, positions: torch.Tensor, pad0: list[int], prompt: bool) -> None:
+        """The positions of the slots written last are final (padding is known): hold them for good.
+
+        positions: [b, kv_heads, capacity] sequence index of each slot (-1 = padding); pad0: each
+        row's prompt padding; prompt: the first forward (the prompt), else a write after it."""
+
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention reads: K/V [b, kv_heads, end (+ extra), d] each, slots 0..end-1 first."""
+
+    def candidates(self, rows: Rows, pad: int, n_cand: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [len(rows), kv_heads, n_cand - pad, d] of slots pad..n_cand-1 of `rows`, for the policy
+        (`length`: slots stored)."""
+
+    def attention_mask(self, mask, query: torch.Tensor, kind: str, length: int):
+        """The layer's mask for `query` [b, q_heads, q, d] over `length` stored slots, adjusted to what
+        `read` returned (the mask itself when `read` returned exactly the stored slots)."""
+
+    def compact(self, index: torch.Tensor) -> None:
+        """Move the slots `index` [b, kv_heads, n] to the front (0..n-1), in place; the others are dropped."""
+
+    def take_rows(self, rows: list[int]) -> None:
+        """Keep only the batch rows `rows`."""
+
+    def held_bytes(self, slots: int, row: int | None) -> int:
+        """K/V bytes held now: of batch row `row` storing `slots` real tokens, or of every row when `row`
+        is None (`slots` then counts every stored slot of a row, padding included)."""
+
+    def capacity_bytes(self) -> int:
+        """K/V bytes allocated."""
+
+
+class DenseStorage:
+    """Full-precision K/V in preallocated buffers [b, kv_heads, capacity, d], compacted in place."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_zeros(b, h, capacity, d)
+        self.values = value_states.new_zeros(b, h, capacity, value_states.shape[-1])
+
+    def grow(self, capacity: int, length: int) -> None:
+        for attr in ("keys", "values"):
+            old = getattr(self, attr)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :length] = old[:, :, :length]
+            setattr(self, attr, new)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+
+    def commit(self, positions: torch.Tensor, pad0: list[int], prompt: bool) -> None:
+        pass  # written in place already
+
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def candidates(self, rows: Rows, pad: int, n_cand: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[rows, :, pad:n_cand], self.values[rows, :, pad:n_cand]
+
+    def attention_mask(self, mask, query: torch.Tensor, kind: str, length: int):
+        return mask
+
+    def compact(self, index: torch.Tensor) -> None:
+        b, h, n = index.shape
+        # Whole rows of head_dim through a flat view of the (contiguous) buffers: index_select
+        # copies rows, much faster than gather with an index expanded over head_dim.
+        flat = flat_slots(index, self.keys.shape[2])
+        for buf in (self.keys, self.values):
+            rows = buf.view(-1, buf.shape[-1]).index_select(0, flat)
+            buf[:, :, :n] = rows.view(b, h, n, -1)
+
+    def take_rows(self, rows: list[int]) -> None:
+        self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def held_bytes(self, slots: int, row: int | None) -> int:
+        b, h, _, d = self.keys.shape
+        per_token = h * (d + self.values.shape[-1]) * self.keys.element_size()
+        return slots * per_token if row is not None else b * slots * per_token
+
+    def capacity_bytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
