@@ -28,34 +28,23 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from .. import schedule
 from .capture import CapturePlan, QueryRing, install
 from .config import VaseConfigError, VaseVllmConfig
 from .layouts import backend_of, split_kv
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
-from .paged import RequestPolicyState, evict_paged
+from .paged import evict_paged
 from .refusals import check_attention_layer, check_kv_tensor, v2_runner_reason
-from .steps import VaseStepError
+from .requests import VaseRequest, VaseRunnerMixin
 
 
-class _Request:
-    """What the GPU runner keeps per running request: schedule key, last (re)prefill, ring slot, policy state."""
-
-    def __init__(self, origin: int, prefill_len: int, slot: int, state: RequestPolicyState):
-        self.origin = origin  # P0, the prompt length: the schedule's key for the request's whole life
-        self.prefill_len = prefill_len  # P' of its last (re)prefill
-        self.slot = slot
-        self.state = state
-
-
-class VaseGPUModelRunner(GPUModelRunner):
-    """vLLM's V1 GPU model runner with vase's eviction (see the module docstring)."""
+class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
+    """vLLM's V1 GPU model runner with vase's eviction (see the module docstring; per-request state: the mixin)."""
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
         self.vase_policy = self.vase_config.policy
-        self.vase_requests: dict[str, _Request] = {}
+        self.vase_requests: dict[str, VaseRequest] = {}
         self.vase_ring: QueryRing | None = None
         self.vase_layers: list[str] = []
         self.vase_backend: str | None = None
@@ -94,48 +83,7 @@ class VaseGPUModelRunner(GPUModelRunner):
         """This layer's key and value caches as [num_blocks, kv_heads, kernel_block_size, head_dim] strided views."""
         return split_kv(self.compilation_config.static_forward_context[layer_name].kv_cache, self.vase_head_size)
 
-    # -- per-request bookkeeping ------------------------------------------------------------------
-    def _update_states(self, scheduler_output):
-        result = super()._update_states(scheduler_output)
-        for req_id in scheduler_output.finished_req_ids:
-            req = self.vase_requests.pop(req_id, None)
-            if req is not None:
-                self.vase_ring.release(req.slot)
-        return result
-
-    def _vase_request(self, req_id: str, index: int, computed: int) -> _Request:
-        req = self.vase_requests.get(req_id)
-        if computed == 0:  # a new request, or one resumed after preemption: a (re)prefill starts here
-            prefill_len = int(self.input_batch.num_tokens_no_spec[index])
-            if req is None:
-                seed = self.requests[req_id].sampling_params.seed
-                generator = torch.Generator(device=self.device).manual_seed(
-                    self.vase_config.seed if seed is None else int(seed))
-                origin = int(self.requests[req_id].num_prompt_tokens)
-                req = _Request(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
-                self.vase_requests[req_id] = req
-            else:  # recomputed: slot state described slots that are gone
-                req.prefill_len = prefill_len
-                req.state = RequestPolicyState(req.state.generator, layer_state=req.state.layer_state,
-                                               evictions=req.state.evictions)
-                self.vase_recomputes += 1
-        if req is None:
-            raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
-        return req
-
-    # -- the step -------------------------------------------------------------------------------
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self._vase_step(np.asarray(num_scheduled_tokens))
-        return result
-
-    def execute_model(self, *args, **kwargs):
-        try:
-            return super().execute_model(*args, **kwargs)
-        finally:
-            if self.vase_ring is not None:
-                self.vase_ring.plan = None
-
+    # -- the step (after vLLM's `_prepare_inputs`, through the mixin) ----------------------------------
     def _vase_step(self, scheduled: np.ndarray) -> None:
         """Evict, plan the capture and make the step's lengths and slots physical (after vLLM's `_prepare_inputs`)."""
         cfg, batch = self.vase_config, self.input_batch
@@ -149,14 +97,8 @@ class VaseGPUModelRunner(GPUModelRunner):
                            computed, scheduled, cfg.budget, cfg.window)
         table = batch.block_table[0]
         for i, (req, plan) in enumerate(zip(reqs, plans)):
-            # The invariant every write relies on: the request's blocks hold its physical length.
-            room = int(table.num_blocks_per_row[i]) * self.vase_block_size
-            if plan.physical_end > room or plan.physical_end > max(req.prefill_len,
-                                                                   schedule.first_limit(req.origin, cfg.budget,
-                                                                                        cfg.window)):
-                raise VaseStepError(f"vase: request {req_ids[i]} would store {plan.physical_end} tokens in {room} "
-                                    f"slots (prompt {req.origin}, prefill {req.prefill_len}, position {computed[i]}): "
-                                    f"the scheduler and the worker disagree on its schedule")
+            self._vase_check_room(req_ids[i], req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size,
+                                  int(computed[i]))
         for i, plan in enumerate(plans):
             if plan.evict_from:
                 self._vase_evict(reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))
@@ -175,7 +117,7 @@ class VaseGPUModelRunner(GPUModelRunner):
         physical = as_long(physical_positions(logical, offsets, scheduled))
         batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
-    def _vase_evict(self, req: _Request, index: int, length: int, keep: int, seen: int) -> None:
+    def _vase_evict(self, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
         """Bring request `index` from `length` stored tokens to `keep` in every layer, in place."""
         cfg = self.vase_config
         table = self.input_batch.block_table[0]

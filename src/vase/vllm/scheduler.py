@@ -22,10 +22,6 @@ from .plugin import STREAMING_REFUSAL
 from .steps import allocation_length
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class EvictingKVCacheManager:
     """vLLM's KVCacheManager, allocating for the physical length once a request evicts (delegates the rest)."""
 
@@ -55,7 +51,7 @@ class EvictingKVCacheManager:
             return self._inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
         inner = self._inner
         held = len(inner.coordinator.single_type_managers[0].req_to_blocks[request.request_id])
-        needed = _cdiv(physical, self.block_size) - held
+        needed = schedule.cdiv(physical, self.block_size) - held
         if needed > inner.block_pool.get_num_free_blocks():
             return None
         if needed <= 0:
@@ -71,7 +67,7 @@ class EvictingKVCacheManager:
         p = known[0]
         if schedule.num_evictions(p, self.cfg.budget, self.cfg.window, request.num_computed_tokens - p) == 0:
             return 0
-        keep = _cdiv(self.cfg.budget + self.cfg.window, self.block_size)
+        keep = schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size)
         freed = 0
         for manager in self._inner.coordinator.single_type_managers:
             blocks = manager.req_to_blocks.get(request.request_id)

@@ -20,10 +20,6 @@ from .. import schedule
 from .config import VaseVllmConfig
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
 class RequestStats:
     """What one request's KV cache looks like after it generated `n_generated` tokens."""
@@ -43,7 +39,7 @@ class RequestStats:
 
 def max_blocks(cfg: VaseVllmConfig, block_size: int) -> int:
     """The most blocks a request holds after its first eviction: ceil((B + w) / block_size)."""
-    return _cdiv(cfg.budget + cfg.window, block_size)
+    return schedule.max_blocks(cfg.budget, cfg.window, block_size)
 
 
 def stored_after(cfg: VaseVllmConfig, prefill_len: int, n_written: int) -> int:
@@ -61,15 +57,12 @@ def request_stats(cfg: VaseVllmConfig, prompt_len: int, n_generated: int, block_
     A preempted request returns to these numbers at its first step after the recomputing prefill
     (`vase.vllm.steps`); `evictions` counts the schedule's evictions, not that catch-up compaction.
     """
-    written = max(n_generated - 1, 0)
-    seen = prompt_len + written
-    stored = stored_after(cfg, prompt_len, written)
-    evictions = schedule.num_evictions(prompt_len, cfg.budget, cfg.window, written)
-    blocks_full = _cdiv(seen, block_size)
-    blocks = blocks_full if evictions == 0 else min(blocks_full, max_blocks(cfg, block_size))
-    return RequestStats(evictions=evictions, tokens_evicted=seen - stored, stored_tokens=stored, seen_tokens=seen,
-                        blocks=blocks, blocks_full=blocks_full, kv_bytes=stored * kv_bytes_per_token,
-                        kv_bytes_full=seen * kv_bytes_per_token)
+    s = schedule.sequence_stats(prompt_len, cfg.budget, cfg.window, max(n_generated - 1, 0))
+    blocks_full = schedule.cdiv(s.seen, block_size)
+    blocks = blocks_full if s.evictions == 0 else min(blocks_full, max_blocks(cfg, block_size))
+    return RequestStats(evictions=s.evictions, tokens_evicted=s.seen - s.stored, stored_tokens=s.stored,
+                        seen_tokens=s.seen, blocks=blocks, blocks_full=blocks_full,
+                        kv_bytes=s.stored * kv_bytes_per_token, kv_bytes_full=s.seen * kv_bytes_per_token)
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -25,14 +25,14 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_at
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .. import schedule
 from .capture import CapturePlan, QueryRing
 from .config import VaseConfigError, VaseVllmConfig
 from .offsets import capture_rows, token_offsets
 from .heads import RankHeads, rank_policy
-from .paged import Layout, RequestPolicyState, evict_paged
+from .paged import Layout, evict_paged
 from .refusals import check_attention_layer, check_kv_tensor, v2_runner_reason
-from .steps import VaseStepError, plan_step
+from .requests import VaseRequest, VaseRunnerMixin
+from .steps import plan_step
 
 
 def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> Layout:
@@ -75,22 +75,8 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
 
-class _Request:
-    """What the worker keeps per running request: its schedule key, last (re)prefill, ring slot and policy state."""
-
-    def __init__(self, origin: int, prefill_len: int, slot: int, state: RequestPolicyState):
-        self.origin = origin  # P0, the prompt length: the schedule's key for the request's whole life
-        self.prefill_len = prefill_len  # P' of its last (re)prefill (P0 until it is preempted)
-        self.slot = slot
-        self.state = state
-        #: when recording: per layer, the logical position of each stored slot [kv_heads, kept] at the last
-        #: eviction, and the logical position where the tokens written since begin
-        self.positions: list[torch.Tensor] | None = None
-        self.positions_since = 0
-
-
-class VaseCPUModelRunner(CPUModelRunner):
-    """vLLM's CPU model runner with vase's eviction (see the module docstring)."""
+class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
+    """vLLM's CPU model runner with vase's eviction (see the module docstring; per-request state: the mixin)."""
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -101,7 +87,7 @@ class VaseCPUModelRunner(CPUModelRunner):
         heads = RankHeads.of_rank(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
                                   vllm_config.model_config.get_total_num_kv_heads())
         self.vase_policy = rank_policy(self.vase_config.policy, heads)
-        self.vase_requests: dict[str, _Request] = {}
+        self.vase_requests: dict[str, VaseRequest] = {}
         self.vase_ring: QueryRing | None = None
         self.vase_layers: list[str] = []
         self.vase_evictions = 0  # eviction events (all layers of one request at one step count once)
@@ -152,52 +138,7 @@ class VaseCPUModelRunner(CPUModelRunner):
         nb, h, bs, _ = kv.shape
         return kv.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
 
-    # -- per-request bookkeeping ------------------------------------------------------------------
-    def _update_states(self, scheduler_output):
-        result = super()._update_states(scheduler_output)
-        for req_id in scheduler_output.finished_req_ids:
-            self._vase_forget(req_id)
-        return result
-
-    def _vase_forget(self, req_id: str) -> None:
-        req = self.vase_requests.pop(req_id, None)
-        if req is not None and self.vase_ring is not None:
-            self.vase_ring.release(req.slot)
-
-    def _vase_request(self, req_id: str, index: int, computed: int) -> _Request:
-        req = self.vase_requests.get(req_id)
-        if computed == 0:  # a new request, or one resumed after preemption: a (re)prefill starts here
-            prefill_len = int(self.input_batch.num_tokens_no_spec[index])
-            if req is None:
-                seed = self.requests[req_id].sampling_params.seed
-                generator = torch.Generator(device=self.device).manual_seed(
-                    self.vase_config.seed if seed is None else int(seed))
-                origin = int(self.requests[req_id].num_prompt_tokens)
-                req = _Request(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
-                self.vase_requests[req_id] = req
-            else:  # recomputed: the slot state described slots that are gone (H2O's scores would not fit)
-                req.prefill_len = prefill_len
-                req.state = RequestPolicyState(req.state.generator, layer_state=req.state.layer_state,
-                                               evictions=req.state.evictions)
-                req.positions = None
-                self.vase_recomputes += 1
-        if req is None:
-            raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
-        return req
-
-    # -- the step -------------------------------------------------------------------------------
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self._vase_step(np.asarray(num_scheduled_tokens))
-        return result
-
-    def execute_model(self, *args, **kwargs):
-        try:
-            return super().execute_model(*args, **kwargs)
-        finally:
-            if self.vase_ring is not None:
-                self.vase_ring.plan = None
-
+    # -- the step (after vLLM's `_prepare_inputs`, through the mixin) ----------------------------------
     def _vase_step(self, scheduled: np.ndarray) -> None:
         cfg, batch = self.vase_config, self.input_batch
         B, w = cfg.budget, cfg.window
@@ -211,13 +152,7 @@ class VaseCPUModelRunner(CPUModelRunner):
             c, n = int(computed[i]), int(scheduled[i])
             req = self._vase_request(req_id, i, c)
             plan = plan_step(req_id, req.origin, req.prefill_len, c, n, B, w)
-            # The invariant every write relies on: the request's blocks hold its physical length.
-            room = int(table.num_blocks_per_row[i]) * self.vase_block_size
-            if plan.physical_end > room or plan.physical_end > max(req.prefill_len, schedule.first_limit(req.origin,
-                                                                                                        B, w)):
-                raise VaseStepError(f"vase: request {req_id} would store {plan.physical_end} tokens in {room} slots "
-                                    f"(prompt {req.origin}, prefill {req.prefill_len}, position {c}): the scheduler "
-                                    f"and the worker disagree on its schedule")
+            self._vase_check_room(req_id, req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size, c)
             if plan.evict_from:
                 self._vase_evict(req_id, req, i, plan.evict_from, plan.evict_to, seen=c)
             offsets[i], ring_slots[i] = plan.offset, req.slot
@@ -234,7 +169,7 @@ class VaseCPUModelRunner(CPUModelRunner):
             physical = self.positions[:total] - per_token.to(self.positions.dtype)
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
-    def _vase_evict(self, req_id: str, req: _Request, index: int, length: int, keep: int, seen: int) -> None:
+    def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
         """Bring request `index` from `length` stored tokens to `keep` (B, or more right after a recompute) in
         every layer, in place. `seen`: logical tokens written so far."""
         cfg = self.vase_config
@@ -251,7 +186,7 @@ class VaseCPUModelRunner(CPUModelRunner):
         if self.vase_record is not None:
             self._vase_record_eviction(req_id, req, kept, length, seen)
 
-    def _vase_record_eviction(self, req_id: str, req: _Request, kept: list[torch.Tensor], length: int,
+    def _vase_record_eviction(self, req_id: str, req: VaseRequest, kept: list[torch.Tensor], length: int,
                               seen: int) -> None:
         """Record the logical positions each layer and KV head kept (`kept`: per layer [1, kv_heads, keep] slots)."""
         h = kept[0].shape[1]

@@ -1,0 +1,105 @@
+"""Per-request bookkeeping of the plugin's model runners, shared by the CPU and the GPU worker.
+
+`VaseRunnerMixin` goes before vLLM's model runner in the bases of `VaseCPUModelRunner`
+(`vase.vllm.worker`) and `VaseGPUModelRunner` (`vase.vllm.gpu_worker`). It keeps one
+`VaseRequest` per running request (created at its prefill, renewed at a recomputing prefill,
+dropped when it finishes), calls the runner's `_vase_step` after vLLM prepares a step's inputs,
+clears the query capture plan after each step, and checks the invariant every write relies on.
+No vLLM import here: the runners bring vLLM's classes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import schedule
+from .capture import QueryRing
+from .config import VaseVllmConfig
+from .paged import RequestPolicyState
+from .steps import StepPlan, VaseStepError
+
+
+class VaseRequest:
+    """What a runner keeps per running request: its schedule key, last (re)prefill, ring slot and policy state."""
+
+    def __init__(self, origin: int, prefill_len: int, slot: int, state: RequestPolicyState):
+        self.origin = origin  # P0, the prompt length: the schedule's key for the request's whole life
+        self.prefill_len = prefill_len  # P' of its last (re)prefill (P0 until it is preempted)
+        self.slot = slot
+        self.state = state
+        #: when recording (CPU runner): per layer, the logical position of each stored slot [kv_heads, kept] at
+        #: the last eviction, and the logical position where the tokens written since begin
+        self.positions: list[torch.Tensor] | None = None
+        self.positions_since = 0
+
+
+class VaseRunnerMixin:
+    """The per-request part of vase's model runners (see the module docstring).
+
+    The runner sets `vase_config`, `vase_requests` ({}), `vase_ring`, `vase_recomputes` (0) and
+    defines `_vase_step(scheduled)`; vLLM's runner brings `input_batch`, `requests` and `device`."""
+
+    vase_config: VaseVllmConfig
+    vase_requests: dict[str, VaseRequest]
+    vase_ring: QueryRing | None
+    vase_recomputes: int
+
+    def _vase_step(self, scheduled: np.ndarray) -> None:
+        raise NotImplementedError
+
+    # -- vLLM's hooks ---------------------------------------------------------------------------------
+    def _update_states(self, scheduler_output):
+        result = super()._update_states(scheduler_output)
+        for req_id in scheduler_output.finished_req_ids:
+            self._vase_forget(req_id)
+        return result
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self._vase_step(np.asarray(num_scheduled_tokens))
+        return result
+
+    def execute_model(self, *args, **kwargs):
+        try:
+            return super().execute_model(*args, **kwargs)
+        finally:
+            if self.vase_ring is not None:
+                self.vase_ring.plan = None
+
+    # -- requests -------------------------------------------------------------------------------------
+    def _vase_forget(self, req_id: str) -> None:
+        req = self.vase_requests.pop(req_id, None)
+        if req is not None and self.vase_ring is not None:
+            self.vase_ring.release(req.slot)
+
+    def _vase_request(self, req_id: str, index: int, computed: int) -> VaseRequest:
+        """The state of request `req_id` (row `index` of the input batch, `computed` tokens written so far)."""
+        req = self.vase_requests.get(req_id)
+        if computed == 0:  # a new request, or one resumed after preemption: a (re)prefill starts here
+            prefill_len = int(self.input_batch.num_tokens_no_spec[index])
+            if req is None:
+                seed = self.requests[req_id].sampling_params.seed
+                generator = torch.Generator(device=self.device).manual_seed(
+                    self.vase_config.seed if seed is None else int(seed))
+                origin = int(self.requests[req_id].num_prompt_tokens)
+                req = VaseRequest(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
+                self.vase_requests[req_id] = req
+            else:  # recomputed: the slot state described slots that are gone (H2O's scores would not fit)
+                req.prefill_len = prefill_len
+                req.state = RequestPolicyState(req.state.generator, layer_state=req.state.layer_state,
+                                               evictions=req.state.evictions)
+                req.positions = None
+                self.vase_recomputes += 1
+        if req is None:
+            raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
+        return req
+
+    def _vase_check_room(self, req_id: str, req: VaseRequest, plan: StepPlan, room: int, computed: int) -> None:
+        """The invariant every write relies on: the request's blocks (`room` slots) hold its physical length,
+        which never passes the schedule's bound. VaseStepError in one line otherwise."""
+        bound = max(req.prefill_len, schedule.first_limit(req.origin, self.vase_config.budget, self.vase_config.window))
+        if plan.physical_end > room or plan.physical_end > bound:
+            raise VaseStepError(f"vase: request {req_id} would store {plan.physical_end} tokens in {room} slots "
+                                f"(prompt {req.origin}, prefill {req.prefill_len}, position {computed}): the scheduler "
+                                f"and the worker disagree on its schedule")
