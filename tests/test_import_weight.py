@@ -1,0 +1,66 @@
+"""The light modules stay light: each imports in a fresh interpreter without transformers or vLLM (issue 17).
+
+`vase serve`, `vase --help`, config checks, reports and the pure core must answer without the model stack;
+the heavy parts (loading, generation, the plugin's workers) import it only when they run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: Public modules that must import without transformers and vLLM (torch is allowed).
+LIGHT_MODULES = [
+    "vase",
+    "vase.policies",
+    "vase.schedule",
+    "vase.checks",
+    "vase.support",
+    "vase.quant",
+    "vase.models",
+    "vase.batched",
+    "vase.eval.config",
+    "vase.eval.tasks",
+    "vase.eval.synthetic",
+    "vase.eval.table",
+    "vase.eval.render",
+    "vase.eval.plots",
+    "vase.eval.report",
+    "vase.eval.html",
+    "vase.vllm.serve",
+    "vase.cli",
+]
+
+HEAVY = ("transformers", "vllm")
+
+_PROBE = """
+import json, sys, importlib
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {heavy!r})[:5]))
+""".format(heavy=HEAVY)
+
+
+@pytest.fixture(scope="module")
+def imported() -> dict[str, list[str]]:
+    """Per module, the heavy modules a fresh interpreter holds after importing it (all probes run at once)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    procs = {m: subprocess.Popen([sys.executable, "-c", _PROBE, m], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=env) for m in LIGHT_MODULES}
+    results = {}
+    for module, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"import {module} failed: {err[-800:]}"
+        results[module] = json.loads(out.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("module", LIGHT_MODULES)
+def test_light_module_imports_neither_transformers_nor_vllm(module, imported):
+    assert imported[module] == [], f"import {module} pulled in {imported[module]}"
