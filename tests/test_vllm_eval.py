@@ -12,7 +12,7 @@ import json
 import pytest
 
 from vase.eval.config import ConfigError, EvalConfig, identity, run_name
-from vase.eval.vllm_engine import vllm_available
+from vase.engines.vllm import vllm_available
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed here (pip install -e '.[vllm]')")
 
@@ -155,14 +155,14 @@ def test_greedy_full_agrees_with_the_transformers_engine(tmp_path):
     import torch
 
     import vase
-    from vase.eval.vllm_engine import VllmEngine
+    from vase.engines.vllm import VllmEngine
     from vase.models import load_model
 
     cfg = _config(tmp_path, greedy=True)
     prompt = "What is 12 + 30? Answer briefly."
-    engine = VllmEngine(cfg)
+    engine = VllmEngine(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     try:
-        out_v = engine.generate(None, None, [prompt], method="full", budget=BUDGET, window=WINDOW, max_new_tokens=24,
+        out_v = engine.generate([prompt], method="full", budget=BUDGET, window=WINDOW, max_new_tokens=24,
                                 temperature=0.6, top_p=0.95, top_k=None, greedy=True, seed=[0], chat_template=True)
     finally:
         engine.close()
@@ -188,7 +188,7 @@ def test_greedy_full_agrees_with_the_transformers_engine(tmp_path):
 
 def test_the_vllm_version_is_part_of_the_runtime_identity(tmp_path, monkeypatch):
     """A run on another vLLM is refused on resume like one on another torch (its kernels make the tokens)."""
-    import vase.eval.vllm_engine as engine
+    import vase.eval.vllm_engine as engine  # where eval.config reads the version (re-exported from vase.engines.vllm)
     from vase.eval.config import runtime_identity
 
     monkeypatch.setattr("vase.models.model_fingerprint", lambda model: "sha")

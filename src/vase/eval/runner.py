@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from vase import schedule
+from vase.engines.base import kv_bytes_per_token  # noqa: F401 - re-exported (tests, callers)
 from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_changes, identity_hash,
                               run_name, runtime_identity)
 from vase.eval.failures import classify_failure
@@ -137,20 +138,6 @@ def dist_env() -> tuple[int, int, int]:
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"bad distributed environment: RANK={rank} WORLD_SIZE={world}")
     return rank, world, local_rank
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of K and V that one token takes over all layers (a dense, unquantised cache)."""
-    cfg = model.config
-    if hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
-    layers = int(cfg.num_hidden_layers)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    dtype = next(model.parameters()).dtype
-    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
-    return 2 * layers * kv_heads * head_dim * size
 
 
 def row_cache_stats(prompt_length: int, n_generated: int, finished: bool, *, budget: int | None, window: int,
@@ -279,7 +266,7 @@ class _Unit:
 class _Runner:
     def __init__(self, config: EvalConfig, model, tokenizer, generate_fn, forced_fn, progress: bool, engine=None):
         self.config = config
-        self.engine = engine  # a VllmEngine (--engine vllm), or None: vase's own decode loop
+        self.engine = engine  # a vase.engines.VllmEngine (--engine vllm), or None: vase's own decode loop
         self.model = model
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
@@ -648,10 +635,11 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
     """
     engine = None
     if config.engine == "vllm" and generate_fn is None:
-        from vase.eval.vllm_engine import VllmEngine
+        from vase.engines.base import as_generate_fn
+        from vase.engines.vllm import VllmEngine
 
-        engine = VllmEngine(config)
-        generate_fn = engine.generate
+        engine = VllmEngine(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+        generate_fn = as_generate_fn(engine)
     if generate_fn is None:
         from vase.generation import generate as generate_fn
     if forced_fn is None:

@@ -98,3 +98,12 @@ def additional_config(method: str, budget: int, window: int = 64, *, seed: int =
     cfg = VaseVllmConfig.from_dict({"method": method, "budget": budget, "window": window, "seed": seed,
                                     "sort_kept": sort_kept, **params})
     return {CONFIG_KEY: cfg.to_dict()}
+
+
+def vase_section(method: str, budget: int, window: int = 64, params: dict[str, Any] | None = None
+                 ) -> dict[str, Any] | None:
+    """vLLM's ``additional_config`` for a method, ``{"vase": {...}}`` (validated: raises VaseConfigError);
+    None for ``full`` (stock vLLM, no vase section)."""
+    if method.strip().lower() == "full":
+        return None
+    return additional_config(method, budget, window, **(params or {}))

@@ -1,0 +1,46 @@
+"""Generation engines behind one protocol (:class:`Engine`): generate, teacher-force where supported,
+count K/V bytes per token, close.
+
+    from vase.engines import TransformersEngine, VllmEngine
+    engine = TransformersEngine.load(None, dtype="float32")          # vase's own decode loop
+    engine = VllmEngine(None, dtype="float32", seed=0)               # vLLM's LLM.generate + the vase plugin
+    out = engine.generate(prompts, method="vase-attnv", budget=512, window=64, seed=0)
+
+Engines sit above the core (:mod:`vase.generation`, :mod:`vase.vllm`) and below the harness
+(eval, bench, analysis, the CLI). Nothing here imports vLLM until an engine is started, and the
+names below load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+#: public name -> submodule that defines it (imported on first access)
+_LAZY = {
+    "Engine": "base", "as_generate_fn": "base", "kv_bytes_per_token": "base",
+    "TransformersEngine": "transformers",
+    "VllmEngine": "vllm", "VllmOutput": "vllm", "vllm_available": "vllm", "vllm_version": "vllm",
+    "engine_args": "vllm", "start_llm": "vllm", "start_engine": "vllm", "llm_eos_ids": "vllm",
+}
+
+__all__ = list(_LAZY)
+
+if TYPE_CHECKING:
+    from .base import Engine, as_generate_fn, kv_bytes_per_token
+    from .transformers import TransformersEngine
+    from .vllm import (VllmEngine, VllmOutput, engine_args, llm_eos_ids, start_engine, start_llm, vllm_available,
+                       vllm_version)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vase.engines' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

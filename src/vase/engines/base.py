@@ -1,0 +1,101 @@
+"""The engine protocol, and the one count of K/V bytes per token every engine and report uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from vase.generation import ChunkObserver, GenerationOutput
+
+__all__ = ["Engine", "as_generate_fn", "kv_bytes_per_token"]
+
+
+class Engine(Protocol):
+    """What the harness asks of a generation engine (:class:`~vase.engines.TransformersEngine`,
+    :class:`~vase.engines.VllmEngine`).
+
+    An engine owns its model and tokenizer; methods and budgets are per call. ``supports_forcing``
+    says whether :meth:`forced_log_probs` works (vLLM: no, it raises NotImplementedError).
+    """
+
+    #: "transformers" or "vllm" (the eval's ``engine`` setting).
+    name: str
+    #: Whether :meth:`forced_log_probs` is available.
+    supports_forcing: bool
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded with (after :meth:`start`)."""
+        ...
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes one token takes over all layers in a dense cache of the engine's dtype."""
+        ...
+
+    def start(self) -> None:
+        """Load what generation needs (idempotent; no engine process yet for vLLM)."""
+        ...
+
+    def generate(self, prompts: Sequence[str], *, method: str = "vase-attnv", budget: int = 512, window: int = 64,
+                 max_new_tokens: int = 2048, temperature: float = 0.6, top_p: float = 0.95, top_k: int | None = None,
+                 greedy: bool = False, seed: int | Sequence[int] = 0, chat_template: bool = True,
+                 **params: Any) -> GenerationOutput:
+        """Generate from `prompts` (one completion each) with `method` at budget B and window w.
+
+        Row r is seeded with ``seed + r`` (or ``seed[r]``) for sampling and eviction. Returns texts,
+        generated ids per row (EOS excluded), prompt lengths, finished-on-EOS flags, wall seconds, and
+        ``stats["rows"]``: per row ``evictions``, ``kv_bytes``, ``kv_bytes_peak``, ``kv_bytes_full``.
+        `params` are the method's parameters.
+        """
+        ...
+
+    def forced_log_probs(self, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
+                         method: str = "full", budget: int = 512, window: int = 64, seed: int = 0,
+                         max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
+                         **params: Any) -> torch.Tensor:
+        """Teacher-force `target_ids` [T] after `prompt_ids` [P]: float32 log-probs [T, vocab], row t the
+        distribution that predicted target t (see :func:`vase.generation.forced_log_probs`)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine started (vLLM: its engine core, KV pool and weights)."""
+        ...
+
+
+def kv_bytes_per_token(source: Any, dtype: torch.dtype | str | None = None) -> int:
+    """Bytes of K and V one token takes over all layers of a dense, unquantised cache:
+    2 x layers x kv_heads x head_dim x element bytes.
+
+    source: a transformers model (its config and its parameters' dtype), or a model config with
+    `dtype` given (a torch dtype or its name: "float32", "bfloat16", ...). A multimodal config's
+    text config is used.
+    """
+    if dtype is None:
+        cfg, dtype = source.config, next(source.parameters()).dtype
+    else:
+        cfg = source
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
+    return 2 * layers * kv_heads * head_dim * size
+
+
+def as_generate_fn(engine: Engine) -> Callable[..., GenerationOutput]:
+    """`engine.generate` in :func:`vase.generate`'s form, ``fn(model, tokenizer, prompts, **settings)``, for
+    callers built around that signature (the eval runner's ``generate_fn``); model and tokenizer are ignored
+    (the engine has its own)."""
+
+    def generate_fn(model, tokenizer, prompts: Sequence[str], **settings: Any) -> GenerationOutput:
+        return engine.generate(prompts, **settings)
+
+    return generate_fn
