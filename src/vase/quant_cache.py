@@ -18,8 +18,8 @@ never kept, so between steps only the packed codes and the full-precision reserv
 
 A multi-token write (teacher forcing) stores its tokens one after the other as token-by-token
 decoding does; a flush that falls inside the chunk quantizes tokens the chunk's earlier queries
-must still read exact, so their exact copies follow the stored slots and `attention_mask_for`
-gives each query the copy or the codes, as decoding at its position had them (`attention_mask`). Slot tags are
+must still read exact, so their exact copies follow the stored slots and `attention_mask`
+gives each query the copy or the codes, as decoding at its position had them. Slot tags are
 stored in the narrowest integer type for the capacity and counted in the bytes; `QuantBytes`
 gives the same count from a stored length (the eval's per-sequence accounting).
 

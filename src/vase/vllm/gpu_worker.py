@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -33,7 +32,7 @@ from .config import VaseConfigError, VaseVllmConfig
 from .layouts import backend_of, split_kv
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
 from .paged import evict_paged
-from .refusals import check_attention_layer, check_kv_tensor, v2_runner_reason
+from .refusals import check_attention_layer, v2_runner_reason
 from .requests import VaseRequest, VaseRunnerMixin
 
 
@@ -64,20 +63,7 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise VaseConfigError(f"vase needs one KV cache group (full attention everywhere), this model has "
-                                  f"{len(groups)}: use a model without sliding-window or hybrid layers")
-        self.vase_layers = sorted(groups[0].layer_names, key=extract_layer_index)
-        ctx = self.compilation_config.static_forward_context
-        first = ctx[self.vase_layers[0]]
-        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, self.vase_config.window,
-                                   self.model_config.dtype, self.device)
-        for name in self.vase_layers:
-            ctx[name].impl.vase_ring = self.vase_ring
-            check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
-        self.vase_head_size = first.head_size
-        self.vase_block_size = groups[0].kv_cache_spec.block_size  # the scheduler's; the kernel's may be smaller
+        self.vase_head_size = self._vase_attach_layers(kv_cache_config).head_size
 
     def _kv_views(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's key and value caches as [num_blocks, kv_heads, kernel_block_size, head_dim] strided views."""

@@ -5,18 +5,21 @@
 `VaseRequest` per running request (created at its prefill, renewed at a recomputing prefill,
 dropped when it finishes), calls the runner's `_vase_step` after vLLM prepares a step's inputs,
 clears the query capture plan after each step, and checks the invariant every write relies on.
-No vLLM import here: the runners bring vLLM's classes.
+It also attaches the attention layers to one query ring once vLLM has built the KV cache.
+The runners bring vLLM's classes; from vLLM only its layer numbering is read here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import schedule
 from .capture import QueryRing
-from .config import VaseVllmConfig
+from .config import VaseConfigError, VaseVllmConfig
 from .paged import RequestPolicyState
+from .refusals import check_kv_tensor
 from .steps import StepPlan, VaseStepError
 
 
@@ -38,12 +41,15 @@ class VaseRunnerMixin:
     """The per-request part of vase's model runners (see the module docstring).
 
     The runner sets `vase_config`, `vase_requests` ({}), `vase_ring`, `vase_recomputes` (0) and
-    defines `_vase_step(scheduled)`; vLLM's runner brings `input_batch`, `requests` and `device`."""
+    defines `_vase_step(scheduled)`; vLLM's runner brings `input_batch`, `requests`, `device`,
+    `compilation_config` and `model_config`."""
 
     vase_config: VaseVllmConfig
     vase_requests: dict[str, VaseRequest]
     vase_ring: QueryRing | None
     vase_recomputes: int
+    vase_layers: list[str]
+    vase_block_size: int
 
     def _vase_step(self, scheduled: np.ndarray) -> None:
         raise NotImplementedError
@@ -66,6 +72,25 @@ class VaseRunnerMixin:
         finally:
             if self.vase_ring is not None:
                 self.vase_ring.plan = None
+
+    def _vase_attach_layers(self, kv_cache_config):
+        """After vLLM's `initialize_kv_cache`: the attention layers in order (`vase_layers`), one query ring they
+        all record into (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
+        Returns the first attention layer (its head size and heads are every layer's)."""
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise VaseConfigError(f"vase needs one KV cache group (full attention everywhere), this model has "
+                                  f"{len(groups)}: use a model without sliding-window or hybrid layers")
+        self.vase_layers = sorted(groups[0].layer_names, key=extract_layer_index)
+        ctx = self.compilation_config.static_forward_context
+        first = ctx[self.vase_layers[0]]
+        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, self.vase_config.window,
+                                   self.model_config.dtype, self.device)
+        for name in self.vase_layers:
+            ctx[name].impl.vase_ring = self.vase_ring
+            check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
+        self.vase_block_size = groups[0].kv_cache_spec.block_size  # the scheduler's; a kernel's may be smaller
+        return first
 
     # -- requests -------------------------------------------------------------------------------------
     def _vase_forget(self, req_id: str) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 from vllm import _custom_ops as ops
-from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -30,7 +29,7 @@ from .config import VaseConfigError, VaseVllmConfig
 from .offsets import capture_rows, token_offsets
 from .heads import RankHeads, rank_policy
 from .paged import Layout, evict_paged
-from .refusals import check_attention_layer, check_kv_tensor, v2_runner_reason
+from .refusals import check_attention_layer, v2_runner_reason
 from .requests import VaseRequest, VaseRunnerMixin
 from .steps import plan_step
 
@@ -112,20 +111,7 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise VaseConfigError(f"vase needs one KV cache group (full attention everywhere), this model has "
-                                  f"{len(groups)}: use a model without sliding-window or hybrid layers")
-        self.vase_layers = sorted(groups[0].layer_names, key=extract_layer_index)
-        ctx = self.compilation_config.static_forward_context
-        first = ctx[self.vase_layers[0]]
-        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, self.vase_config.window,
-                                   self.model_config.dtype, self.device)
-        for name in self.vase_layers:
-            ctx[name].impl.vase_ring = self.vase_ring
-        for name in self.vase_layers:
-            check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
-        self.vase_block_size = groups[0].kv_cache_spec.block_size
+        first = self._vase_attach_layers(kv_cache_config)
         self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.kv_cache_dtype_torch())
 
     def kv_cache_dtype_torch(self) -> torch.dtype:
