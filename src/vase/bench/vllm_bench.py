@@ -82,19 +82,6 @@ class VllmBenchRow:
         return d
 
 
-def kv_geometry(model_path: str, dtype: str) -> tuple[int, int]:
-    """(bytes of K/V per token over all layers, layers) from the model's config."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * size, int(cfg.num_hidden_layers)
-
-
 def pool_bytes(pool_requests: float, prompt_len: int, new_tokens: int, block_size: int, bytes_per_token: int) -> int:
     """``kv_cache_memory_bytes`` for a pool that holds ``pool_requests`` requests at full length (whole blocks),
     plus the null block vLLM reserves."""
@@ -153,31 +140,22 @@ def _one(model_path: str, *, regime: str, method: str, budget: int | None, windo
          prompts: list[list[int]], new_tokens: int, kv_bytes: int, dtype: str, block_size: int | None,
          engine_kwargs: dict, log) -> VllmBenchRow:
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
-    from vllm.v1.engine.llm_engine import LLMEngine
 
-    from vase.vllm.serve import vase_section
-
-    import torch
+    from vase.engines.vllm import engine_args, start_engine
+    from vase.vllm.config import vase_section
 
     section = None if method == "full" else vase_section(method, int(budget), window, params)
     n = len(prompts)
     prompt_len = len(prompts[0])
-    on_cpu = not torch.cuda.is_available()
-    args: dict[str, Any] = dict(model=model_path, dtype=dtype, max_model_len=prompt_len + new_tokens, seed=0,
-                                max_num_seqs=n, kv_cache_memory_bytes=kv_bytes, enforce_eager=on_cpu,
-                                enable_prefix_caching=False, disable_log_stats=False)
-    if on_cpu and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-        args["distributed_executor_backend"] = "uni"
-    if block_size:
-        args["block_size"] = block_size
-    if section is not None:
-        args["additional_config"] = section
-    args.update(engine_kwargs)
+    args = engine_args(model_path, dtype=dtype, max_model_len=prompt_len + new_tokens, seed=0, section=section,
+                       in_process=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+                       kv_cache_memory_bytes=kv_bytes, block_size=block_size,
+                       **{"max_num_seqs": n, "enable_prefix_caching": False, "disable_log_stats": False,
+                          **engine_kwargs})
     sink: list = []
     t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[_recorder_factory(sink)])
+    engine = start_engine(args, stat_loggers=[_recorder_factory(sink)])
     start_s = time.perf_counter() - t0
     try:
         cache = engine.vllm_config.cache_config
@@ -263,11 +241,14 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     on_cpu = not torch.cuda.is_available()
     dtype = dtype or ("float32" if on_cpu else "bfloat16")
     path = model_dir(model)
-    bpt, _ = kv_geometry(path, dtype)
-    bs = block_size or (128 if on_cpu else 16)  # vLLM's defaults: the CPU backend uses 128-token blocks
     from transformers import AutoConfig
 
-    vocab = int(AutoConfig.from_pretrained(path).get_text_config().vocab_size)
+    from vase.engines.base import kv_bytes_per_token
+
+    text_config = AutoConfig.from_pretrained(path).get_text_config()
+    bpt = kv_bytes_per_token(text_config, dtype)
+    bs = block_size or (128 if on_cpu else 16)  # vLLM's defaults: the CPU backend uses 128-token blocks
+    vocab = int(text_config.vocab_size)
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(n_requests)]
     plan = ({"custom": pool_requests} if pool_requests is not None
@@ -309,7 +290,7 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
     methods = [m for m in methods if m != "full"]  # stock vLLM is always the reference
     for m in methods:  # the plugin's own checks (budget vs window and sinks), before any engine starts
         for b in budgets:
-            from vase.vllm.serve import vase_section
+            from vase.vllm.config import vase_section
 
             vase_section(m, b, window, params)
     rows = run_vllm_bench(model, methods, budgets, n_requests=requests, new_tokens=lengths[0], prompt_len=prompt_len,
