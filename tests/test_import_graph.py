@@ -1,8 +1,8 @@
 """The package's import graph has no cycle: every `from .x import` / `import vase.x`, at module level and inside
 functions, read statically (AST) from src/vase, so a lazy import cannot hide a cycle either.
 
-Two cycles predate this test, in files owned elsewhere (issue 17): they are listed in KNOWN_CYCLES, which may
-only shrink: any other cycle fails (delete an entry once its cycle is gone)."""
+One cycle predates this test, in files owned elsewhere (issue 17): it is listed in KNOWN_CYCLES, which may only
+shrink: any other cycle fails (delete the entry once its cycle is gone)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,6 @@ def import_graph() -> dict[str, set[str]]:
 KNOWN_CYCLES = {
     # generation imports compiled inside `generate`; compiled imports generation's prefill and sampler seeding
     frozenset({"vase.generation", "vase.compiled"}),
-    # eval.config imports vllm_version inside runtime_identity; eval.vllm_engine imports EvalConfig
-    frozenset({"vase.eval.config", "vase.eval.vllm_engine"}),
 }
 
 
