@@ -20,7 +20,7 @@ TaskOpt = Annotated[str, typer.Option(help="Task of the prompts: arith (embedded
 DataDirOpt = Annotated[Optional[Path], typer.Option(help="Folder of task files (or $VASE_DATA_DIR).")]
 
 
-@model_options
+@model_options(check=False)  # --seed is checked before --out
 def inspect(
     prompt: Annotated[str, typer.Argument(help="The prompt.")],
     method: Annotated[str, typer.Option(help="Eviction method.")] = "vase-attnv",
@@ -94,8 +94,6 @@ def analyze_randomness(
     model: ModelArgs = ModelArgs(),
 ) -> None:
     """Deterministic vs stochastic eviction (snapkv vs snapkv-sample, vase-attnv top-k vs sampled)."""
-    model.check()
-    check_out_dir(out, "--out")
     checked_params(["snapkv", "vase-attnv"], None, budgets=[budget], window=window)  # before the model loads
     prompts = analysis_prompts(task, data_dir=data_dir, limit=limit)
     from ..analysis.randomness import print_report, run_randomness
@@ -130,8 +128,6 @@ def analyze_sweep(
     """Fidelity of eviction methods and Quest (selection) at equal sparsity, at several compressions."""
     from ..analysis.sweep import markdown_table, run_sweep
 
-    model.check()
-    check_out_dir(out, "--out")
     names = split_list(tasks, str, "--tasks")
     compression_list = split_list(compressions, float, "--compressions")
     prompts = {t: analysis_prompts(t, limit=limit, data_dir=data_dir, seed=seed, flag="--tasks") for t in names}

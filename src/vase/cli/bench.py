@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import (ModelArgs, ParamOpt, UserError, WindowOpt, check_out_dir, checked_params, console, given,
-                     model_options, quant_options, quiet_loading, split_list, warn)
+from .common import (ModelArgs, ParamOpt, UserError, WindowOpt, checked_params, console, given, model_options,
+                     quant_options, quiet_loading, split_list, warn)
 
 __all__ = ["bench", "random_model"]
 
@@ -48,8 +48,6 @@ def bench(
                                            "compiles, untimed).")] = False,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
-    model.check()
-    check_out_dir(out, "--out")
     method_list, budget_list = split_list(methods, str, "--methods"), split_list(budgets, int, "--budgets")
     if engine == "vllm":
         from ..bench.vllm_bench import cli_bench

@@ -180,13 +180,18 @@ _MODEL_OPTIONS = (("model", ModelOpt, None), ("dtype", DtypeOpt, "auto"), ("devi
                   ("attn", AttnOpt, "sdpa"))
 
 
-def model_options(command: Callable[..., Any]) -> Callable[..., Any]:
+def model_options(command: Callable[..., Any] | None = None, *, check: bool = True) -> Any:
     """A typer command whose :class:`ModelArgs` parameter stands for the four model options.
 
     typer reads a command's options from its signature: the wrapper's signature holds --model, --dtype,
     --device and --attn in that parameter's place (so --help lists them where they always were), and the
     command receives them as one ModelArgs. Every command that loads a model spells them the same way.
+    With ``check`` (``@model_options``), the wrapper first refuses an empty --model, then an unusable --out
+    folder when the command has one; ``@model_options(check=False)`` leaves both to a command that checks
+    something else first.
     """
+    if command is None:
+        return functools.partial(model_options, check=check)
     sig = inspect.signature(command, eval_str=True)
     [slot] = [p.name for p in sig.parameters.values() if p.annotation is ModelArgs]
     params: list[inspect.Parameter] = []
@@ -199,6 +204,10 @@ def model_options(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def run(**kwargs: Any) -> Any:
         args = ModelArgs(**{n: kwargs.pop(n) for n, _, _ in _MODEL_OPTIONS})
+        if check:
+            args.check()
+            if "out" in kwargs:
+                check_out_dir(kwargs["out"], "--out")
         return command(**kwargs, **{slot: args})
 
     del run.__wrapped__  # typer must read the signature below, not the command's own

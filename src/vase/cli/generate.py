@@ -44,7 +44,7 @@ def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
     return prompts
 
 
-@model_options
+@model_options(check=False)  # the engine is checked first
 def generate(
     ctx: typer.Context,
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt ('-' reads prompts from stdin).")] = None,
