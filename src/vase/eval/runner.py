@@ -266,7 +266,9 @@ class _Unit:
 class _Runner:
     def __init__(self, config: EvalConfig, model, tokenizer, generate_fn, forced_fn, progress: bool, engine=None):
         self.config = config
-        self.engine = engine  # a vase.engines.VllmEngine (--engine vllm), or None: vase's own decode loop
+        # The engine everything is generated and teacher-forced with: a vase.engines.VllmEngine (--engine vllm),
+        # else a TransformersEngine over the model (and generate_fn / forced_fn), built when the model is needed.
+        self.engine = engine
         self.model = model
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
@@ -311,22 +313,25 @@ class _Runner:
             self.engine.start()
             self.tokenizer, self._bpt = self.engine.tokenizer, self.engine.bytes_per_token
             return
+        from vase.engines.transformers import TransformersEngine
+
+        fns = {"generate_fn": self.generate_fn, "forced_fn": self.forced_fn}
         if self.model is not None and self.tokenizer is not None:
+            self.engine = TransformersEngine(self.model, self.tokenizer, **fns)
             return
         if self.model is not None or self.tokenizer is not None:
             raise ValueError("pass both model and tokenizer, or neither (then config.model is loaded)")
-        from vase.models import load_model
-
         device = self.config.device
         if self.world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
             device = f"cuda:{self.local_rank % torch.cuda.device_count()}"
-        self.model, self.tokenizer = load_model(self.config.model, dtype=self.config.dtype, device=device,
-                                                attn_implementation=self.config.attn_implementation)
+        self.engine = TransformersEngine.load(self.config.model, dtype=self.config.dtype, device=device,
+                                              attn_implementation=self.config.attn_implementation, **fns)
+        self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
 
     @property
     def bytes_per_token(self) -> int:
         if self._bpt is None:
-            self._bpt = kv_bytes_per_token(self.model)
+            self._bpt = self.engine.bytes_per_token
         return self._bpt
 
     # -- main loop -------------------------------------------------------------------------------
@@ -373,7 +378,7 @@ class _Runner:
                                             completed=fid_total - fid_todo)
 
             per_batch, rows = max(1, c.batch_size // c.samples), c.batch_size
-            if self.engine is not None:  # vLLM schedules: every pending sample of a method in one call
+            if self.engine.name == "vllm":  # vLLM schedules: every pending sample of a method in one call
                 per_batch, rows = max(1, len(mine)), max(1, len(mine) * c.samples)
             for g in range(0, len(mine), per_batch):
                 group = mine[g:g + per_batch]
@@ -424,8 +429,8 @@ class _Runner:
         seeds = [sample_seed(c.seed, i, s) for i, s in batch]
         # The full cache ignores the budget; give it one the cache accepts.
         budget = u.budget if u.budget is not None else max(c.budgets, default=max(512, c.window + 8))
-        out = self.generate_fn(
-            self.model, self.tokenizer, prompts, method=spec.method, budget=budget, window=c.window,
+        out = self.engine.generate(
+            prompts, method=spec.method, budget=budget, window=c.window,
             max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
             greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.cache_params)
         if len(out.texts) != len(batch):
@@ -552,8 +557,8 @@ class _Runner:
         target_t = torch.tensor(targets, dtype=torch.long)
         full_budget = max(c.budgets, default=max(512, c.window + 8))
         t0 = time.perf_counter()
-        full_lp = self.forced_fn(self.model, prompt_ids, targets, method=FULL, budget=full_budget,
-                                 window=c.window, seed=seed0)
+        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=full_budget,
+                                               window=c.window, seed=seed0)
         full_seconds = time.perf_counter() - t0
         for u in pending:
             spec = self.specs[u.label]
@@ -563,8 +568,8 @@ class _Runner:
                 comp = full_lp  # the reference against itself: zero by definition
                 extra = self._noise_floor(prompt_ids, targets, full_lp, target_t, seed0)
             else:
-                comp = self.forced_fn(self.model, prompt_ids, targets, method=spec.method, budget=u.budget,
-                                      window=c.window, seed=seed0, **spec.cache_params)
+                comp = self.engine.forced_log_probs(prompt_ids, targets, method=spec.method, budget=u.budget,
+                                                    window=c.window, seed=seed0, **spec.cache_params)
             m = _chunked_fidelity(full_lp, comp, target_t)
             # Means over the targets after the first eviction only: earlier ones are full's own and dilute it.
             # Selection (Quest) is measured from the same target on as the eviction methods at its budget.
@@ -591,9 +596,9 @@ class _Runner:
         """Full against full teacher-forced in chunks of ``w`` (the compressed caches' feeding): the KL that
         arithmetic alone produces. None when the forced function has no ``max_chunk`` argument."""
         try:
-            chunked = self.forced_fn(self.model, prompt_ids, targets, method=FULL,
-                                     budget=max(self.config.budgets, default=512),
-                                     window=self.config.window, seed=seed, max_chunk=self.config.window)
+            chunked = self.engine.forced_log_probs(prompt_ids, targets, method=FULL,
+                                                   budget=max(self.config.budgets, default=512),
+                                                   window=self.config.window, seed=seed, max_chunk=self.config.window)
         except TypeError:  # a stand-in forced function without chunking
             return {"noise_kl_mean": None, "noise_top1_agree": None}
         m = _chunked_fidelity(full_lp, chunked, target_t)
@@ -635,11 +640,9 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
     """
     engine = None
     if config.engine == "vllm" and generate_fn is None:
-        from vase.engines.base import as_generate_fn
         from vase.engines.vllm import VllmEngine
 
         engine = VllmEngine(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
-        generate_fn = as_generate_fn(engine)
     if generate_fn is None:
         from vase.generation import generate as generate_fn
     if forced_fn is None:
