@@ -34,7 +34,7 @@ from vase.eval.prompts import build_prompt
 from vase.eval.tasks import load_task
 from vase.generation import Sampler, decode, encode_prompts, eos_ids, forced_log_probs
 from vase.models import load_model
-from vase.quant_cache import QuantLayer, entry_bytes
+from vase.quant_cache import QuantStorage, entry_bytes
 
 WINDOW = 8  # small runs (a few hundred tokens) need a small window to reach 1/16 of the full cache
 FLUSH = 8
@@ -86,10 +86,11 @@ def held_bytes(cache: EvictionCache, full_bytes: int) -> int:
         if not layer.is_initialized:
             continue
         b, h, _, d = layer.keys.shape
-        if isinstance(layer, QuantLayer):  # entries with their slot tags (and reserve ranks), and key scales
-            q_entry, fp_entry = entry_bytes(d, d, layer.qcfg.bits, layer.group, full_bytes, layer.qslot.shape[2] - 1)
-            scales = 0 if layer.kscale is None else layer.kscale.numel() * layer.kscale.element_size()
-            total += int(layer.qn.sum()) * q_entry + int(layer.fn.sum()) * fp_entry + scales
+        store = layer.storage
+        if isinstance(store, QuantStorage):  # entries with their slot tags (and reserve ranks), and key scales
+            q_entry, fp_entry = entry_bytes(d, d, store.qcfg.bits, store.group, full_bytes, store.qslot.shape[2] - 1)
+            scales = 0 if store.kscale is None else store.kscale.numel() * store.kscale.element_size()
+            total += int(store.qn.sum()) * q_entry + int(store.fn.sum()) * fp_entry + scales
         else:
             total += sum(layer.length - p for p in (layer.pad or [0] * b)) * h * 2 * d * full_bytes
     return total
