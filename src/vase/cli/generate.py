@@ -135,16 +135,17 @@ def generate(
 
 def vllm_runner(model: ModelArgs, window: int, seed: int):
     """`vase generate --engine vllm`: a `vase.generate`-like function over vLLM, and the tokenizer."""
+    from ..engines.vllm import VllmEngine
     from ..eval.config import EvalConfig
-    from ..eval.vllm_engine import VllmEngine
     from ..vllm.stats import summarize
 
-    engine = VllmEngine(EvalConfig(model=model.model, dtype=model.dtype, device=model.device, window=window,
-                                   seed=seed))
+    # EvalConfig checks the settings (dtype, window, seed) as `vase eval --engine vllm` does.
+    cfg = EvalConfig(model=model.model, dtype=model.dtype, device=model.device, window=window, seed=seed)
+    engine = VllmEngine(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     engine.start()
 
     def run(mdl, tok, batch, stream=None, **kwargs):
-        out = engine.generate(mdl, tok, batch, **kwargs)
+        out = engine.generate(batch, **kwargs)  # vLLM loads its own model: mdl and tok are unused
         out.stats.update(summarize(out.stats["rows"]))  # totals for the summary line
         if stream is not None:
             stream(0, out.texts[0])
