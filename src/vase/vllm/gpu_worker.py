@@ -53,10 +53,7 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
     # -- setup ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
-        for name, layer in self.compilation_config.static_forward_context.items():
-            impl = getattr(layer, "impl", None)
-            if impl is None:
-                continue
+        for name, impl in self._vase_attention_impls():
             self.vase_backend = backend_of(impl)  # refuses MLA and every backend not written for
             check_attention_layer(name, impl, self.model_config.dtype)
             install(impl)  # this engine's layers only (the backend registry is per process)

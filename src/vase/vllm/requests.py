@@ -73,6 +73,13 @@ class VaseRunnerMixin:
             if self.vase_ring is not None:
                 self.vase_ring.plan = None
 
+    def _vase_attention_impls(self):
+        """(layer name, attention implementation) of each of this engine's layers that has one (after load_model)."""
+        for name, layer in self.compilation_config.static_forward_context.items():
+            impl = getattr(layer, "impl", None)
+            if impl is not None:
+                yield name, impl
+
     def _vase_attach_layers(self, kv_cache_config):
         """After vLLM's `initialize_kv_cache`: the attention layers in order (`vase_layers`), one query ring they
         all record into (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).

@@ -99,10 +99,7 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         # Swap the implementation class of this engine's attention layers only: vLLM caches backend
         # selection per process, so registering a backend would also change other engines.
-        for name, layer in self.compilation_config.static_forward_context.items():
-            impl = getattr(layer, "impl", None)
-            if impl is None:
-                continue
+        for name, impl in self._vase_attention_impls():
             if type(impl) is not CPUAttentionBackendImpl:
                 raise VaseConfigError(f"vase needs vLLM's CPU attention, layer {name} uses {type(impl).__name__}: "
                                       f"use a model with standard attention")
