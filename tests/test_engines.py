@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vase
-from vase.engines import Engine, TransformersEngine, VllmEngine, as_generate_fn, engine_args, kv_bytes_per_token
+from vase.engines import Engine, TransformersEngine, VllmEngine, engine_args, kv_bytes_per_token
 from vase.generation import eos_ids, forced_log_probs
 
 from .conftest import F64, tiny_model, tiny_tokenizer
@@ -61,7 +61,6 @@ def test_the_transformers_engine_is_vase_generate_and_forced_log_probs():
     assert got.token_ids == want.token_ids and got.texts == want.texts
     assert got.finished == want.finished and got.prompt_lengths == want.prompt_lengths
     assert got.stats["rows"] == want.stats["rows"] and any(r["evictions"] for r in got.stats["rows"])
-    assert as_generate_fn(engine)(None, None, prompts, **settings).token_ids == want.token_ids
 
     prompt, target = list(range(5, 17)), [(7 * i) % 90 for i in range(50)]
     kw = dict(method="snapkv", budget=24, window=8, seed=3)
@@ -242,22 +241,3 @@ def test_the_eval_engine_and_the_bench_start_vllm_through_the_one_builder(monkey
                                kv_cache_memory_bytes=kv, block_size=16, max_num_seqs=2,
                                enable_prefix_caching=False, disable_log_stats=False)
 
-
-@needs_vllm
-def test_the_old_eval_home_still_builds_the_same_engine_for_the_cli(monkeypatch, model_dir):
-    """`vase.eval.vllm_engine.VllmEngine(EvalConfig)` (what `vase generate --engine vllm` builds) is the engines'
-    VllmEngine with the config's model, dtype, device and seed; its generate takes a model and tokenizer first."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    from vase.eval.config import EvalConfig
-    from vase.eval.vllm_engine import VllmEngine as Old
-
-    _catch(monkeypatch, "start_llm")
-    old = Old(EvalConfig(model=model_dir, dtype="float32", device="cpu", window=8, seed=9))
-    old.start()
-    assert old.tokenizer.padding_side == "left"
-    settings = dict(method="snapkv", budget=48, window=8, max_new_tokens=16, seed=[1])
-    with pytest.raises(_Started) as got_old:
-        old.generate(None, None, ["hello"], **settings)
-    with pytest.raises(_Started) as got_new:
-        VllmEngine(model_dir, dtype="float32", device="cpu", seed=9).generate(["hello"], **settings)
-    assert got_old.value.args == got_new.value.args and got_old.value.args[0]["seed"] == 9

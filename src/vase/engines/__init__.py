@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 #: public name -> submodule that defines it (imported on first access)
 _LAZY = {
-    "Engine": "base", "as_generate_fn": "base", "kv_bytes_per_token": "base",
+    "Engine": "base", "kv_bytes_per_token": "base",
     "TransformersEngine": "transformers",
     "VllmEngine": "vllm", "VllmOutput": "vllm", "vllm_available": "vllm", "vllm_version": "vllm",
     "engine_args": "vllm", "start_llm": "vllm", "start_engine": "vllm", "llm_eos_ids": "vllm",
@@ -27,7 +27,7 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
-    from .base import Engine, as_generate_fn, kv_bytes_per_token
+    from .base import Engine, kv_bytes_per_token
     from .transformers import TransformersEngine
     from .vllm import (VllmEngine, VllmOutput, engine_args, llm_eos_ids, start_engine, start_llm, vllm_available,
                        vllm_version)

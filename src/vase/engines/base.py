@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -10,7 +10,7 @@ import torch
 if TYPE_CHECKING:
     from vase.generation import ChunkObserver, GenerationOutput
 
-__all__ = ["Engine", "as_generate_fn", "kv_bytes_per_token"]
+__all__ = ["Engine", "kv_bytes_per_token"]
 
 
 class Engine(Protocol):
@@ -89,13 +89,3 @@ def kv_bytes_per_token(source: Any, dtype: torch.dtype | str | None = None) -> i
     size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
     return 2 * layers * kv_heads * head_dim * size
 
-
-def as_generate_fn(engine: Engine) -> Callable[..., GenerationOutput]:
-    """`engine.generate` in :func:`vase.generate`'s form, ``fn(model, tokenizer, prompts, **settings)``, for
-    callers built around that signature (the eval runner's ``generate_fn``); model and tokenizer are ignored
-    (the engine has its own)."""
-
-    def generate_fn(model, tokenizer, prompts: Sequence[str], **settings: Any) -> GenerationOutput:
-        return engine.generate(prompts, **settings)
-
-    return generate_fn
