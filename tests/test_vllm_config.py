@@ -98,7 +98,7 @@ def test_a_plain_built_config_passes():
     ({"use_v2_model_runner": True, "watermark_config": object()}, {"VLLM_USE_V2_MODEL_RUNNER": "0"},
      "because watermark_config is set"),
     ({"parallel_config.pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
-    ({"parallel_config.data_parallel_size": 2}, {}, "not tested at data_parallel_size=2"),
+    ({"parallel_config.data_parallel_size": 2}, {}, "one engine per data-parallel rank, not vLLM's data_parallel_size=2"),
 ])
 def test_settings_that_give_wrong_tokens_are_refused_in_one_line(over, env, fragment):
     from vase.vllm.refusals import check_built_config

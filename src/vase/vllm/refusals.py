@@ -63,8 +63,11 @@ def check_built_config(vllm_config: Any, env: dict | None = None) -> None:
                               f"evict its own layers on the same schedule; not implemented): use "
                               f"pipeline_parallel_size=1 {_DROP}")
     if parallel.data_parallel_size > 1:
-        raise VaseConfigError(f"vase's vLLM plugin is not tested at data_parallel_size={parallel.data_parallel_size}: "
-                              f"run one engine per process with data_parallel_size=1 {_DROP}")
+        raise VaseConfigError(f"vase's vLLM plugin runs one engine per data-parallel rank, not vLLM's "
+                              f"data_parallel_size={parallel.data_parallel_size} (its ranks share one scheduler "
+                              f"wave, untested with eviction): start one engine per process with "
+                              f"data_parallel_size=1, e.g. `torchrun --nproc-per-node N -m vase.cli eval --engine "
+                              f"vllm ...` (each rank takes its share of the problems) {_DROP}")
 
 
 def check_attention_layer(name: str, impl: Any, model_dtype: Any) -> None:
