@@ -7,7 +7,12 @@ two labelled fixtures.
 - tests/fixtures/failures_heldout.jsonl (the held-out set): 40 completions of real runs under eviction
   (embedded SmolLM2-135M, the embedded arith and recall tasks at small budgets), labelled by reading
   each text before the classifier was run on any of them; the rules were not changed afterwards.
-  These runs looped once in 40, so the loop floor waits for more loops (the xfail below).
+  A second batch (2026-12-02, 72 more, greedy at B = 12 / 16: snapkv, streamingllm, vase-attnv, h2o, tova;
+  commands in each item's ``source``) brought the loops to 8. The rules find 5 of them: the 3 they miss
+  repeat a sentence whose words change from copy to copy ("He sold / has sold N shells to a customer."),
+  which the sentence-loop rule (digits normalised, words exact) does not count. So loop recall is 0.62,
+  below its 0.75 floor: that floor is a strict xfail until the rule learns near-copies (and is checked on
+  a new held-out batch, since this one has now been seen).
 
 Both assert floors, not counts: precision and recall of each class must reach the numbers in
 ``DEV_FLOORS`` / ``HELDOUT_FLOORS`` (fixed before the held-out items were classified).
@@ -53,7 +58,9 @@ def precision_recall(pairs: list[tuple[str, str]], cls: str) -> tuple[float, flo
     return (tp / predicted if predicted else 1.0), (tp / labelled if labelled else 1.0)
 
 
-def _check_floors(entries: list[dict], floors: dict[str, tuple[float, float]], min_items: int = 1) -> dict:
+def _check_floors(entries: list[dict], floors: dict[str, tuple[float, float]], min_items: int = 1,
+                  waived_recall: frozenset[str] = frozenset()) -> dict:
+    """Assert each class's floors (recall not asserted for `waived_recall`); returns class -> (precision, recall)."""
     pairs = [(e["label"], classify_failure(e["text"], e["hit_length_cap"])) for e in entries]
     scored = {}
     for cls, (p_min, r_min) in floors.items():
@@ -61,6 +68,7 @@ def _check_floors(entries: list[dict], floors: dict[str, tuple[float, float]], m
             continue
         p, r = precision_recall(pairs, cls)
         scored[cls] = (p, r)
+        r_min = 0.0 if cls in waived_recall else r_min
         assert p >= p_min and r >= r_min, (f"{cls}: precision {p:.2f} (floor {p_min}), recall {r:.2f} (floor {r_min}); "
                                            f"confusion {dict(Counter(pairs))}")
     return scored
@@ -90,22 +98,32 @@ def test_heldout_fixture_is_real() -> None:
     assert len({e["text"] for e in entries}) == len(entries)  # no duplicates
 
 
+#: Loop recall on the held-out set is below its floor (see the module docstring); everything else is asserted.
+KNOWN_MISSES = frozenset({"phrase_loop"})
+
+
 def test_heldout_fixture_floors() -> None:
-    scored = _check_floors(load_fixture(HELDOUT), HELDOUT_FLOORS, MIN_CLASS_ITEMS)
-    assert {"ok", "truncated"} <= set(scored)
+    scored = _check_floors(load_fixture(HELDOUT), HELDOUT_FLOORS, MIN_CLASS_ITEMS, waived_recall=KNOWN_MISSES)
+    assert set(scored) == set(FAILURE_CLASSES) - {"garbage"}  # no garbage in real runs yet: too few to score
 
 
-@pytest.mark.xfail(strict=True, reason="the held-out runs gave 1 loop in 40 completions: add real loops (e.g. greedy "
-                                      "runs at smaller budgets) until phrase_loop has 3+ items, then drop this mark")
-def test_heldout_fixture_scores_loops_beyond_the_length_cap() -> None:
-    """The loop floor is asserted, and the rule "capped -> truncated, else ok" misses some floor,
-    so the fixture tests more than the length cap."""
+@pytest.mark.xfail(strict=True, reason="held-out loop recall is 5/8 = 0.62 < 0.75: the 3 loops missed repeat a "
+                                      "sentence whose words change between copies (module docstring)")
+def test_heldout_loop_recall_floor() -> None:
+    _check_floors(load_fixture(HELDOUT), {"phrase_loop": HELDOUT_FLOORS["phrase_loop"]}, MIN_CLASS_ITEMS)
+
+
+def test_heldout_fixture_tests_more_than_the_length_cap() -> None:
+    """The rule "capped -> truncated, else ok" misses a floor that the classifier meets: the held-out set
+    checks more than the length cap."""
     entries = load_fixture(HELDOUT)
-    assert "phrase_loop" in _check_floors(entries, HELDOUT_FLOORS, MIN_CLASS_ITEMS)
     cap_only = [(e["label"], "truncated" if e["hit_length_cap"] else "ok") for e in entries]
-    assert any(sum(lab == cls for lab, _ in cap_only) >= MIN_CLASS_ITEMS
-               and not all(x >= m for x, m in zip(precision_recall(cap_only, cls), floors))
-               for cls, floors in HELDOUT_FLOORS.items()), "the length cap alone meets every floor"
+    pairs = [(e["label"], classify_failure(e["text"], e["hit_length_cap"])) for e in entries]
+    beaten = [cls for cls, (p_min, r_min) in HELDOUT_FLOORS.items()
+              if sum(lab == cls for lab, _ in pairs) >= MIN_CLASS_ITEMS
+              and not (precision_recall(cap_only, cls)[0] >= p_min)
+              and precision_recall(pairs, cls)[0] >= p_min]
+    assert "truncated" in beaten, beaten  # a capped loop is not "truncated": only the classifier tells them apart
 
 
 def test_sentence_loop_with_changing_numbers() -> None:
