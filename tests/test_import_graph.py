@@ -1,8 +1,8 @@
 """The package's import graph has no cycle: every `from .x import` / `import vase.x`, at module level and inside
 functions, read statically (AST) from src/vase, so a lazy import cannot hide a cycle either.
 
-One cycle predates this test, in files owned elsewhere (issue 17): it is listed in KNOWN_CYCLES, which may only
-shrink: any other cycle fails (delete the entry once its cycle is gone)."""
+KNOWN_CYCLES is empty (the last one, generation <-> compiled, went when both took the shared decode pieces from
+vase.decoding): any cycle fails."""
 
 from __future__ import annotations
 
@@ -56,10 +56,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 #: cycles that predate this test, as the set of modules on each (strongly connected components of the graph)
-KNOWN_CYCLES = {
-    # generation imports compiled inside `generate`; compiled imports generation's prefill and sampler seeding
-    frozenset({"vase.generation", "vase.compiled"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:

@@ -233,7 +233,7 @@ def test_greedy_full_agrees_with_the_transformers_engine(tmp_path):
 
 def test_the_vllm_version_is_part_of_the_runtime_identity(tmp_path, monkeypatch):
     """A run on another vLLM is refused on resume like one on another torch (its kernels make the tokens)."""
-    import vase.eval.vllm_engine as engine  # where eval.config reads the version (re-exported from vase.engines.vllm)
+    import vase.engines.vllm as engine  # where eval.config reads the version
     from vase.eval.config import runtime_identity
 
     monkeypatch.setattr("vase.models.model_fingerprint", lambda model: "sha")

@@ -24,7 +24,7 @@ from transformers import StaticCache
 from .attention import uninstall
 from .cache import EvictionCache
 from .compat import cache_kwargs
-from .generation import prefill, sampler_generators
+from .decoding import prefill, sampler_generators
 from .static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, ready, static_kernel
 
 

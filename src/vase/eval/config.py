@@ -24,6 +24,7 @@ from typing import Any
 
 from vase.checks import check_budget_window
 from vase.policies import Policy, UnknownMethodError, get_policy
+from vase.textfiles import decode_utf8
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
 
 __all__ = [
@@ -50,7 +51,7 @@ FULL = "full"
 
 _DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _ATTN = ("sdpa", "eager", "flash_attention_2")
-#: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.eval.vllm_engine).
+#: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.engines.vllm).
 _ENGINES = ("transformers", "vllm")
 
 
@@ -351,12 +352,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is a folder: give the .toml, .yaml or .json file (-c FILE)")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ConfigError(f"config file {path}: line {line} is not UTF-8 text ({e.reason}): save it as UTF-8") from None
+    text = decode_utf8(path.read_bytes(), f"config file {path}", "save it as UTF-8", ConfigError)
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":
@@ -512,7 +508,7 @@ def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
     runtime = {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
                "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
     if getattr(config, "engine", "transformers") == "vllm":  # its kernels and scheduler produce the tokens
-        from vase.eval.vllm_engine import vllm_version
+        from vase.engines.vllm import vllm_version
 
         runtime["vllm"] = vllm_version()
     return runtime

@@ -33,7 +33,6 @@ code, no transformers import. Layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 

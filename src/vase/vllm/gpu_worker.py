@@ -42,7 +42,7 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
-        self.vase_policy = self.vase_config.policy
+        self.vase_policy = self._vase_rank_policy(vllm_config)  # TP: kept sets independent of the degree
         self.vase_requests: dict[str, VaseRequest] = {}
         self.vase_ring: QueryRing | None = None
         self.vase_layers: list[str] = []

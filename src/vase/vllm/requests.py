@@ -18,6 +18,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from .. import schedule
 from .capture import QueryRing
 from .config import VaseConfigError, VaseVllmConfig
+from .heads import RankHeads, rank_policy
 from .paged import RequestPolicyState
 from .refusals import check_kv_tensor
 from .steps import StepPlan, VaseStepError
@@ -53,6 +54,15 @@ class VaseRunnerMixin:
 
     def _vase_step(self, scheduled: np.ndarray) -> None:
         raise NotImplementedError
+
+    def _vase_rank_policy(self, vllm_config):
+        """The configured policy as this tensor-parallel rank runs it: selecting over all global KV heads, so
+        that its kept set (random draws included) is TP = 1's (`vase.vllm.heads`)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        heads = RankHeads.of_rank(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                                  vllm_config.model_config.get_total_num_kv_heads())
+        return rank_policy(self.vase_config.policy, heads)
 
     # -- vLLM's hooks ---------------------------------------------------------------------------------
     def _update_states(self, scheduler_output):

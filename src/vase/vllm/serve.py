@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from .config import additional_config
+from .config import vase_section
 
 __all__ = ["DEFAULT_SERVED_NAME", "ServeError", "vase_section", "serve_argv", "require_vllm", "exec_serve",
            "run_serve", "ready_line"]
@@ -41,14 +41,6 @@ _OURS = ("--additional-config", "--model", "--host", "--port")
 
 class ServeError(ValueError):
     """A `vase serve` command that cannot start (one line: the value and the fix)."""
-
-
-def vase_section(method: str, budget: int, window: int = 64, params: dict[str, Any] | None = None
-                 ) -> dict[str, Any] | None:
-    """vLLM's ``additional_config`` for a method (validated by the plugin's config); None for ``full``."""
-    if method.strip().lower() == "full":
-        return None
-    return additional_config(method, budget, window, **(params or {}))
 
 
 def _given(extra: Sequence[str], flag: str) -> bool:

@@ -27,7 +27,6 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from .capture import CapturePlan, QueryRing
 from .config import VaseConfigError, VaseVllmConfig
 from .offsets import capture_rows, token_offsets
-from .heads import RankHeads, rank_policy
 from .paged import Layout, evict_paged
 from .refusals import check_attention_layer, v2_runner_reason
 from .requests import VaseRequest, VaseRunnerMixin
@@ -80,12 +79,7 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
-        # Under tensor parallelism each rank selects over all global KV heads, so its kept set is TP = 1's.
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        heads = RankHeads.of_rank(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
-                                  vllm_config.model_config.get_total_num_kv_heads())
-        self.vase_policy = rank_policy(self.vase_config.policy, heads)
+        self.vase_policy = self._vase_rank_policy(vllm_config)
         self.vase_requests: dict[str, VaseRequest] = {}
         self.vase_ring: QueryRing | None = None
         self.vase_layers: list[str] = []
