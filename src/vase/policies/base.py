@@ -49,24 +49,25 @@ def uniform_noise(shape: tuple[int, ...], generator, device: torch.device) -> to
     A noise source (an object with `draw(kind, shape, device)`, e.g. `vase.static.NoiseReplay`
     replaying host draws inside a compiled step) is asked instead.
     """
-    if hasattr(generator, "draw"):
-        return generator.draw("uniform", shape, device)
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(shape, generator=generator, device=device)
-    if len(generator) != shape[0]:
-        raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]} rows")
-    return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generator])
+    return _noise("uniform", shape, generator, device)
 
 
 def normal_noise(shape: tuple[int, ...], generator, device: torch.device) -> torch.Tensor:
     """Standard normal noise of `shape` [batch, ...], per-row generators (or a noise source) as in `uniform_noise`."""
+    return _noise("normal", shape, generator, device)
+
+
+def _noise(kind: str, shape: tuple[int, ...], generator, device: torch.device) -> torch.Tensor:
+    """`kind` ("uniform" or "normal") noise of `shape` [batch, ...]: from a noise source, one generator (or
+    None) for the whole tensor, or one generator per row."""
     if hasattr(generator, "draw"):
-        return generator.draw("normal", shape, device)
+        return generator.draw(kind, shape, device)
+    draw = torch.rand if kind == "uniform" else torch.randn
     if generator is None or isinstance(generator, torch.Generator):
-        return torch.randn(shape, generator=generator, device=device)
+        return draw(shape, generator=generator, device=device)
     if len(generator) != shape[0]:
         raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]} rows")
-    return torch.stack([torch.randn(shape[1:], generator=g, device=device) for g in generator])
+    return torch.stack([draw(shape[1:], generator=g, device=device) for g in generator])
 
 
 def sample_without_replacement(weights: torch.Tensor, k: int, generator) -> torch.Tensor:
