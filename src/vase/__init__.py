@@ -11,8 +11,9 @@ and `vase.schedule` (pure torch / pure Python) import without transformers, e.g.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from vase.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -33,14 +34,4 @@ if TYPE_CHECKING:
     from .policies import UnknownMethodError, get_policy, method_names
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vase' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

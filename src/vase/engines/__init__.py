@@ -13,8 +13,9 @@ names below load on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from vase.lazy import lazy_exports
 
 #: public name -> submodule that defines it (imported on first access)
 _LAZY = {
@@ -33,14 +34,4 @@ if TYPE_CHECKING:
                        vllm_version)
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vase.engines' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
