@@ -28,11 +28,22 @@ TOL = 2e-3
 RUNNER = Path(__file__).with_name("vllm_tp_run.py")
 
 
-def _run(model: str, tp: int, out: Path) -> dict:
+def _launch(model: str, tp: int, out: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["PYTHONPATH"] = os.pathsep.join([str(RUNNER.parent.parent / "src"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(RUNNER), model, str(tp), str(out)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(RUNNER), model, str(tp), out], capture_output=True, text=True,
                           timeout=900, env=env)
+
+
+def _run(model: str, tp: int, out: Path) -> dict:
+    proc = _launch(model, tp, str(out))
+    if proc.returncode != 0 and tp > 1:
+        # vLLM's own TP must run here for this test to mean anything: with the kernels capped below the CPU's
+        # ISA (ATEN_CPU_CAPABILITY=avx2 ... on an AVX-512 machine) stock vLLM's TP workers fail too.
+        stock = _launch(model, tp, "--stock")
+        if stock.returncode != 0:
+            last = [line for line in stock.stderr.splitlines() if "Error" in line][-1:] or ["(no error line)"]
+            pytest.skip(f"stock vLLM (no vase section) fails at tensor_parallel_size={tp} on this machine: {last[0]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

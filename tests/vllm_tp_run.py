@@ -2,6 +2,7 @@
 tests/test_vllm_tp.py (TP needs vLLM's multiprocess executor: one worker process per rank).
 
     python tests/vllm_tp_run.py MODEL_DIR TP OUT.json
+    python tests/vllm_tp_run.py MODEL_DIR TP --stock    # stock vLLM at that degree, no vase section: does TP run?
 
 For each method it swaps the policy on every worker (`collective_rpc`), decodes the same batch of prompts
 greedily, and writes per method and request: the tokens, vLLM's top-5 log-probs per step, and the kept
@@ -20,6 +21,9 @@ BLOCK = 32
 BUDGET, WINDOW, N_NEW = 48, 16, 150
 METHODS = ["snapkv", "h2o", "vase-attnv"]  # deterministic, per-slot state, seeded stochastic
 PROMPT_LENGTHS = (7, 60, 33)
+#: The engine both runs use (vase's and the stock probe): a 64-block pool, eager, fp32.
+ENGINE = dict(max_model_len=512, block_size=BLOCK, kv_cache_memory_bytes=64 * BLOCK * 2 * 2 * 2 * 32 * 4,
+              enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8)
 
 
 def prompt_ids(n: int, salt: int) -> list[int]:
@@ -50,6 +54,8 @@ def _take_record(worker) -> dict:
 
 
 def main(model: str, tp: int, out: str) -> None:
+    """Write the run described in the module docstring to `out`; with out == "--stock", only generate a few
+    tokens with stock vLLM (the plugin inactive) at this degree."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The test sends two small functions to the workers (collective_rpc); vLLM pickles callables only when asked.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -60,10 +66,14 @@ def main(model: str, tp: int, out: str) -> None:
 
     from vase.vllm import additional_config
 
+    if out == "--stock":
+        llm = LLM(model=model, tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
+                  **ENGINE)
+        llm.generate([{"prompt_token_ids": prompt_ids(20, 0)}], SamplingParams(max_tokens=8, temperature=0.0),
+                     use_tqdm=False)
+        return
     llm = LLM(model=model, tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
-              max_model_len=512, block_size=BLOCK, kv_cache_memory_bytes=64 * BLOCK * 2 * 2 * 2 * 32 * 4,
-              enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8,
-              additional_config=additional_config(METHODS[0], BUDGET, WINDOW))
+              additional_config=additional_config(METHODS[0], BUDGET, WINDOW), **ENGINE)
     prompts = [prompt_ids(n, i) for i, n in enumerate(PROMPT_LENGTHS)]
     params = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
     result: dict = {"tp": tp, "prompts": prompts, "methods": {}}
