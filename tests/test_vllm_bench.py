@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from vase.bench.vllm_bench import Step, VllmBenchRow, _time_mean, pool_bytes, write_vllm_report
+from vase.bench.vllm_bench import (Step, VllmBenchRow, _time_mean, compare_to_ample, first_difference, pool_bytes,
+                                   write_vllm_report)
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed here (pip install -e '.[vllm]')")
@@ -38,13 +39,31 @@ def test_time_mean_weights_each_value_by_how_long_it_held():
     assert _time_mean([], [], 1.0) == 0.0
 
 
-def _row(method, budget, seconds, running) -> VllmBenchRow:
+def test_first_difference_is_the_first_unequal_index():
+    assert first_difference([1, 2, 3], [1, 2, 3]) == 3
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_outputs_are_compared_with_the_same_configuration_run_in_the_ample_pool():
+    ample_full = _row("full", None, 1.0, [4], regime="ample", outputs=[[1, 2, 3], [4, 5, 6]])
+    ample_vase = _row("vase-attnv", 48, 1.0, [4], regime="ample", outputs=[[1, 2, 3], [7, 8, 9]])
+    tight_full = _row("full", None, 1.0, [4], outputs=[[1, 2, 3], [4, 0, 6]])
+    squeeze_vase = _row("vase-attnv", 48, 1.0, [4], regime="squeeze", outputs=[[1, 2, 0], [0, 8, 9]])
+    other_budget = _row("vase-attnv", 64, 1.0, [4], regime="squeeze", outputs=[[1, 2, 3], [7, 8, 9]])
+    compare_to_ample([ample_full, ample_vase, tight_full, squeeze_vase, other_budget])
+    assert (tight_full.same_as_ample, tight_full.first_diff_median) == (1, 2.0)  # identical (3) and 1
+    assert (squeeze_vase.same_as_ample, squeeze_vase.first_diff_median) == (0, 1.0)  # 2 and 0
+    assert ample_full.same_as_ample is None and other_budget.same_as_ample is None  # nothing to compare with
+
+
+def _row(method, budget, seconds, running, regime="tight", outputs=()) -> VllmBenchRow:
     steps = [Step(t=0.5 * i, running=r, waiting=0, blocks=2 * r, preempted=0, tokens=r) for i, r in enumerate(running)]
-    return VllmBenchRow(regime="tight", method=method, budget=budget, window=8, n_requests=4, prompt_len=32,
+    return VllmBenchRow(regime=regime, method=method, budget=budget, window=8, n_requests=4, prompt_len=32,
                         new_tokens=96, pool_bytes=1, pool_blocks=8, block_size=32, seconds=seconds, output_tokens=384,
                         tokens_per_s=384 / seconds, running_peak=max(running), running_mean=1.0, preemptions=0,
                         blocks_peak=2 * max(running), blocks_mean=1.0, evictions=None, engine_start_s=1.0,
-                        timeline=steps)
+                        timeline=steps, outputs=[list(o) for o in outputs])
 
 
 def test_report_writes_table_timeline_and_plot(tmp_path):
@@ -94,6 +113,7 @@ def test_pool_is_the_requested_size(rows):
     for r in rows.values():
         assert r.block_size == BS and r.pool_blocks == 2 * math.ceil((PROMPT + NEW) / BS)
         assert r.output_tokens == N * NEW and r.tokens_per_s > 0
+        assert [len(o) for o in r.outputs] == [NEW] * N  # every request's tokens, by its own id
         assert r.blocks_peak <= r.pool_blocks
         ts = [s.t for s in r.timeline]
         assert ts == sorted(ts) and ts[-1] <= r.seconds

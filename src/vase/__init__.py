@@ -3,6 +3,7 @@
     import vase
     out = vase.generate(model, tokenizer, prompts, method="vase-attnv", budget=512)
     cache = vase.EvictionCache(model, method="snapkv", budget=512)   # for model.generate
+    cache = vase.CompiledEvictionCache(model, method="snapkv", budget=512)   # the same, decode step compiled
 
 Importing vase changes nothing global; building an EvictionCache installs vase's attention
 function on that model. The transformers parts load on first use, so that `vase.policies`
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "EvictedStateError": "cache", "EvictionCache": "cache",
     "GenerationOutput": "generation", "Sampler": "generation", "forced_log_probs": "generation",
-    "generate": "generation", "cache_kwargs": "compat",
+    "generate": "generation", "cache_kwargs": "compat", "generate_kwargs": "compat", "CompiledEvictionCache": "static_generate",
     "UnknownMethodError": "policies", "get_policy": "policies", "method_names": "policies",
 }
 
@@ -29,8 +30,9 @@ __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:
     from .cache import EvictedStateError, EvictionCache
-    from .compat import cache_kwargs
+    from .compat import cache_kwargs, generate_kwargs
     from .generation import GenerationOutput, Sampler, forced_log_probs, generate
+    from .static_generate import CompiledEvictionCache
     from .policies import UnknownMethodError, get_policy, method_names
 
 

@@ -31,6 +31,8 @@ from .masks import causal_padding_mask, mask_kind
 from .support import UnsupportedModelError, check_model_supported
 
 PREFIX = "vase_"
+#: the attention functions of the fixed-shape cache (`vase.static`) carry this prefix
+STATIC_PREFIX = "vase_static_"
 KERNELS = ("sdpa", "eager", "flash_attention_2")
 
 
@@ -96,7 +98,10 @@ def register() -> None:
 def base_kernel(model: PreTrainedModel) -> str:
     """The stock kernel a model runs (with or without vase installed)."""
     impl = model.config._attn_implementation or "eager"
-    return impl[len(PREFIX):] if impl.startswith(PREFIX) else impl
+    for prefix in (STATIC_PREFIX, PREFIX):  # the static prefix also starts with PREFIX: test it first
+        if impl.startswith(prefix):
+            return impl[len(prefix):]
+    return impl
 
 
 def install(model: PreTrainedModel) -> None:

@@ -12,7 +12,7 @@ import re
 
 import transformers
 
-__all__ = ["CACHE_KWARG", "TRANSFORMERS_VERSION", "cache_kwargs"]
+__all__ = ["CACHE_KWARG", "TRANSFORMERS_VERSION", "cache_kwargs", "generate_kwargs"]
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -29,3 +29,10 @@ CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
 def cache_kwargs(cache) -> dict:
     """`{CACHE_KWARG: cache}`: pass to a model call or `generate` as `**cache_kwargs(cache)`."""
     return {CACHE_KWARG: cache}
+
+
+def generate_kwargs(cache) -> dict:
+    """`cache_kwargs(cache)` plus what the cache asks `model.generate` for (a `CompiledEvictionCache`:
+    its step hook and compile config): pass to `generate` as `**generate_kwargs(cache)`."""
+    options = getattr(cache, "generate_options", None)
+    return {**cache_kwargs(cache), **(options() if options is not None else {})}

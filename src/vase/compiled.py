@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import StaticCache
 
-from .attention import uninstall
+from .attention import base_kernel, uninstall
 from .cache import EvictionCache
 from .compat import cache_kwargs
 from .decoding import prefill, sampler_generators
-from .static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, ready, static_kernel
+from .static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, ready
 
 
 def _model_step(model, cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ def compile_cache(model, cache: EvictionCache, batch: int, total: int):
             raise CompileUnsupportedError("compile=True runs dense K/V storage only: drop kv_bits (or use "
                                           "compile=False)")
         return StaticCache(config=model.config, max_cache_len=total)
-    check_compilable(cache, static_kernel(model))
+    check_compilable(cache, base_kernel(model))
     return cache
 
 
@@ -139,7 +139,7 @@ def decode_compiled(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], device=device)
     full = isinstance(cache, StaticCache)
     if not full:
-        check_compilable(cache, static_kernel(model))
+        check_compilable(cache, base_kernel(model))
     step_mask = None
     original_attn = model.config._attn_implementation
     if full:

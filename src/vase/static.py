@@ -34,10 +34,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import KERNELS, _stock_kernel, base_kernel
+from .attention import KERNELS, STATIC_PREFIX, _stock_kernel, base_kernel
 from .cache import EvictionCache, EvictionLayer
-
-STATIC_PREFIX = "vase_static_"
 
 #: the cache whose layers the static attention function reads (set by `activate`)
 _ACTIVE: list[StaticEvictionCache | None] = [None]
@@ -63,12 +61,14 @@ def check_compilable(cache: EvictionCache, kernel: str) -> None:
 class _Recorder:
     """A noise source (see `vase.policies.base.uniform_noise`) that records what a policy draws."""
 
-    def __init__(self) -> None:
+    def __init__(self, generator: torch.Generator) -> None:
         self.draws: list[tuple[str, tuple[int, ...]]] = []
+        self.generator = generator
 
     def draw(self, kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         self.draws.append((kind, tuple(shape[1:])))
-        return torch.rand(shape, device=device) if kind == "uniform" else torch.randn(shape, device=device)
+        fn = torch.rand if kind == "uniform" else torch.randn
+        return fn(shape, device=device, generator=self.generator)
 
 
 class NoiseReplay:
@@ -314,11 +314,13 @@ class StaticEvictionCache(Cache):
         B, w = self.cfg.budget, self.cfg.window
         _, h, _, d = first.keys.shape
         dev = first.device
-        keys = torch.randn(1, h, B, d, device=dev)
-        queries = torch.randn(1, self.q_heads, w, d, device=dev)
+        # A private generator: converting must not move the global one (transformers samples tokens from it).
+        gen = torch.Generator(device=dev).manual_seed(0)
+        keys = torch.randn(1, h, B, d, device=dev, generator=gen)
+        queries = torch.randn(1, self.q_heads, w, d, device=dev, generator=gen)
         extra = {name: torch.zeros(1, h, B, device=dev) for name in self.policy.slot_state}
         extra.update(self.policy.init_layer_state(1, h, d, [torch.Generator(device=dev)], dev))
-        rec = _Recorder()
+        rec = _Recorder(gen)
         self.policy.select(keys, keys.clone(), queries if self.policy.needs_queries else None, B - w,
                            generator=rec, budget=B, **extra)
         return rec.draws
@@ -408,16 +410,9 @@ def register_static() -> None:
             AttentionInterface.register(STATIC_PREFIX + kernel, _make_static_attention(kernel))
 
 
-def static_kernel(model) -> str:
-    impl = model.config._attn_implementation or "eager"
-    if impl.startswith(STATIC_PREFIX):
-        return impl[len(STATIC_PREFIX):]
-    return base_kernel(model)
-
-
 def activate(model, cache: StaticEvictionCache | None) -> None:
     """Point the model's attention at `cache`'s static layers (None: back to vase's eager kernel)."""
-    kernel = static_kernel(model)
+    kernel = base_kernel(model)
     if cache is None:
         _ACTIVE[0] = None
         if model.config._attn_implementation != "vase_" + kernel:

@@ -12,7 +12,15 @@ own counter.
 
 Regimes: the pool is given as the number of requests it holds at full length (``pool_requests``):
 ``ample`` = N (nothing waits for memory: the plugin's overhead), ``tight`` = N / 4 (stock vLLM must
-queue or preempt; bounded requests fit).
+queue or preempt; bounded requests fit), ``squeeze`` = N / 16 (so small that bounded requests are
+preempted too; evicting methods only: stock vLLM would run one request at a time).
+
+What preemption does to the tokens: every request samples with its own seed, so a configuration's
+outputs can be compared with the same configuration's ``ample`` run (nothing preempted there).
+``same_as_ample`` counts requests whose tokens are identical, ``first_diff_median`` is the median over
+requests of the first token index that differs (``new_tokens`` when none does). Stock vLLM's own
+tight-vs-ample difference (batching changes the rounding; its recompute after a preemption is exact
+otherwise) is the floor a plugin row is read against.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import gc
 import math
 import os
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,10 +39,13 @@ from typing import Any
 
 from ..schedule import cdiv
 
-__all__ = ["Step", "VllmBenchRow", "run_vllm_bench", "pool_bytes", "write_vllm_report", "REGIMES"]
+__all__ = ["Step", "VllmBenchRow", "run_vllm_bench", "pool_bytes", "write_vllm_report", "compare_to_ample",
+           "first_difference", "REGIMES", "EVICTING_ONLY"]
 
 #: Pool size in requests held at full length, as a fraction of N.
-REGIMES: dict[str, float] = {"ample": 1.0, "tight": 0.25}
+REGIMES: dict[str, float] = {"ample": 1.0, "tight": 0.25, "squeeze": 1 / 16}
+#: Regimes that run the evicting methods only (stock vLLM there would hold one request at a time).
+EVICTING_ONLY = frozenset({"squeeze"})
 
 
 @dataclass
@@ -74,12 +86,37 @@ class VllmBenchRow:
     engine_start_s: float
     vs_full_tok_s: float | None = None
     vs_full_time: float | None = None  # full's seconds / this one's (> 1: finishes sooner)
+    same_as_ample: int | None = None  # requests whose tokens equal the ample run's (None: no ample run to compare)
+    first_diff_median: float | None = None  # median first differing token index vs the ample run
     timeline: list[Step] = field(default_factory=list, repr=False)
+    outputs: list[list[int]] = field(default_factory=list, repr=False)  # token ids per request, in request order
 
     def as_record(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("timeline")
+        d.pop("outputs")
         return d
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first position where `a` and `b` differ (the shorter length if one is a prefix)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b)) if len(a) != len(b) else len(a)
+
+
+def compare_to_ample(rows: Sequence[VllmBenchRow]) -> None:
+    """Fill ``same_as_ample`` / ``first_diff_median`` of every row that has an ample row of the same method
+    and budget (ample rows themselves stay None)."""
+    ample = {(r.method, r.budget): r for r in rows if r.regime == "ample"}
+    for r in rows:
+        ref = ample.get((r.method, r.budget))
+        if r.regime == "ample" or ref is None or not r.outputs or len(ref.outputs) != len(r.outputs):
+            continue
+        firsts = [first_difference(a, b) for a, b in zip(r.outputs, ref.outputs)]
+        r.same_as_ample = sum(a == b for a, b in zip(r.outputs, ref.outputs))
+        r.first_diff_median = float(statistics.median(firsts))
 
 
 def pool_bytes(pool_requests: float, prompt_len: int, new_tokens: int, block_size: int, bytes_per_token: int) -> int:
@@ -167,11 +204,13 @@ def _one(model_path: str, *, regime: str, method: str, budget: int | None, windo
             engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=ids),
                                SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.6, top_p=0.95,
                                               seed=i, detokenize=False))
-        produced = 0
+        outputs: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
-                    produced += len(out.outputs[0].token_ids)
+                    # vLLM may suffix the id it was given ("r3" -> "r3-1a2b"): key by the id given
+                    outputs[out.request_id.rsplit("-", 1)[0]] = list(out.outputs[0].token_ids)
+        produced = sum(len(t) for t in outputs.values())
         end = time.perf_counter()
         evictions = None
         if section is not None:
@@ -197,7 +236,8 @@ def _one(model_path: str, *, regime: str, method: str, budget: int | None, windo
         preemptions=sum(s.preempted for s in steps),
         blocks_peak=max((s.blocks for s in steps), default=0),
         blocks_mean=_time_mean(ts, [s.blocks for s in steps], seconds),
-        evictions=evictions, engine_start_s=start_s, timeline=steps)
+        evictions=evictions, engine_start_s=start_s, timeline=steps,
+        outputs=[outputs[f"r{i}"] for i in range(n)])
     if produced != n * new_tokens:
         raise RuntimeError(f"{method} B={budget}: produced {produced} tokens, expected {n} x {new_tokens}")
     log(f"{regime:>5} {method:>12} B={budget if budget is not None else '-':>5}: {row.tokens_per_s:7.1f} tok/s, "
@@ -256,7 +296,7 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     rows: list[VllmBenchRow] = []
     for regime, held in plan.items():
         kv = pool_bytes(held, prompt_len, new_tokens, bs, bpt)
-        configs = [("full", None)] + [(m, b) for m in methods for b in budgets]
+        configs = ([] if regime in EVICTING_ONLY else [("full", None)]) + [(m, b) for m in methods for b in budgets]
         regime_rows = []
         for m, b in configs:
             try:
@@ -273,6 +313,7 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
                 r.vs_full_tok_s = r.tokens_per_s / full.tokens_per_s if full.tokens_per_s else None
                 r.vs_full_time = full.seconds / r.seconds if r.seconds else None
         rows += regime_rows
+    compare_to_ample(rows)
     return rows
 
 
@@ -303,7 +344,7 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
 
 _COLUMNS = ("regime", "method", "budget", "n_requests", "new_tokens", "pool_blocks", "tokens_per_s", "vs_full_tok_s",
             "seconds", "vs_full_time", "running_peak", "running_mean", "preemptions", "blocks_peak", "blocks_mean",
-            "evictions")
+            "evictions", "same_as_ample", "first_diff_median")
 
 
 def _fmt(v: Any) -> str:
@@ -336,7 +377,10 @@ def write_vllm_report(rows: Sequence[VllmBenchRow], out: str | Path) -> dict[str
     lines += ["| " + " | ".join(_fmt(rec[c]) for c in _COLUMNS) + " |" for rec in records]
     r0 = rows[0]
     paths["md"].write_text(f"vLLM, {r0.n_requests} requests x {r0.new_tokens} new tokens (prompt {r0.prompt_len}), "
-                           f"block size {r0.block_size}\n\n" + "\n".join(lines) + "\n", encoding="utf-8")
+                           f"block size {r0.block_size}\n\n" + "\n".join(lines) + "\n\n"
+                           "same_as_ample: requests whose tokens equal the same configuration's ample run (nothing "
+                           "preempted there); first_diff_median: median first differing token index (new_tokens: "
+                           "none differs).\n", encoding="utf-8")
     _plot(rows, paths["png"])
     return paths
 

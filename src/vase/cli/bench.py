@@ -38,7 +38,9 @@ def bench(
                                         "fixed KV pool, stock vLLM (full) vs each method.")] = "transformers",
     requests: Annotated[int, typer.Option(help="--engine vllm: requests submitted at once.")] = 16,
     regimes: Annotated[str, typer.Option(help="--engine vllm: KV pool sizes, ample (holds every request at full "
-                                         "length) and/or tight (a quarter of them).")] = "ample,tight",
+                                         "length), tight (a quarter of them), squeeze (a sixteenth: bounded requests are "
+                                         "preempted too; evicting methods only). Rows outside ample say how many "
+                                         "requests' tokens equal the ample run's.")] = "ample,tight",
     pool_requests: Annotated[Optional[float], typer.Option(help="--engine vllm: instead of --regimes, a pool that "
                                                            "holds this many requests at full length.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="--engine vllm: KV block size (vLLM's default: 128 on "
