@@ -499,6 +499,8 @@ CASES: list[Case] = [
     cli("engine-unknown", r"unknown --engine 'foo': use transformers or vllm", *G, "--engine", "foo"),
     cli("bench-budget", r"budget \(20\) must be larger than window", "bench", "--budgets", "20", "--window", "64"),
     cli("bench-budgets-list", r"expected a comma-separated list of ints, got '12x'", "bench", "--budgets", "12x"),
+    cli("bench-warmup-tokens", r"--warmup-tokens.*greater than or equal to 2", "bench", "--warmup-tokens", "1",
+        code=2),
     cli("inspect-budget", r"budget \(10\) must be larger than window", "inspect", "hi", "--budget", "10"),
     cli("randomness-budget", r"budget \(18\) must be larger than window \+ protected sinks \(16 \+ 4\)", "analyze",
         "randomness", "--budget", "18", "--window", "16"),

@@ -25,6 +25,9 @@ def bench(
     window: WindowOpt = 64,
     prompt_length: Annotated[int, typer.Option(help="Random prompt tokens before decoding.")] = 128,
     warmup: Annotated[int, typer.Option(help="Untimed runs per configuration.")] = 1,
+    warmup_tokens: Annotated[Optional[int], typer.Option(help="New tokens of each untimed run (default: the first "
+                                                        "of --lengths; a few dozen suffice for eager runs).",
+                                                        min=2)] = None,
     repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 1,
     no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
     random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
@@ -80,7 +83,8 @@ def bench(
     else:
         mdl, _ = model.load()
     rows = run_bench(mdl, method_list, budget_list, length_list, batch_list, prompt_length=prompt_length,
-                     window=window, warmup=warmup, repeats=repeats, include_dynamic=not no_dynamic,
+                     window=window, warmup=warmup, warmup_tokens=warmup_tokens, repeats=repeats,
+                     include_dynamic=not no_dynamic,
                      compile="both" if compile_ else False, **params)
     paths = write_report(rows, out, console=console)
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
