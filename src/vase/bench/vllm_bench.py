@@ -189,7 +189,10 @@ def _one(model_path: str, *, regime: str, method: str, budget: int | None, windo
                        in_process=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
                        kv_cache_memory_bytes=kv_bytes, block_size=block_size,
                        **{"max_num_seqs": n, "enable_prefix_caching": False, "disable_log_stats": False,
-                          **engine_kwargs})
+                          # room for every request's whole history in one step: no prefill is chunked, so no
+                          # sampled token is discarded (vLLM 0.32's CPU runner then rewinds the request's seeded
+                          # generator, which CPU generators cannot do: "CPU Generator does not use offset")
+                          "max_num_batched_tokens": n * (prompt_len + new_tokens), **engine_kwargs})
     sink: list = []
     t0 = time.perf_counter()
     engine = start_engine(args, stat_loggers=[_recorder_factory(sink)])
