@@ -239,5 +239,6 @@ def test_the_eval_engine_and_the_bench_start_vllm_through_the_one_builder(monkey
     kv = vllm_bench.pool_bytes(2, 8, 16, 16, TINY_BPT_F64 // 2)
     assert args == engine_args(bench_dir, dtype="float32", max_model_len=24, seed=0, section=None, in_process=True,
                                kv_cache_memory_bytes=kv, block_size=16, max_num_seqs=2,
-                               enable_prefix_caching=False, disable_log_stats=False)
+                               enable_prefix_caching=False, disable_log_stats=False,
+                               max_num_batched_tokens=2 * (8 + 16))  # no chunked prefill: see vllm_bench._one
 
