@@ -61,10 +61,7 @@ def _patch() -> None:
         if states is not None:
             for g, s in zip(generator, states):
                 g.set_state(s)
-            u = policy_base.uniform_noise(tuple(weights.shape), generator, weights.device).clamp_(min=1e-20)
-            gumbel = -torch.log(-torch.log(u))
-            keys = torch.where(weights > 0, weights.clamp(min=1e-45).log() + gumbel, gumbel - 1000.0)
-            keys = torch.where(torch.isneginf(weights), torch.full_like(keys, float("-inf")), keys)  # guarded slots
+            keys = policy_base.gumbel_keys(weights, generator)
             RECORD[-1]["sample_keys"] = keys[0].double()
             RECORD[-1]["k"] = k
         return out

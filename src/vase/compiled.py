@@ -94,16 +94,11 @@ class StaticStepper:
         self.model, self.cache, self.steps = model, cache, steps
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        due = self.cache.due_rows()
-        if due:
-            self.cache.prepare(due)
-            self.cache.evicting = True
-            try:
-                logits = self.steps.evicting(self.model, self.cache, tokens, positions)
-            finally:
-                self.cache.evicting = False
-        else:
-            logits = self.steps.plain(self.model, self.cache, tokens, positions)
+        due = self.cache.begin_step()
+        try:
+            logits = (self.steps.evicting if due else self.steps.plain)(self.model, self.cache, tokens, positions)
+        finally:
+            self.cache.evicting = False
         self.cache.advance(due)
         return logits
 

@@ -329,6 +329,16 @@ class StaticEvictionCache(Cache):
     def due_rows(self) -> list[int]:
         return self.layers[0].due_rows()
 
+    def begin_step(self) -> list[int]:
+        """Host side before a step: the rows that evict in it, with their random draws made and
+        `evicting` (the flag the compiled graph is specialised on) set. After the step: `evicting =
+        False`, then `advance(due)`."""
+        due = self.due_rows()
+        if due:
+            self.prepare(due)
+        self.evicting = bool(due)
+        return due
+
     def prepare(self, due: list[int]) -> None:
         for layer in self.layers:  # layer order = the eager cache's draw order per row generator
             layer.prepare(due)

@@ -69,7 +69,7 @@ class CompiledEvictionCache(Cache):
         super().__init__(layers=list(self.eager.layers))
 
     def generate_options(self) -> dict:
-        """What `model.generate` needs besides the cache (merged in by `vase.cache_kwargs`)."""
+        """What `model.generate` needs besides the cache (merged in by `vase.generate_kwargs`)."""
         return {"logits_processor": LogitsProcessorList([self.hook]), "compile_config": self.compile_config}
 
     # transformers marks the cache the caller passed at the start of `generate`; the eager cache refuses
@@ -131,11 +131,8 @@ class StaticStepHook(LogitsProcessor):
         if static is None:  # the prefill has run
             static = self.cache.go_static()
             activate(self.model, static)
-        elif self.due is not None:
-            static.advance(self.due)
+        elif self.due is not None:  # the step that just ran
             static.evicting = False
-        self.due = static.due_rows()
-        if self.due:
-            static.prepare(self.due)
-            static.evicting = True
+            static.advance(self.due)
+        self.due = static.begin_step()
         return scores

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..eval.paired import first_divergence
 from ..schedule import cdiv
 
 __all__ = ["Step", "VllmBenchRow", "run_vllm_bench", "pool_bytes", "write_vllm_report", "compare_to_ample",
@@ -99,11 +100,9 @@ class VllmBenchRow:
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    """Index of the first position where `a` and `b` differ (the shorter length if one is a prefix)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b)) if len(a) != len(b) else len(a)
+    """`vase.eval.paired.first_divergence`, but len(a) where the two are identical (a median needs a number)."""
+    at = first_divergence(a, b)
+    return len(a) if at is None else at
 
 
 def compare_to_ample(rows: Sequence[VllmBenchRow]) -> None:

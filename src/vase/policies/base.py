@@ -77,13 +77,17 @@ def sample_without_replacement(weights: torch.Tensor, k: int, generator) -> torc
     renormalised remainder. Zero-weight entries come only after every positive one, and
     entries marked -inf in `weights` (excluded) never come before zero-weight ones.
     """
+    return gumbel_keys(weights, generator).topk(k, dim=-1).indices
+
+
+def gumbel_keys(weights: torch.Tensor, generator) -> torch.Tensor:
+    """The keys `sample_without_replacement` ranks: log(weights) + Gumbel noise, same shape as `weights`."""
     u = uniform_noise(tuple(weights.shape), generator, weights.device).clamp_(min=1e-20)
     gumbel = -torch.log(-torch.log(u))
     # Zero weights get a key below any positive one (log of the smallest float32 is about -104)
     # that still carries the noise, so they are drawn uniformly once the positive ones run out.
     keys = torch.where(weights > 0, weights.clamp(min=1e-45).log() + gumbel, gumbel - 1000.0)
-    keys = torch.where(torch.isneginf(weights), torch.full_like(keys, float("-inf")), keys)
-    return keys.topk(k, dim=-1).indices
+    return torch.where(torch.isneginf(weights), torch.full_like(keys, float("-inf")), keys)
 
 
 @dataclass(frozen=True)
