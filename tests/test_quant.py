@@ -459,3 +459,47 @@ def test_the_spec_and_the_keywords_are_one_request():
     assert caches[0].quant == caches[1].quant and caches[0].stats() == caches[1].stats()
     assert caches[0].stats()["evictions"] > 0
     assert torch.equal(precision(a), precision(c)) and all(torch.equal(x, y) for x, y in zip(held(a), held(c)))
+
+
+@pytest.mark.parametrize("method", ["snapkv", "vase-attnv", "h2o"])
+def test_each_real_token_has_one_store_entry_and_padding_none_after_evictions(method):
+    """After a padded row evicts, the index fills its new padding slots with real slots: the quantized
+    storage must hold nothing for them (it held them as ghosts: counted in the bytes, competing for the
+    reserve). Every stored real slot has exactly one entry (codes or full precision), padding none, and
+    a row holds the bytes it holds alone."""
+    model = tiny_model().double()
+    torch.manual_seed(3)
+    ids = torch.randint(0, 90, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    feed = torch.randint(0, 90, (2, 40))
+    spec = dict(kv_bits=4, quant_guard=3, flush_every=3)
+
+    def run(rows):
+        cache = EvictionCache(model, method, 16, 4, seed=[7, 8][:len(rows)] if len(rows) == 2 else [7 + rows[0]],
+                              **spec)
+        m = mask[rows]
+        pad = int((m == 0).sum(-1).min())
+        i, m = ids[rows][:, pad:], m[:, pad:]
+        pos = (m.cumsum(-1) - 1).clamp(min=0)
+        held = []
+        with torch.inference_mode():
+            model(input_ids=i, attention_mask=m, position_ids=pos, **cache_kwargs(cache), use_cache=True)
+            nxt = pos[:, -1:] + 1
+            for t in range(feed.shape[1]):
+                model(input_ids=feed[rows, t:t + 1], position_ids=nxt, **cache_kwargs(cache), use_cache=True)
+                nxt = nxt + 1
+                for layer in cache.layers:
+                    s = layer.storage
+                    for r in range(len(rows)):
+                        for k in range(s.fslot.shape[1]):
+                            entries = sorted(s.fslot[r, k][s.fslot[r, k] >= 0].tolist()
+                                             + s.qslot[r, k, :-1][s.qslot[r, k, :-1] >= 0].tolist())
+                            assert entries == list(range(layer.pad[r], layer.length)), (t, layer.layer_idx, r, k)
+                held.append([sum(l.held_bytes(r) for l in cache.layers) for r in range(len(rows))])
+        assert cache.stats()["evictions"] >= 5
+        return held
+
+    both = run([0, 1])
+    assert [h[1] for h in both] == [h[0] for h in run([1])]
+    assert [h[0] for h in both] == [h[0] for h in run([0])]

@@ -310,8 +310,8 @@ class EvictionLayer(CacheLayerMixin):
             if cfg.sort_kept:
                 kept = kept.sort(-1).values
             index[rows, :, new_len - B:] = torch.cat([kept, recent.expand(len(rows), h, w)], dim=-1)
-        self._compact(index)
         self.pad = [new_len - n for n in new_reals]
+        self._compact(index, self.pad)
         for r in due:
             self.tokens_evicted += (reals[r] - B) * h
             self.row_evictions[r] += 1
@@ -356,10 +356,11 @@ class EvictionLayer(CacheLayerMixin):
         for r in fresh:
             self.state_ready[r] = True
 
-    def _compact(self, index: torch.Tensor) -> None:
-        """Move the slots `index` [b, h, n] to the front of the storage and of every per-slot buffer, in place."""
+    def _compact(self, index: torch.Tensor, pad: list[int]) -> None:
+        """Move the slots `index` [b, h, n] to the front of the storage and of every per-slot buffer, in place;
+        `pad`: each row's padding slots after the move (their content is never read)."""
         b, h, n = index.shape
-        self.storage.compact(index)
+        self.storage.compact(index, pad)
         flat = flat_slots(index, self.capacity)
         for buf in (self.positions, *self.slot_state.values()):
             buf[:, :, :n] = buf.view(-1).index_select(0, flat).view(b, h, n)
@@ -408,8 +409,8 @@ class EvictionLayer(CacheLayerMixin):
             shift = min(self.pad)
             if shift:  # the longest row left: drop the padding columns every remaining row has
                 index = torch.arange(shift, self.length, device=self.device).expand(*self.keys.shape[:2], -1)
-                self._compact(index)
                 self.pad = [p - shift for p in self.pad]
+                self._compact(index, self.pad)
                 self.length -= shift
             self._reschedule()
 

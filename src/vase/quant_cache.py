@@ -566,12 +566,17 @@ class QuantStorage:
         return out_k[:, :, :length], out_v[:, :, :length]
 
     # -- compaction ----------------------------------------------------------------------------------
-    def compact(self, index: torch.Tensor) -> None:
-        """Slots `index` [b, h, n] move to the front: renumber the store entries, drop the evicted ones."""
+    def compact(self, index: torch.Tensor, pad: list[int]) -> None:
+        """Slots `index` [b, h, n] move to the front: renumber the store entries, drop the evicted ones and
+        those that land on a row's padding (slots below pad[r]: the index fills them with real slots of a
+        row that evicted, whose tokens must not stay held, nor compete for the reserve, as ghosts)."""
         b, h, n = index.shape
         cap = self.capacity
         new_slot = torch.full((b, h, cap + 1), -1, dtype=torch.long, device=self.device)
-        new_slot.scatter_(-1, index, torch.arange(n, device=self.device).expand(b, h, n))
+        pads = torch.tensor(pad, dtype=torch.long, device=self.device).view(b, 1, 1)
+        to = torch.arange(n, device=self.device).expand(b, h, n)
+        new_slot.scatter_(-1, torch.where(to < pads, cap, index), to)  # padding targets go to entry cap ...
+        new_slot[:, :, cap] = -1  # ... which maps to nothing
 
         def renumber(slot: torch.Tensor) -> torch.Tensor:
             return new_slot.gather(-1, torch.where(slot >= 0, slot, cap).long())

@@ -64,8 +64,11 @@ class KVStorage(Protocol):
         """The layer's mask for `query` [b, q_heads, q, d] over `length` stored slots, adjusted to what
         `read` returned (the mask itself when `read` returned exactly the stored slots)."""
 
-    def compact(self, index: torch.Tensor) -> None:
-        """Move the slots `index` [b, kv_heads, n] to the front (0..n-1), in place; the others are dropped."""
+    def compact(self, index: torch.Tensor, pad: list[int]) -> None:
+        """Move the slots `index` [b, kv_heads, n] to the front (0..n-1), in place; the others are dropped.
+
+        pad: each row's padding slots after the move (0..pad[r]-1): the index fills them with any slots, so a
+        storage that keeps entries per token must hold nothing for them."""
 
     def take_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows `rows`."""
@@ -113,7 +116,7 @@ class DenseStorage:
     def attention_mask(self, mask, query: torch.Tensor, kind: str, length: int):
         return mask
 
-    def compact(self, index: torch.Tensor) -> None:
+    def compact(self, index: torch.Tensor, pad: list[int]) -> None:
         b, h, n = index.shape
         # Whole rows of head_dim through a flat view of the (contiguous) buffers: index_select
         # copies rows, much faster than gather with an index expanded over head_dim.
