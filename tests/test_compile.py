@@ -61,19 +61,19 @@ class Counter:
         return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
 
 
-def run(model, method, compiled=None, batch=2, steps=STEPS, prompt=None, on_step=None):
+def run(model, method, compiled=None, batch=2, steps=STEPS, prompt=None, on_step=None, **storage):
     """Prefill, then teacher-force `steps` tokens; returns (logits [steps, b, vocab], kept per layer, evictions)."""
     ids, mask, feed = prompt or _inputs(batch)
     feed = feed.repeat(1, -(-steps // feed.shape[1]))[:, :steps]
-    return teacher_forced(model, method, ids, mask, feed, B, W, steps=compiled, on_step=on_step)
+    return teacher_forced(model, method, ids, mask, feed, B, W, steps=compiled, on_step=on_step, **storage)
 
 
-def _assert_same(model, method, backend, batch=2):
-    le, ke, ee = run(model, method, batch=batch)
-    lc, kc, ec = run(model, method, CompiledSteps(backend=backend), batch=batch)
+def _assert_same(model, method, backend, batch=2, atol=None, **storage):
+    le, ke, ee = run(model, method, batch=batch, **storage)
+    lc, kc, ec = run(model, method, CompiledSteps(backend=backend), batch=batch, **storage)
     assert ee == ec and ee >= 5, (ee, ec)
     assert ke == kc, f"{method}: kept sets differ"
-    torch.testing.assert_close(lc, le, rtol=0, atol=1e-5 if backend == "inductor" else 1e-9)
+    torch.testing.assert_close(lc, le, rtol=0, atol=atol or (1e-5 if backend == "inductor" else 1e-9))
 
 
 @pytest.mark.parametrize("method", EVICTING)
@@ -84,6 +84,22 @@ def test_compiled_step_keeps_what_eager_keeps_every_method(model, method):
 @pytest.mark.parametrize("method", ["vase-attnv", "h2o"])
 def test_inductor_step_keeps_what_eager_keeps(model, method):
     _assert_same(model, method, "inductor")
+
+
+# Quantized storage (vase.static_storage.StaticQuant): the stores' flush every `flush_every` tokens runs inside the
+# step; these cover the flush falling on and off eviction steps, the reserve (quant_guard), the key scale and 2 bits.
+QUANT = [("vase-attnv", {"kv_bits": 4}), ("snapkv", {"kv_bits": 2, "quant_guard": 3, "flush_every": 3}),
+         ("h2o", {"kv_bits": 8, "quant_key_scale": True, "flush_every": 5}),
+         ("vase-dkv", {"kv_bits": 4, "quant_guard": 0, "flush_every": 1})]
+
+
+@pytest.mark.parametrize("method,storage", QUANT)
+def test_compiled_quantized_step_keeps_what_eager_keeps(model, method, storage):
+    _assert_same(model, method, "aot_eager", **storage)
+
+
+def test_inductor_quantized_step_keeps_what_eager_keeps(model):
+    _assert_same(model, "vase-attnv", "inductor", kv_bits=4)
 
 
 def test_batch_of_one_and_long_prompt(model):
@@ -97,8 +113,9 @@ def test_batch_of_one_and_long_prompt(model):
     torch.testing.assert_close(lc, le, rtol=0, atol=1e-9)
 
 
-def test_no_recompilation_over_evictions(model):
-    """Warm-up compiles two graphs (plain and evicting step); 3 more evictions compile nothing."""
+@pytest.mark.parametrize("storage", [{}, {"kv_bits": 4, "flush_every": 3}], ids=["dense", "4-bit"])
+def test_no_recompilation_over_evictions(model, storage):
+    """Warm-up compiles two graphs (plain and evicting step); 3 more evictions (and flushes) compile nothing."""
     backend = Counter()
     steps = CompiledSteps(backend=backend)
     seen = {}
@@ -107,14 +124,14 @@ def test_no_recompilation_over_evictions(model):
         if stepper is not None:
             seen[t] = (backend.graphs, stepper.cache.stats()["evictions"])
 
-    run(model, "vase-attnv", steps, batch=1, steps=STEPS, on_step=on_step)
+    run(model, "vase-attnv", steps, batch=1, steps=STEPS, on_step=on_step, **storage)
     # batch 1, P = 10: evictions before the feeds of steps 10, 14, 18, 22, 26
     warm = seen[10]
     assert warm[0] == 2, warm  # plain step (compiled at step 0) + evicting step (at the first eviction)
     assert seen[STEPS - 1][1] - warm[1] >= 3  # at least three more evictions ...
     assert seen[STEPS - 1][0] == 2  # ... and no new graph
     # A second generation with a new cache of the same configuration reuses both graphs.
-    run(model, "vase-attnv", steps, batch=1, steps=12)
+    run(model, "vase-attnv", steps, batch=1, steps=12, **storage)
     assert backend.graphs == 2
 
 
@@ -144,34 +161,37 @@ def test_no_graph_break_at_an_eviction(model):
 
 
 def test_refusals_are_one_clear_line(model):
-    with pytest.raises(CompileUnsupportedError, match="kv_bits"):
-        check_compilable(EvictionCache(model, "vase-attnv", B, W, kv_bits=4), "sdpa")
+    with pytest.raises(CompileUnsupportedError, match="quant_select"):
+        check_compilable(EvictionCache(model, "vase-attnv", B, W, kv_bits=4, quant_select="random"), "sdpa")
     with pytest.raises(CompileUnsupportedError, match="quest"):
         check_compilable(EvictionCache(model, "quest", 32, W), "sdpa")
     with pytest.raises(CompileUnsupportedError, match="flash_attention_2"):
         check_compilable(EvictionCache(model, "vase-attnv", B, W), "flash_attention_2")
 
 
-@pytest.mark.parametrize("method", ["vase-attnv", "full"])
-def test_generate_compile_gives_the_eager_tokens(model, method):
-    """vase.generate(compile=...) end to end: padded batch, greedy, same tokens and evictions as eager."""
+@pytest.mark.parametrize("method,storage", [("vase-attnv", {}), ("full", {}), ("vase-attnv", {"kv_bits": 4})])
+def test_generate_compile_gives_the_eager_tokens(model, method, storage):
+    """vase.generate(compile=...) end to end: padded batch, greedy, same tokens, evictions and bytes as eager."""
     from tests.conftest import tiny_tokenizer
     from vase.generation import generate
 
     tok = tiny_tokenizer()
-    kw = dict(method=method, budget=B, window=W, max_new_tokens=36, greedy=True, ignore_eos=True, chat_template=False)
+    kw = dict(method=method, budget=B, window=W, max_new_tokens=36, greedy=True, ignore_eos=True, chat_template=False,
+              **storage)
     eager = generate(model, tok, ["hello there, general", "hi"], **kw)
     compiled = generate(model, tok, ["hello there, general", "hi"], compile="aot_eager", **kw)
     assert compiled.token_ids == eager.token_ids
     assert compiled.stats["evictions"] == eager.stats["evictions"]
-    if method != "full":
+    if method != "full":  # per row: evictions, K/V bytes held now, at peak, in full (StaticCache keeps none)
+        assert compiled.stats["rows"] == eager.stats["rows"]
         assert eager.stats["evictions"] >= 5
     assert model.config._attn_implementation.startswith("vase_") or method == "full"
 
 
-def test_generate_compile_refuses_kv_bits_in_one_line(model):
+def test_generate_compile_refuses_the_random_reserve_in_one_line(model):
     from tests.conftest import tiny_tokenizer
     from vase.generation import generate
 
-    with pytest.raises(CompileUnsupportedError, match="kv_bits"):
-        generate(model, tiny_tokenizer(), ["hi"], budget=B, window=W, max_new_tokens=4, compile=True, kv_bits=4)
+    with pytest.raises(CompileUnsupportedError, match="quant_select"):
+        generate(model, tiny_tokenizer(), ["hi"], budget=B, window=W, max_new_tokens=4, compile=True, kv_bits=4,
+                 quant_select="random")

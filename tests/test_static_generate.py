@@ -57,18 +57,21 @@ def _kept(cache) -> list:
     return out
 
 
-def _generate(model, method, *, compiled: str | None, sample: bool = False, batch: int = 2, new: int = NEW):
+def _generate(model, method, *, compiled: str | None, sample: bool = False, batch: int = 2, new: int = NEW,
+              stats: dict | None = None, **storage):
     ids, mask = _prompt(batch)
     opts = dict(max_new_tokens=new, min_new_tokens=new, return_dict_in_generate=True, output_logits=True,
                 do_sample=sample, **({"temperature": 0.6, "top_p": 0.95} if sample else {}))
     if compiled is None:
-        cache = EvictionCache(model, method, B, W, seed=[7, 8][:batch])
+        cache = EvictionCache(model, method, B, W, seed=[7, 8][:batch], **storage)
         kwargs = cache_kwargs(cache)
     else:
-        cache = CompiledEvictionCache(model, method, B, W, seed=[7, 8][:batch], backend=compiled)
+        cache = CompiledEvictionCache(model, method, B, W, seed=[7, 8][:batch], backend=compiled, **storage)
         kwargs = generate_kwargs(cache)
     torch.manual_seed(0)  # transformers samples from the global generator
     out = model.generate(input_ids=ids, attention_mask=mask, **kwargs, **opts)
+    if stats is not None:
+        stats.update(cache.stats(), rows=cache.row_stats())
     return out.sequences, torch.stack(out.logits), _kept(cache), cache.stats()["evictions"]
 
 
@@ -80,6 +83,23 @@ def test_compiled_generate_keeps_and_generates_what_eager_generate_does(model, m
     assert kept_c == kept_e, f"{method}: kept sets differ"
     torch.testing.assert_close(logits_c, logits_e, rtol=0, atol=1e-9)
     assert torch.equal(ids_c, ids_e)
+
+
+@pytest.mark.parametrize("method,storage", [("vase-attnv", {"kv_bits": 4}),
+                                            ("snapkv", {"kv_bits": 2, "quant_guard": 3, "flush_every": 3})])
+def test_compiled_generate_with_quantized_storage(model, method, storage):
+    """kv_bits: the fixed-shape quantized store keeps, generates and holds (bytes) what the eager one does."""
+    se, sc = {}, {}
+    ids_e, logits_e, kept_e, ev_e = _generate(model, method, compiled=None, stats=se, **storage)
+    ids_c, logits_c, kept_c, ev_c = _generate(model, method, compiled="aot_eager", stats=sc, **storage)
+    assert ev_e == ev_c >= 8, (ev_e, ev_c)
+    assert kept_c == kept_e, f"{method}: kept sets differ"
+    torch.testing.assert_close(logits_c, logits_e, rtol=0, atol=1e-9)
+    assert torch.equal(ids_c, ids_e)
+    assert sc["kv_bytes"] == se["kv_bytes"] and sc["rows"] == se["rows"], (sc, se)
+    dense = {}
+    _generate(model, method, compiled=None, stats=dense)
+    assert se["kv_bytes"] < dense["kv_bytes"]
 
 
 def test_sampled_generate_with_inductor(model):
@@ -116,8 +136,8 @@ def test_eager_vase_runs_again_after_a_compiled_generate(model):
 def test_refusals_are_one_line(model):
     with pytest.raises(CompileUnsupportedError, match="quest"):
         CompiledEvictionCache(model, "quest", 32, W)
-    with pytest.raises(CompileUnsupportedError, match="kv_bits"):
-        CompiledEvictionCache(model, "vase-attnv", B, W, kv_bits=4)
+    with pytest.raises(CompileUnsupportedError, match="quant_select"):
+        CompiledEvictionCache(model, "vase-attnv", B, W, kv_bits=4, quant_select="random")
     ids, mask = _prompt(1, length=B + 5)
     with pytest.raises(CompileUnsupportedError, match="fit the budget"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,

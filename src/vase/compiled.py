@@ -55,14 +55,24 @@ def _fresh(fn: Callable, tag: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
+def compile_mode(mode: str | None, backend) -> dict:
+    """`torch.compile`'s `mode` / `options` for a vase step: with inductor, `mode`'s settings plus
+    `emulate_precision_casts` (a cast to float16, the quantized store's scales in `vase.quant`, then
+    rounds as in eager mode; by default inductor keeps such intermediates in float32, and the compiled
+    step quantized to other codes than the eager one). torch.compile takes a mode or options, not both."""
+    if backend != "inductor":
+        return {} if mode is None else {"mode": mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**(list_mode_options(mode) if mode else {}), "emulate_precision_casts": True}}
+
+
 class CompiledSteps:
     """The compiled step functions of one configuration (`mode`, `backend` as `torch.compile`'s)."""
 
     def __init__(self, mode: str | None = None, backend: str | Callable = "inductor", tag: str = "0"):
-        opts = dict(fullgraph=True, dynamic=False, backend=backend)
         self.mode = mode
-        if mode is not None:
-            opts["mode"] = mode
+        opts = dict(fullgraph=True, dynamic=False, backend=backend, **compile_mode(mode, backend))
         self.plain = torch.compile(_fresh(_plain_step, tag), **opts)
         self.evicting = torch.compile(_fresh(_evicting_step, tag), **opts)
         self.full = torch.compile(_fresh(_full_step, tag), **opts)

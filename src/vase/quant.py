@@ -57,16 +57,27 @@ class Packed:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
 
+def _next_f16(h: torch.Tensor, up: bool) -> torch.Tensor:
+    """The float16 next to `h` toward +inf (`up`) or -inf, by its bits (`torch.nextafter` on float16 is not
+    exact under torch.compile's inductor, which computes it in float32 and rounds back)."""
+    bits = h.view(torch.int16)
+    away_from_zero = (h > 0) if up else (h < 0)
+    toward_zero = (h < 0) if up else (h > 0)
+    tiny = torch.tensor(1 if up else -32767, dtype=torch.int16, device=h.device)  # +-smallest subnormal
+    step = torch.where(away_from_zero, bits + 1, torch.where(toward_zero, bits - 1, tiny))
+    return step.view(SCALE_DTYPE)
+
+
 def _round_down(x: torch.Tensor) -> torch.Tensor:
     """float32 -> the largest float16 <= x."""
     h = x.to(SCALE_DTYPE)
-    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
+    return torch.where(h.float() > x, _next_f16(h, up=False), h)
 
 
 def _round_up(x: torch.Tensor) -> torch.Tensor:
     """float32 -> the smallest float16 >= x."""
     h = x.to(SCALE_DTYPE)
-    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+    return torch.where(h.float() < x, _next_f16(h, up=True), h)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

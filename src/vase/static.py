@@ -23,7 +23,10 @@ the step reads (`NoiseReplay`): the compiled step keeps the eager cache's kept s
 It is built from an `EvictionCache` once every row is in the steady schedule (limit B + w:
 right after the prefill when the prompt is at most B tokens, else after the row's first
 eviction, which runs eagerly): `StaticEvictionCache.from_eager(cache)`.
-Dense storage only (kv_bits=16); selection methods (Quest) and `full` have no static form here.
+The K/V live in one fixed-shape store (`vase.static_storage`): dense, or packed low-bit codes with
+a full-precision reserve (`kv_bits`, the same stores and rules as `vase.quant_cache.QuantStorage`).
+Selection methods (Quest) and `full` have no static form here; nor does the reserve's random
+control (`quant_select="random"`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import KERNELS, STATIC_PREFIX, _stock_kernel, base_kernel
 from .cache import EvictionCache, EvictionLayer
+from .quant_cache import QuantStorage
+from .static_storage import StaticDense, StaticQuant, front_index
 
 #: the cache whose layers the static attention function reads (set by `activate`)
 _ACTIVE: list[StaticEvictionCache | None] = [None]
@@ -48,8 +53,9 @@ class CompileUnsupportedError(ValueError):
 def check_compilable(cache: EvictionCache, kernel: str) -> None:
     """Raise CompileUnsupportedError (one line saying what to change) when `cache` has no static form."""
     policy = cache.policy
-    if cache.quant is not None:
-        raise CompileUnsupportedError("compile=True runs dense K/V storage only: drop kv_bits (or use compile=False)")
+    if cache.quant is not None and cache.quant.select != "value":
+        raise CompileUnsupportedError("compile=True keeps the reserve by the value guard's ranking only: drop "
+                                      "quant_select='random' (or use compile=False)")
     if not policy.evicts or policy.selects:
         raise CompileUnsupportedError(f"method {policy.name!r} has no static evicting form: compile=True supports "
                                       f"the evicting methods (and 'full' through transformers' StaticCache)")
@@ -106,7 +112,8 @@ class StaticLayer(CacheLayerMixin):
         self.cache, self.cfg, self.layer_idx = cache, cache.cfg, src.layer_idx
         B, w = self.cfg.budget, self.cfg.window
         cap = B + w
-        b, h, _, d = src.keys.shape
+        b, h = src.keys.shape[:2]
+        d = src.keys.shape[3]
         device = src.keys.device
         pads = torch.tensor(src.pad, device=device)
         reals = src.length - pads
@@ -114,10 +121,11 @@ class StaticLayer(CacheLayerMixin):
             raise RuntimeError(f"layer {src.layer_idx} stores {int(reals.max())} tokens in a row, more than B + w "
                                f"= {cap}: convert only once every row is in the steady schedule")
         # Row r's real slots pad[r] .. length-1 move to the front; slots past its length are never read.
-        index = (torch.arange(cap, device=device)[None, :] + pads[:, None]).clamp(max=src.capacity - 1)
-        index = index[:, None, :].expand(b, h, cap)
-        self.keys = src.keys.gather(2, index[..., None].expand(-1, -1, -1, d)).contiguous()
-        self.values = src.values.gather(2, index[..., None].expand(-1, -1, -1, src.values.shape[-1])).contiguous()
+        index = front_index(pads, cap, src.capacity, h)
+        if isinstance(src.storage, QuantStorage):
+            self.store: StaticDense | StaticQuant = StaticQuant(src.storage, pads, src.row_pad0, cap)
+        else:
+            self.store = StaticDense.from_eager(src.keys, src.values, index)
         valid = torch.arange(cap, device=device)[None, None, :] < reals[:, None, None]
         self.positions = src.positions.gather(2, index).masked_fill(~valid, -1).contiguous()
         self.slot_state = {k: v.gather(2, index).masked_fill(~valid, 0).contiguous()
@@ -144,6 +152,24 @@ class StaticLayer(CacheLayerMixin):
         self.row_peak = list(src.row_peak)
         self.row_pad0 = list(src.row_pad0)
 
+    # transformers' layer protocol reads `keys` / `values` [b, kv_heads, B + w, d]: the store's (the buffers
+    # themselves for dense storage, zero-stride carriers of the shapes and dtype for quantized storage)
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.store.keys
+
+    @keys.setter
+    def keys(self, value) -> None:  # CacheLayerMixin.__init__ sets None; the store owns the buffers
+        pass
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.store.values
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
     # -- the step (traced) ------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append one token per row (key/value_states [b, kv_heads, 1, d]); evict first when the step does.
@@ -153,16 +179,15 @@ class StaticLayer(CacheLayerMixin):
             raise ValueError("the static cache takes one token per row per step (prefill runs eagerly)")
         if self.cache.evicting:
             self._evict()
-        b, h, _, d = self.keys.shape
+        b, h = self.keys.shape[:2]
+        self.store.write(self.length, key_states, value_states, self.seen)
         slot = self.length.view(b, 1, 1)
-        self.keys.scatter_(2, slot[..., None].expand(b, h, 1, d), key_states)
-        self.values.scatter_(2, slot[..., None].expand(b, h, 1, self.values.shape[-1]), value_states)
         self.positions.scatter_(2, slot.expand(b, h, 1), self.seen.view(1, 1, 1).expand(b, h, 1))
         for state in self.slot_state.values():
             state.scatter_(2, slot.expand(b, h, 1), 0.0)
         self.length.add_(1)
         self.seen.add_(1)
-        return self.keys, self.values
+        return self.store.read()
 
     def step_mask(self, query: torch.Tensor, kind: str) -> torch.Tensor:
         """Record the query [b, q_heads, 1, d] and return the mask [b, 1, 1, B + w] over the valid prefix."""
@@ -194,7 +219,8 @@ class StaticLayer(CacheLayerMixin):
         extra.update(self.layer_state)
         queries = self._query_window() if policy.needs_queries else None
         noise = NoiseReplay(self.noise) if policy.stochastic else None
-        keep = policy.select(self.keys[:, :, :B], self.values[:, :, :B], queries, B - w, generator=noise,
+        keys, values = self.store.candidates(B)
+        keep = policy.select(keys, values, queries, B - w, generator=noise,
                              budget=B, **extra)
         if cfg.sort_kept:
             keep = keep.sort(-1).values
@@ -203,8 +229,7 @@ class StaticLayer(CacheLayerMixin):
         index = torch.where(due[:, None, None], index, torch.arange(cap, device=device).expand(b, h, cap))
         for name, state in self.slot_state.items():  # the policy's updates (H2O's accumulator), due rows only
             state[:, :, :B].copy_(torch.where(due[:, None, None], extra[name], state[:, :, :B]))
-        for buf in (self.keys, self.values):
-            buf.copy_(buf.gather(2, index[..., None].expand(-1, -1, -1, buf.shape[-1])))
+        self.store.compact(index, torch.where(due, B, cap))
         for buf in (self.positions, *self.slot_state.values()):
             buf.copy_(buf.gather(2, index))
         # freed slots: empty position, zero state
@@ -293,7 +318,7 @@ class StaticEvictionCache(Cache):
         static = cls(cache, q_heads)
         if static_addresses:
             for layer in static.layers:
-                for t in (layer.keys, layer.values, layer.positions, layer.length, layer.seen, layer.queries,
+                for t in (*layer.store.tensors(), layer.positions, layer.length, layer.seen, layer.queries,
                           layer.queries_seen, *layer.slot_state.values(), *layer.layer_state.values(), *layer.noise):
                     torch._dynamo.mark_static_address(t)
         return static
@@ -365,8 +390,8 @@ class StaticEvictionCache(Cache):
             "evictions": first.evictions, "layer_evictions": sum(l.evictions for l in self.layers),
             "tokens_evicted": first.tokens_evicted, "stored_length": max(first.host_length),
             "seen_length": first.host_seen, "capacity": cap,
-            "kv_bytes": sum(sum(l.host_length) * per_token for l in self.layers),
-            "kv_bytes_capacity": sum(2 * l.keys.numel() * l.keys.element_size() for l in self.layers),
+            "kv_bytes": sum(l.store.held_bytes(n, r) for l in self.layers for r, n in enumerate(l.host_length)),
+            "kv_bytes_capacity": sum(l.store.capacity_bytes() for l in self.layers),
             "kv_bytes_full": sum(b * l.host_seen * per_token for l in self.layers),
         }
 
@@ -377,8 +402,9 @@ class StaticEvictionCache(Cache):
             now = peak = full = 0
             for l in self.layers:
                 per_token = 2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
-                now += l.host_length[r] * per_token
-                peak += max(l.row_peak[r], l.host_length[r]) * per_token
+                held = l.store.held_bytes(l.host_length[r], r)
+                now += held
+                peak += held + max(0, l.row_peak[r] - l.host_length[r]) * per_token  # above B: the window's
                 full += (l.host_seen - l.row_pad0[r]) * per_token
             rows.append({"evictions": first.row_evictions[r], "kv_bytes": now, "kv_bytes_peak": peak,
                          "kv_bytes_full": full})

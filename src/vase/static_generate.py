@@ -32,6 +32,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from .attention import base_kernel
 from .cache import EvictionCache
+from .compiled import compile_mode
 from .static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, ready
 
 __all__ = ["CompiledEvictionCache", "StaticStepHook"]
@@ -63,7 +64,8 @@ class CompiledEvictionCache(Cache):
         self.q_heads = model.config.get_text_config().num_attention_heads
         self.static_addresses = mode == "reduce-overhead"
         self.static: StaticEvictionCache | None = None
-        self.compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=mode)
+        self.compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend,
+                                            **{"mode": None, "options": None, **compile_mode(mode, backend)})
         self.compile_config._compile_all_devices = True  # transformers compiles on CUDA-like devices only unless told
         self.hook = StaticStepHook(model, self)
         super().__init__(layers=list(self.eager.layers))

@@ -1,0 +1,270 @@
+"""Fixed-shape K/V storage of the static (compiled) cache: dense, or packed low-bit codes.
+
+`vase.static.StaticLayer` owns the slot bookkeeping of one layer (positions, lengths, the
+policy's state) and composes one of these for the K/V themselves. Row r's real tokens sit in
+slots 0 .. length[r] - 1 of a capacity of B + w slots; every tensor keeps its shape for the
+cache's life, and every method below runs inside the compiled step (no host reads):
+
+- `StaticDense`: keys, values [b, kv_heads, B + w, d], written and compacted in place;
+- `StaticQuant`: the fixed-shape form of `vase.quant_cache.QuantStorage`, the same two stores
+  (packed codes for old tokens, full precision for the window and the reserve) with the same
+  rules, so the compiled step keeps what the eager quantized cache keeps. The eager storage
+  sizes some operations by host reads (`int(m.max())`, `q_hi`); here they run at their upper
+  bound instead (every store entry), and the flush that falls every `flush_every` tokens is
+  computed at each step and selected by a flag tensor (one graph, no host-side branch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .policies import value_magnitude
+from .quant import Packed, dequantize, quantize
+from .quant_cache import QuantStorage, _gather, _left_pack, entry_bytes, slot_dtype
+
+
+def front_index(pads: torch.Tensor, cap: int, src_capacity: int, heads: int) -> torch.Tensor:
+    """Index [b, heads, cap] that moves row r's slots pad[r] .. pad[r] + cap - 1 to the front (clamped)."""
+    index = (torch.arange(cap, device=pads.device)[None, :] + pads[:, None]).clamp(max=src_capacity - 1)
+    return index[:, None, :].expand(pads.shape[0], heads, cap)
+
+
+def _gather_slots(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """buf [b, h, n, d] gathered along n by index [b, h, m] -> [b, h, m, d]."""
+    return buf.gather(2, index[..., None].expand(-1, -1, -1, buf.shape[-1]))
+
+
+class StaticDense:
+    """Full-precision K/V buffers [b, kv_heads, B + w, d]."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    @classmethod
+    def from_eager(cls, src_keys: torch.Tensor, src_values: torch.Tensor, index: torch.Tensor) -> StaticDense:
+        """Row r's slots `index` [b, h, cap] of the eager buffers [b, h, capacity, d], moved to the front."""
+        return cls(_gather_slots(src_keys, index).contiguous(), _gather_slots(src_values, index).contiguous())
+
+    def write(self, slot: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+              seen: torch.Tensor) -> None:
+        """Store one token per row: key/value_states [b, h, 1, d] at slot [b] (`seen`: its sequence index)."""
+        b, h, _, d = self.keys.shape
+        at = slot.view(b, 1, 1, 1)
+        self.keys.scatter_(2, at.expand(b, h, 1, d), key_states)
+        self.values.scatter_(2, at.expand(b, h, 1, self.values.shape[-1]), value_states)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [b, h, B + w, d] for attention (slots past a row's length are masked by the layer)."""
+        return self.keys, self.values
+
+    def candidates(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [b, h, n, d] of slots 0 .. n - 1, for the policy."""
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def compact(self, index: torch.Tensor, kept: torch.Tensor) -> None:
+        """Slots `index` [b, h, cap] move to the front (the first `kept` [b] of a row survive, the rest of
+        the row's index is filler)."""
+        for buf in (self.keys, self.values):
+            buf.copy_(_gather_slots(buf, index))
+
+    def held_bytes(self, slots: int, row: int | None) -> int:
+        """K/V bytes of `slots` stored tokens of one row (`row` given) or of every row."""
+        b, h, _, d = self.keys.shape
+        per_token = h * (d + self.values.shape[-1]) * self.keys.element_size()
+        return slots * per_token if row is not None else b * slots * per_token
+
+    def capacity_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer held between steps."""
+        return [self.keys, self.values]
+
+
+class StaticQuant:
+    """Packed low-bit codes plus a full-precision reserve, in fixed shapes (see the module docstring).
+
+    Stores as `QuantStorage`'s: full precision fk, fv [b, h, R + w + F, d], fslot, frank, fn; packed
+    qk, qv (codes, scale, zero) [b, h, B + w + 1, ...] (the last entry is the trash that absorbs
+    writes aimed at no slot), qslot, qn; `unflushed` [] tokens since the last flush."""
+
+    def __init__(self, src: QuantStorage, pads: torch.Tensor, pad0: list[int], cap: int):
+        cfg = src.qcfg
+        self.bits, self.guard, self.flush_every = cfg.bits, cfg.guard, cfg.flush_every
+        self.metric, self.sinks, self.group = cfg.metric, cfg.sinks, src.group
+        self.window = src.window
+        device = src.device
+        b, h, _, d = src.keys.shape
+        dv = src.values.shape[-1]
+        # zero-stride carriers: the layer reads batch, heads, capacity, head_dim and dtype from them
+        self.keys = src.keys[:, :, :1].expand(b, h, cap, d)
+        self.values = src.values[:, :, :1].expand(b, h, cap, dv)
+        tags = slot_dtype(cap)
+        shift = pads.view(b, 1, 1)
+
+        def renumber(slot: torch.Tensor) -> torch.Tensor:  # eager slot -> front-packed slot (-1 stays)
+            slot = slot.long()
+            return torch.where(slot >= 0, slot - shift, -1).to(tags)
+
+        self.fk, self.fv, self.frank, self.fn = src.fk.clone(), src.fv.clone(), src.frank.clone(), src.fn.clone()
+        self.fslot = renumber(src.fslot)
+        n = min(src.qslot.shape[2] - 1, cap)  # live entries are the first qn <= cap of each head
+
+        def store(p: Packed) -> Packed:
+            out = Packed(*(t.new_zeros(b, h, cap + 1, t.shape[-1]) for t in (p.codes, p.scale, p.zero)), p.bits,
+                         p.group)
+            for name in ("codes", "scale", "zero"):
+                getattr(out, name)[:, :, :n] = getattr(p, name)[:, :, :n]
+            return out
+
+        self.qk, self.qv = store(src.qk), store(src.qv)
+        self.qslot = torch.full((b, h, cap + 1), -1, dtype=tags, device=device)
+        self.qslot[:, :, :n] = renumber(src.qslot[:, :, :n])
+        self.qn = src.qn.clone()
+        self.key_scale = cfg.key_scale
+        self.kscale = src.kscale.clone() if src.kscale is not None else \
+            torch.ones(b, h, 1, d, dtype=torch.float16, device=device)
+        self.kscale_set = torch.tensor(src.kscale is not None, device=device)
+        self.unflushed = torch.tensor(src.unflushed, dtype=torch.long, device=device)
+        self.pad0 = torch.tensor(pad0, dtype=torch.long, device=device)
+
+    # -- the step (traced) ---------------------------------------------------------------------------
+    def write(self, slot: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+              seen: torch.Tensor) -> None:
+        """Store one token per row (`QuantStorage._ingest` of one token): key/value_states [b, h, 1, d] at
+        slot [b], sequence index `seen` []. Appended to the full-precision store, or, every `flush_every`
+        tokens, a flush: the window and the top-R old tokens stay exact, the other old ones are quantized."""
+        b, h = key_states.shape[:2]
+        n_fp = self.fk.shape[2]
+        slots = slot.view(b, 1, 1).expand(b, h, 1)
+        rank = value_magnitude(value_states, self.metric)
+        rank = rank.masked_fill(((seen - self.pad0) < self.sinks).view(b, 1, 1), float("inf"))
+        flush = self.unflushed == self.flush_every - 1
+        # the plain path: append after each head's live full-precision entries
+        at = self.fn[..., None].clamp(max=n_fp - 1)
+        app_k = self.fk.scatter(2, at[..., None].expand(b, h, 1, self.fk.shape[-1]), key_states)
+        app_v = self.fv.scatter(2, at[..., None].expand(b, h, 1, self.fv.shape[-1]), value_states)
+        app_slot = self.fslot.scatter(2, at, slots.to(self.fslot.dtype))
+        app_rank = self.frank.scatter(2, at, rank)
+        # the flush path (QuantStorage._flush with this row's length after the write)
+        ck, cv = torch.cat([self.fk, key_states], 2), torch.cat([self.fv, value_states], 2)
+        cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
+        valid = cs >= 0
+        old = valid & (cs < (slot + 1 - self.window).view(b, 1, 1))
+        win = torch.zeros_like(old)
+        if self.guard:
+            top = cr.masked_fill(~old, float("-inf")).topk(min(self.guard, cs.shape[2]), dim=-1).indices
+            win.scatter_(-1, top, True)
+            win &= old
+        keep = valid & ~(old & ~win)
+        quant = old & ~win
+        order = _left_pack(keep, n_fp)
+        kept = keep.gather(-1, order)
+        fl_slot = _gather(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
+        self.fk.copy_(torch.where(flush, _gather(ck, order), app_k))
+        self.fv.copy_(torch.where(flush, _gather(cv, order), app_v))
+        self.fslot.copy_(torch.where(flush, fl_slot, app_slot))
+        self.frank.copy_(torch.where(flush, _gather(cr, order), app_rank))
+        self.fn.copy_(torch.where(flush, keep.sum(-1), self.fn + 1))
+        # quantize the old tokens that left (every entry at its upper bound; non-chosen ones go to the trash)
+        n_q = cs.shape[2]
+        order = _left_pack(quant, n_q)
+        chosen = quant.gather(-1, order) & flush
+        trash = self.qslot.shape[2] - 1
+        dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=cs.device), trash)
+        keys, values = _gather(ck, order), _gather(cv, order)
+        if self.key_scale:  # fixed at the first flush that quantizes anything, as the eager storage
+            live = ck.float().abs().masked_fill(~valid[..., None], 0)
+            first = flush & ~self.kscale_set & quant.any()
+            self.kscale.copy_(torch.where(first, live.amax(2, keepdim=True).clamp(min=1e-4).to(torch.float16),
+                                          self.kscale))
+            self.kscale_set.copy_(self.kscale_set | first)
+            keys = keys / self.kscale.to(keys.dtype)
+        for store, src in ((self.qk, keys), (self.qv, values)):
+            p = quantize(src, self.bits, self.group)
+            for name in ("codes", "scale", "zero"):
+                buf = getattr(store, name)
+                buf.scatter_(2, dest[..., None].expand(b, h, n_q, buf.shape[-1]), getattr(p, name))
+        self.qslot.scatter_(2, dest, _gather(cs, order).masked_fill(~chosen, -1).to(self.qslot.dtype))
+        self.qslot[:, :, trash] = -1
+        self.qn.add_(torch.where(flush, quant.sum(-1), 0))
+        self.unflushed.copy_(torch.where(flush, 0, self.unflushed + 1))
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [b, h, B + w, d]: dequantized codes and exact full-precision rows (a new tensor per call;
+        empty slots are zero)."""
+        b, h, cap, d = self.keys.shape
+        dv = self.values.shape[-1]
+        rows = cap + 1  # one spare row per head takes every write aimed at no slot
+        out_k = torch.zeros(b, h, rows, d, dtype=self.keys.dtype, device=self.keys.device)
+        out_v = torch.zeros(b, h, rows, dv, dtype=self.values.dtype, device=self.keys.device)
+        base = torch.arange(b * h, device=self.keys.device).view(b, h, 1) * rows
+
+        def place(slot: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+            slot = slot.long()
+            idx = (base + torch.where((slot >= 0) & (slot < cap), slot, cap)).view(-1)
+            out_k.view(-1, d).index_copy_(0, idx, k_rows.reshape(-1, d).to(out_k.dtype))
+            out_v.view(-1, dv).index_copy_(0, idx, v_rows.reshape(-1, dv).to(out_v.dtype))
+
+        keys = dequantize(self.qk)
+        if self.key_scale:
+            keys = keys * self.kscale.float()
+        place(self.qslot, keys, dequantize(self.qv))
+        place(self.fslot, self.fk, self.fv)
+        return out_k[:, :, :cap], out_v[:, :, :cap]
+
+    def candidates(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.read()
+        return keys[:, :, :n], values[:, :, :n]
+
+    def compact(self, index: torch.Tensor, kept: torch.Tensor) -> None:
+        """Slots `index[r, :, :kept[r]]` move to the front (`QuantStorage.compact`); the others are dropped."""
+        b, h, cap = index.shape
+        live_entry = torch.arange(cap, device=index.device)[None, None, :] < kept.view(b, 1, 1)
+        new_slot = torch.full((b, h, cap + 1), -1, dtype=torch.long, device=index.device)
+        new_slot.scatter_(-1, torch.where(live_entry, index, cap), torch.arange(cap, device=index.device)
+                          .expand(b, h, cap))
+        new_slot[:, :, cap] = -1
+
+        def renumber(slot: torch.Tensor) -> torch.Tensor:
+            slot = slot.long()
+            return new_slot.gather(-1, torch.where(slot >= 0, slot, cap))
+
+        fslot = renumber(self.fslot)
+        live = fslot >= 0
+        order = _left_pack(live, fslot.shape[2])
+        for buf in (self.fk, self.fv, self.frank):
+            buf.copy_(_gather(buf, order))
+        self.fslot.copy_(_gather(fslot, order))
+        self.fn.copy_(live.sum(-1))
+        trash = self.qslot.shape[2] - 1
+        qslot = renumber(self.qslot[:, :, :trash])
+        live = qslot >= 0
+        self.qn.copy_(live.sum(-1))
+        order = _left_pack(live, trash)
+        self.qslot[:, :, :trash] = _gather(qslot, order)
+        for p in (self.qk, self.qv):
+            for name in ("codes", "scale", "zero"):
+                buf = getattr(p, name)
+                buf[:, :, :trash] = _gather(buf[:, :, :trash], order)
+
+    # -- bytes (host side, outside the step) ------------------------------------------------------
+    def held_bytes(self, slots: int, row: int | None) -> int:
+        """K/V bytes held now, as `QuantStorage.held_bytes`: live entries with their tags, and the key scales
+        (`slots` is not read: the stores count their live entries)."""
+        quant, full = entry_bytes(self.keys.shape[-1], self.values.shape[-1], self.bits, self.group,
+                                  self.fk.element_size(), self.qslot.shape[2] - 1)
+        qn, fn = (self.qn, self.fn) if row is None else (self.qn[row], self.fn[row])
+        scales = 0
+        if self.key_scale and bool(self.kscale_set):
+            scales = self.kscale[0].numel() * self.kscale.element_size() * (self.kscale.shape[0] if row is None else 1)
+        return int(qn.sum()) * quant + int(fn.sum()) * full + scales
+
+    def capacity_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer held between steps (counted, and marked static for CUDA graphs)."""
+        out = [self.qk.codes, self.qk.scale, self.qk.zero, self.qv.codes, self.qv.scale, self.qv.zero, self.qslot,
+               self.qn, self.fk, self.fv, self.fslot, self.frank, self.fn, self.unflushed, self.pad0]
+        return out + ([self.kscale, self.kscale_set] if self.key_scale else [])
