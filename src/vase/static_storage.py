@@ -21,6 +21,7 @@ import torch
 from .policies import value_magnitude
 from .quant import Packed, dequantize, quantize
 from .quant_cache import QuantStorage, _gather, _left_pack, entry_bytes, slot_dtype
+from .storage import flat_slots
 
 
 def front_index(pads: torch.Tensor, cap: int, src_capacity: int, heads: int) -> torch.Tensor:
@@ -48,10 +49,12 @@ class StaticDense:
     def write(self, slot: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
               seen: torch.Tensor) -> None:
         """Store one token per row: key/value_states [b, h, 1, d] at slot [b] (`seen`: its sequence index)."""
-        b, h, _, d = self.keys.shape
-        at = slot.view(b, 1, 1, 1)
-        self.keys.scatter_(2, at.expand(b, h, 1, d), key_states)
-        self.values.scatter_(2, at.expand(b, h, 1, self.values.shape[-1]), value_states)
+        b, h, cap, _ = self.keys.shape
+        # index_copy_ into a flat view of whole head_dim rows: inductor writes it in place (a scatter_ over
+        # [b, h, 1, d] it did not, and copied both buffers of every layer at every step)
+        flat = flat_slots(slot.view(b, 1, 1).expand(b, h, 1), cap)
+        for buf, new in ((self.keys, key_states), (self.values, value_states)):
+            buf.view(-1, buf.shape[-1]).index_copy_(0, flat, new.reshape(-1, buf.shape[-1]))
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [b, h, B + w, d] for attention (slots past a row's length are masked by the layer)."""
