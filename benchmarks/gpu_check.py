@@ -111,29 +111,32 @@ def check(device: str, log, methods_compiled: tuple[str, ...] | None = None, bac
     feed = torch.randint(0, 90, (2, T), generator=gen)
     cpu_model, dev_model = _tiny("cpu"), _tiny(device)
     results = []
-    methods = [n for n, c in POLICIES.items() if c.evicts and not getattr(c, "selects", False)]
-    for method in methods:
+    # (label, method, storage): every evicting method with dense K/V, and vase-attnv with 4-bit storage
+    runs = [(n, n, {}) for n, c in POLICIES.items() if c.evicts and not getattr(c, "selects", False)]
+    runs.append(("vase-attnv 4-bit", "vase-attnv", {"kv_bits": 4}))
+    for label, method, storage in runs:
         t0 = time.perf_counter()
         stochastic = POLICIES[method]().stochastic
         on_dev = [t.to(device) for t in (ids, mask, feed)]
-        le, ke, ee = teacher_forced(dev_model, method, *on_dev, B, w)
+        le, ke, ee = teacher_forced(dev_model, method, *on_dev, B, w, **storage)
         method_backend = backend if method == "vase-attnv" else "aot_eager"
-        row = {"method": method, "backend": None, "evictions": ee, "compiled_same_kept": None,
+        row = {"method": label, "backend": None, "evictions": ee, "compiled_same_kept": None,
                "compiled_max_logit_diff": None}
         if methods_compiled is None or method in methods_compiled:
             torch._dynamo.reset()
-            lc, kc, ec = teacher_forced(dev_model, method, *on_dev, B, w, steps=CompiledSteps(backend=method_backend))
+            lc, kc, ec = teacher_forced(dev_model, method, *on_dev, B, w, steps=CompiledSteps(backend=method_backend),
+                                        **storage)
             row.update(backend=method_backend, compiled_same_kept=ke == kc and ee == ec,
                        compiled_max_logit_diff=float((le - lc).abs().max()))
         if stochastic:
             row["cpu_same_kept"] = None  # device RNG streams differ
         else:
-            _, kcpu, _ = teacher_forced(cpu_model, method, ids, mask, feed, B, w)
+            _, kcpu, _ = teacher_forced(cpu_model, method, ids, mask, feed, B, w, **storage)
             row["cpu_same_kept"] = kcpu == ke
         row["seconds"] = round(time.perf_counter() - t0, 1)
         results.append(row)
         diff = row["compiled_max_logit_diff"]
-        log(f"(a) {method:<14} compiled({row['backend']}) same kept: {row['compiled_same_kept']}, max |dlogit| "
+        log(f"(a) {label:<16} compiled({row['backend']}) same kept: {row['compiled_same_kept']}, max |dlogit| "
             f"{'-' if diff is None else f'{diff:.2e}'}; CPU same kept: {row['cpu_same_kept']} ({row['seconds']} s)")
     return results
 
