@@ -154,6 +154,55 @@ def _left_pack(mask: torch.Tensor, m: int) -> torch.Tensor:
     return torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :m]
 
 
+def flush_split(slots: torch.Tensor, rank: torch.Tensor, old_below, guard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule of a flush: which entries stay in full precision and which are quantized.
+
+    slots [b, h, n] (-1 = empty), rank [b, h, n] (the reserve ranking); entries whose slot is below
+    `old_below` (an int, or [b, 1, 1] per row) are old. Returns (keep, quant) masks [b, h, n]: the
+    window and the top-`guard` old entries by rank are kept, the other old ones quantized."""
+    valid = slots >= 0
+    old = valid & (slots < old_below)
+    reserve = torch.zeros_like(old)
+    if guard:
+        top = rank.masked_fill(~old, float("-inf")).topk(min(guard, slots.shape[2]), dim=-1).indices
+        reserve.scatter_(-1, top, True)
+        reserve &= old
+    return valid & ~(old & ~reserve), old & ~reserve
+
+
+def slot_map(index: torch.Tensor, live: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Where a compaction moves each slot: [b, h, capacity + 1], old slot -> new slot (-1 = dropped).
+
+    index [b, h, n]: entry j moves slot index[..., j] to slot j, where `live` [b, h, n] (or broadcastable);
+    the other entries (padding, filler) move nothing. The extra last column maps slot `capacity`, the
+    tag of "no slot", to -1."""
+    b, h, n = index.shape
+    to = torch.arange(n, device=index.device).expand(b, h, n)
+    table = torch.full((b, h, capacity + 1), -1, dtype=torch.long, device=index.device)
+    table.scatter_(-1, torch.where(live, index, capacity), to)  # not live: to the extra column ...
+    table[:, :, capacity] = -1  # ... which maps to nothing
+    return table
+
+
+def renumber(slots: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Store entries' slots [b, h, m] (-1 = empty) through a `slot_map` table: [b, h, m] long."""
+    slots = slots.long()
+    return table.gather(-1, torch.where(slots >= 0, slots, table.shape[-1] - 1))
+
+
+def place(out_k: torch.Tensor, out_v: torch.Tensor, length: int, slots: torch.Tensor, k_rows: torch.Tensor,
+          v_rows: torch.Tensor) -> None:
+    """Write store entries into slot order: out_k/out_v [b, h, length + 1, d] (the last row takes every entry
+    aimed at no slot); slots [b, h, m] (-1 = empty), k_rows/v_rows [b, h, m, d]."""
+    b, h, rows, d = out_k.shape
+    dv = out_v.shape[-1]
+    base = torch.arange(b * h, device=out_k.device).view(b, h, 1) * rows
+    slots = slots.long()
+    idx = (base + torch.where((slots >= 0) & (slots < length), slots, length)).view(-1)
+    out_k.view(-1, d).index_copy_(0, idx, k_rows.reshape(-1, d).to(out_k.dtype))
+    out_v.view(-1, dv).index_copy_(0, idx, v_rows.reshape(-1, dv).to(out_v.dtype))
+
+
 def slot_dtype(capacity: int) -> torch.dtype:
     """The narrowest signed integer type that holds the slot tags -1 .. capacity (capacity = the trash entry)."""
     for dtype in (torch.int8, torch.int16, torch.int32):
@@ -482,15 +531,7 @@ class QuantStorage:
         n_fp = self.fk.shape[2]
         ck, cv = torch.cat([self.fk, k], 2), torch.cat([self.fv, v], 2)
         cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
-        valid = cs >= 0
-        old = valid & (cs < length - self.window)
-        win = torch.zeros_like(old)
-        if self.qcfg.guard:
-            top = cr.masked_fill(~old, float("-inf")).topk(min(self.qcfg.guard, cs.shape[2]), dim=-1).indices
-            win.scatter_(-1, top, True)
-            win &= old
-        keep = valid & ~(old & ~win)
-        quant = old & ~win
+        keep, quant = flush_split(cs, cr, length - self.window, self.qcfg.guard)
         # The new full-precision store: the kept entries, left-packed.
         fn = keep.sum(-1)
         n_keep = int(fn.max())
@@ -519,7 +560,7 @@ class QuantStorage:
         exact = (qslots, keys, values) if keep_exact else None
         if self.qcfg.key_scale:
             if self.kscale is None:  # fixed at the first flush (the prompt): codes never need rescaling
-                live = ck.float().abs().masked_fill(~valid[..., None], 0)
+                live = ck.float().abs().masked_fill((cs < 0)[..., None], 0)
                 self.kscale = live.amax(2, keepdim=True).clamp(min=1e-4).to(torch.float16)
             keys = keys / self.kscale.to(keys.dtype)
         for store, src in ((self.qk, keys), (self.qv, values)):
@@ -542,13 +583,6 @@ class QuantStorage:
         rows = length + 1  # one spare row per head takes every write aimed at no slot
         out_k = torch.zeros(b, h, rows, d, dtype=self.keys.dtype, device=self.device)
         out_v = torch.zeros(b, h, rows, dv, dtype=self.values.dtype, device=self.device)
-        base = torch.arange(b * h, device=self.device).view(b, h, 1) * rows
-
-        def place(slot: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
-            idx = (base + torch.where((slot >= 0) & (slot < length), slot, length)).view(-1)
-            out_k.view(-1, d).index_copy_(0, idx, k_rows.reshape(-1, d).to(out_k.dtype))
-            out_v.view(-1, dv).index_copy_(0, idx, v_rows.reshape(-1, dv).to(out_v.dtype))
-
         if self.q_hi:
             n = self.q_hi
 
@@ -558,11 +592,11 @@ class QuantStorage:
             keys = dequantize(head(self.qk))
             if self.kscale is not None:
                 keys = keys * self.kscale.float()
-            place(self.qslot[:, :, :n], keys, dequantize(head(self.qv)))
-        place(self.fslot, self.fk, self.fv)
+            place(out_k, out_v, length, self.qslot[:, :, :n], keys, dequantize(head(self.qv)))
+        place(out_k, out_v, length, self.fslot, self.fk, self.fv)
         if self.pending is not None:
             k, v, start, end = self.pending
-            place(torch.arange(start, end, device=self.device).expand(b, h, end - start), k, v)
+            place(out_k, out_v, length, torch.arange(start, end, device=self.device).expand(b, h, end - start), k, v)
         return out_k[:, :, :length], out_v[:, :, :length]
 
     # -- compaction ----------------------------------------------------------------------------------
@@ -571,24 +605,17 @@ class QuantStorage:
         those that land on a row's padding (slots below pad[r]: the index fills them with real slots of a
         row that evicted, whose tokens must not stay held, nor compete for the reserve, as ghosts)."""
         b, h, n = index.shape
-        cap = self.capacity
-        new_slot = torch.full((b, h, cap + 1), -1, dtype=torch.long, device=self.device)
         pads = torch.tensor(pad, dtype=torch.long, device=self.device).view(b, 1, 1)
-        to = torch.arange(n, device=self.device).expand(b, h, n)
-        new_slot.scatter_(-1, torch.where(to < pads, cap, index), to)  # padding targets go to entry cap ...
-        new_slot[:, :, cap] = -1  # ... which maps to nothing
+        table = slot_map(index, torch.arange(n, device=self.device) >= pads, self.capacity)
 
-        def renumber(slot: torch.Tensor) -> torch.Tensor:
-            return new_slot.gather(-1, torch.where(slot >= 0, slot, cap).long())
-
-        fslot = renumber(self.fslot)
+        fslot = renumber(self.fslot, table)
         live = fslot >= 0
         order = _left_pack(live, fslot.shape[2])
         self.fk, self.fv, self.frank = _gather(self.fk, order), _gather(self.fv, order), _gather(self.frank, order)
         self.fslot, self.fn = _gather(fslot, order).to(self.fslot.dtype), live.sum(-1)
 
         trash = self.qslot.shape[2] - 1
-        qslot = renumber(self.qslot[:, :, :trash])
+        qslot = renumber(self.qslot[:, :, :trash], table)
         live = qslot >= 0
         self.qn = live.sum(-1)
         self.q_hi = int(self.qn.max())

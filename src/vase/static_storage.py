@@ -20,7 +20,7 @@ import torch
 
 from .policies import value_magnitude
 from .quant import Packed, dequantize, quantize
-from .quant_cache import QuantStorage, _gather, _left_pack, entry_bytes, slot_dtype
+from .quant_cache import QuantStorage, _gather, _left_pack, entry_bytes, flush_split, place, renumber, slot_dtype, slot_map
 from .storage import flat_slots
 
 
@@ -105,12 +105,12 @@ class StaticQuant:
         tags = slot_dtype(cap)
         shift = pads.view(b, 1, 1)
 
-        def renumber(slot: torch.Tensor) -> torch.Tensor:  # eager slot -> front-packed slot (-1 stays)
+        def to_front(slot: torch.Tensor) -> torch.Tensor:  # eager slot -> front-packed slot (-1 stays)
             slot = slot.long()
             return torch.where(slot >= 0, slot - shift, -1).to(tags)
 
         self.fk, self.fv, self.frank, self.fn = src.fk.clone(), src.fv.clone(), src.frank.clone(), src.fn.clone()
-        self.fslot = renumber(src.fslot)
+        self.fslot = to_front(src.fslot)
         n = min(src.qslot.shape[2] - 1, cap)  # live entries are the first qn <= cap of each head
 
         def store(p: Packed) -> Packed:
@@ -122,7 +122,7 @@ class StaticQuant:
 
         self.qk, self.qv = store(src.qk), store(src.qv)
         self.qslot = torch.full((b, h, cap + 1), -1, dtype=tags, device=device)
-        self.qslot[:, :, :n] = renumber(src.qslot[:, :, :n])
+        self.qslot[:, :, :n] = to_front(src.qslot[:, :, :n])
         self.qn = src.qn.clone()
         self.key_scale = cfg.key_scale
         self.kscale = src.kscale.clone() if src.kscale is not None else \
@@ -152,15 +152,7 @@ class StaticQuant:
         # the flush path (QuantStorage._flush with this row's length after the write)
         ck, cv = torch.cat([self.fk, key_states], 2), torch.cat([self.fv, value_states], 2)
         cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
-        valid = cs >= 0
-        old = valid & (cs < (slot + 1 - self.window).view(b, 1, 1))
-        win = torch.zeros_like(old)
-        if self.guard:
-            top = cr.masked_fill(~old, float("-inf")).topk(min(self.guard, cs.shape[2]), dim=-1).indices
-            win.scatter_(-1, top, True)
-            win &= old
-        keep = valid & ~(old & ~win)
-        quant = old & ~win
+        keep, quant = flush_split(cs, cr, (slot + 1 - self.window).view(b, 1, 1), self.guard)
         order = _left_pack(keep, n_fp)
         kept = keep.gather(-1, order)
         fl_slot = _gather(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
@@ -177,7 +169,7 @@ class StaticQuant:
         dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=cs.device), trash)
         keys, values = _gather(ck, order), _gather(cv, order)
         if self.key_scale:  # fixed at the first flush that quantizes anything, as the eager storage
-            live = ck.float().abs().masked_fill(~valid[..., None], 0)
+            live = ck.float().abs().masked_fill((cs < 0)[..., None], 0)
             first = flush & ~self.kscale_set & quant.any()
             self.kscale.copy_(torch.where(first, live.amax(2, keepdim=True).clamp(min=1e-4).to(torch.float16),
                                           self.kscale))
@@ -201,19 +193,11 @@ class StaticQuant:
         rows = cap + 1  # one spare row per head takes every write aimed at no slot
         out_k = torch.zeros(b, h, rows, d, dtype=self.keys.dtype, device=self.keys.device)
         out_v = torch.zeros(b, h, rows, dv, dtype=self.values.dtype, device=self.keys.device)
-        base = torch.arange(b * h, device=self.keys.device).view(b, h, 1) * rows
-
-        def place(slot: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
-            slot = slot.long()
-            idx = (base + torch.where((slot >= 0) & (slot < cap), slot, cap)).view(-1)
-            out_k.view(-1, d).index_copy_(0, idx, k_rows.reshape(-1, d).to(out_k.dtype))
-            out_v.view(-1, dv).index_copy_(0, idx, v_rows.reshape(-1, dv).to(out_v.dtype))
-
         keys = dequantize(self.qk)
         if self.key_scale:
             keys = keys * self.kscale.float()
-        place(self.qslot, keys, dequantize(self.qv))
-        place(self.fslot, self.fk, self.fv)
+        place(out_k, out_v, cap, self.qslot, keys, dequantize(self.qv))
+        place(out_k, out_v, cap, self.fslot, self.fk, self.fv)
         return out_k[:, :, :cap], out_v[:, :, :cap]
 
     def candidates(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,18 +206,9 @@ class StaticQuant:
 
     def compact(self, index: torch.Tensor, kept: torch.Tensor) -> None:
         """Slots `index[r, :, :kept[r]]` move to the front (`QuantStorage.compact`); the others are dropped."""
-        b, h, cap = index.shape
-        live_entry = torch.arange(cap, device=index.device)[None, None, :] < kept.view(b, 1, 1)
-        new_slot = torch.full((b, h, cap + 1), -1, dtype=torch.long, device=index.device)
-        new_slot.scatter_(-1, torch.where(live_entry, index, cap), torch.arange(cap, device=index.device)
-                          .expand(b, h, cap))
-        new_slot[:, :, cap] = -1
-
-        def renumber(slot: torch.Tensor) -> torch.Tensor:
-            slot = slot.long()
-            return new_slot.gather(-1, torch.where(slot >= 0, slot, cap))
-
-        fslot = renumber(self.fslot)
+        cap = index.shape[2]
+        table = slot_map(index, torch.arange(cap, device=index.device) < kept.view(-1, 1, 1), cap)
+        fslot = renumber(self.fslot, table)
         live = fslot >= 0
         order = _left_pack(live, fslot.shape[2])
         for buf in (self.fk, self.fv, self.frank):
@@ -241,7 +216,7 @@ class StaticQuant:
         self.fslot.copy_(_gather(fslot, order))
         self.fn.copy_(live.sum(-1))
         trash = self.qslot.shape[2] - 1
-        qslot = renumber(self.qslot[:, :, :trash])
+        qslot = renumber(self.qslot[:, :, :trash], table)
         live = qslot >= 0
         self.qn.copy_(live.sum(-1))
         order = _left_pack(live, trash)
