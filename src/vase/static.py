@@ -426,12 +426,31 @@ def ready(cache: EvictionCache) -> bool:
 
 
 # -- the attention function of the static step --------------------------------------------------------------
+#: torch's SDPA reads grouped KV heads in place (torch >= 2.5)
+_SDPA_GQA = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
+
+
+def _sdpa_grouped(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                  dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The decode query [b, q_heads, 1, d] over the static buffers [b, kv_heads, B + w, d] under the bool mask
+    [b, 1, 1, B + w]: SDPA reading the grouped KV heads in place. transformers' kernel copies K and V once
+    per query head whenever a mask is given (`repeat_kv`); on a CPU that copy of the whole B + w buffers
+    dominated the compiled step (4x the attention at batch 4). Returns [b, 1, q_heads, d] as the stock kernel."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _make_static_attention(kernel: str):
     kind = "additive" if kernel == "eager" else "bool"
 
     def vase_static_attention(module, query, key, value, attention_mask, **kwargs):
         cache = _ACTIVE[0]
         mask = cache.layers[module.layer_idx].step_mask(query, kind)
+        # On a CPU, SDPA with a mask reads grouped heads in place; on CUDA a mask with grouped heads would take
+        # the math kernel, so the stock kernel (its copy, then a fused kernel) stays.
+        if kernel == "sdpa" and _SDPA_GQA and query.device.type == "cpu" and kwargs.get("position_bias") is None:
+            return _sdpa_grouped(module, query, key, value, mask, **kwargs)
         return _stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
 
     vase_static_attention.__name__ = f"{STATIC_PREFIX}{kernel}"
