@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Steady-state time of one decode step, eager vs compiled, in one run (no generation loop around it).
+
+    python benchmarks/step_time.py                          # SmolLM2-135M shapes (random weights), batch 1
+    python benchmarks/step_time.py --batch 4 --kv-bits 4    # a batch, quantized storage
+
+Prefills a random prompt, decodes `--warm` steps (eager: the cache grows to about B; compiled: both
+graphs compile, several evictions), then times `--steps` more steps of each path: eager
+(`EvictionCache`, vase's attention function) and compiled (`StaticEvictionCache`, eviction inside the
+`torch.compile`d step), eager again to bracket the compiled run (the machine's load drifts). The
+compiled/eager ratio uses the mean of the two eager runs. Prints ms per step; no sampling, no host
+work other than the schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2-135m", help="a vase.bench.shapes name (random weights)")
+    p.add_argument("--method", default="vase-attnv")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--kv-bits", type=int, default=16)
+    p.add_argument("--warm", type=int, default=300, help="untimed steps before each timed run")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    p.add_argument("--threads", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from vase.bench.shapes import build_random_model
+    from vase.cache import EvictionCache
+    from vase.compat import cache_kwargs
+    from vase.compiled import StaticStepper, compiled_steps
+    from vase.decoding import prefill
+    from vase.static import StaticEvictionCache, activate
+
+    model = build_random_model(args.shape, dtype=torch.float32, device="cpu", attn_implementation="sdpa")
+    ids = torch.randint(0, 1000, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    storage = {"kv_bits": args.kv_bits} if args.kv_bits != 16 else {}
+
+    def new_cache() -> tuple[EvictionCache, torch.Tensor]:
+        cache = EvictionCache(model, args.method, args.budget, args.window, seed=list(range(args.batch)), **storage)
+        positions, _, _ = prefill(model, ids, mask, cache)
+        return cache, positions[:, -1:] + 1
+
+    def timed(step, nxt: torch.Tensor) -> float:
+        token = ids[:, -1:]
+        for _ in range(args.warm):
+            step(token, nxt)
+            nxt = nxt + 1
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step(token, nxt)
+            nxt = nxt + 1
+        return (time.perf_counter() - start) / args.steps * 1000
+
+    @torch.inference_mode()
+    def eager() -> float:
+        cache, nxt = new_cache()
+        return timed(lambda t, p: model(input_ids=t, position_ids=p, **cache_kwargs(cache), use_cache=True), nxt)
+
+    @torch.inference_mode()
+    def compiled() -> float:
+        cache, nxt = new_cache()
+        static = StaticEvictionCache.from_eager(cache, model.config.num_attention_heads)
+        activate(model, static)
+        try:
+            return timed(StaticStepper(model, static, compiled_steps(("step_time",))), nxt)
+        finally:
+            activate(model, None)
+
+    first = eager()
+    comp = compiled()
+    last = eager()
+    print(f"{args.shape}, {args.method}, batch {args.batch}, B = {args.budget}, w = {args.window}, "
+          f"kv_bits {args.kv_bits}, {args.threads} thread(s): ms per step eager {first:.1f} / compiled {comp:.1f} / "
+          f"eager {last:.1f}; compiled / eager speed {(first + last) / 2 / comp:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
