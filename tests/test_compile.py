@@ -165,6 +165,10 @@ def test_refusals_are_one_clear_line(model):
         check_compilable(EvictionCache(model, "vase-attnv", B, W, kv_bits=4, quant_select="random"), "sdpa")
     with pytest.raises(CompileUnsupportedError, match="quest"):
         check_compilable(EvictionCache(model, "quest", 32, W), "sdpa")
+    from vase.compiled import compile_cache
+
+    with pytest.raises(CompileUnsupportedError, match="drop kv_bits for 'full'"):
+        compile_cache(model, EvictionCache(model, "full", window=W, kv_bits=8), 1, 40)
     with pytest.raises(CompileUnsupportedError, match="flash_attention_2"):
         check_compilable(EvictionCache(model, "vase-attnv", B, W), "flash_attention_2")
 

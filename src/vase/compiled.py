@@ -118,8 +118,8 @@ def compile_cache(model, cache: EvictionCache, batch: int, total: int):
     slots for `full`, else `cache` itself once it is checked compilable (one-line refusal otherwise)."""
     if not cache.policy.evicts and not cache.policy.selects:
         if cache.quant is not None:
-            raise CompileUnsupportedError("compile=True runs dense K/V storage only: drop kv_bits (or use "
-                                          "compile=False)")
+            raise CompileUnsupportedError("compile=True runs 'full' on transformers' StaticCache, which stores "
+                                          "K/V densely: drop kv_bits for 'full' (or use compile=False)")
         return StaticCache(config=model.config, max_cache_len=total)
     check_compilable(cache, base_kernel(model))
     return cache
@@ -133,7 +133,7 @@ def decode_compiled(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     on_cache: Callable | None = None) -> tuple[list[list[int]], list[bool], float]:
     """`vase.generation.decode` with compiled decode steps (see the module docstring); same returns.
 
-    `cache`: an EvictionCache (an evicting method, dense storage) or a transformers StaticCache
+    `cache`: an EvictionCache (an evicting method, dense or quantized storage) or a transformers StaticCache
     (the full cache; the model must run its stock kernel). `on_cache(static_cache)` is called
     once the evicting cache went static (tests use it to look inside)."""
     steps = steps or compiled_steps(config_key(model, cache, input_ids.shape[0]))

@@ -46,7 +46,7 @@ class CompiledEvictionCache(Cache):
         cache.stats()
 
     `vase.generate_kwargs(cache)` holds the cache, the step hook (`logits_processor`) and transformers'
-    `compile_config`. Arguments as `EvictionCache`'s (dense storage only), and mode / backend as
+    `compile_config`. Arguments as `EvictionCache`'s (dense or `kv_bits` storage), and mode / backend as
     `torch.compile`'s ("reduce-overhead": CUDA graphs, with static buffer addresses). The model
     must run sdpa or eager attention. One-shot: build a new one for each generate call. The model
     stays on the static attention function afterwards; building any vase cache puts it back.
