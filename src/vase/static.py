@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.utils import is_torch_greater_or_equal
 
 from .attention import KERNELS, STATIC_PREFIX, _stock_kernel, base_kernel
 from .cache import EvictionCache, EvictionLayer
@@ -426,8 +427,8 @@ def ready(cache: EvictionCache) -> bool:
 
 
 # -- the attention function of the static step --------------------------------------------------------------
-#: torch's SDPA reads grouped KV heads in place (torch >= 2.5)
-_SDPA_GQA = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
+#: torch's SDPA reads grouped KV heads in place (`enable_gqa`, torch >= 2.5)
+_SDPA_GQA = is_torch_greater_or_equal("2.5")
 
 
 def _sdpa_grouped(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
