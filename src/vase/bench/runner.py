@@ -195,7 +195,7 @@ class _EvictTimer:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
         self.events: list[tuple] = []
-        for layer in cache.layers:
+        for layer in cache.evicting_layers:
             layer.evict = self._wrap(layer.evict)
 
     def _wrap(self, evict: Callable) -> Callable:
@@ -271,7 +271,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
         stamps: list[float] = []
         evict_marks: list[int] = []
         calls = 0
-        first_layer = cache.layers[0] if timer is not None else None
+        first_layer = cache.evicting_layers[0] if timer is not None else None
         if compiled and timer is not None:
             from ..compiled import decode_compiled
 
