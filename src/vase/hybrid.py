@@ -76,15 +76,21 @@ def kv_bytes_per_layer_token(config: Any, element_bytes: int) -> int:
     return 2 * kv_heads * head_dim * element_bytes
 
 
+#: transformers' gated-delta-rule kernels (its torch fallback and flash-linear-attention) keep the recurrent
+#: state in float32 whatever the model's dtype
+RECURRENT_STATE_BYTES = 4
+
+
 def recurrent_state_bytes(config: Any, element_bytes: int) -> int:
     """Bytes of one ``linear_attention`` layer's state for one sequence (Qwen3-Next / Qwen3.5 gated delta net):
-    the causal-conv state [conv_dim, kernel] with conv_dim = 2 x key_heads x key_dim + value_heads x value_dim,
-    and the recurrent state [value_heads, key_dim, value_dim]."""
+    the causal-conv state [conv_dim, kernel] in the model's dtype (`element_bytes`), with conv_dim =
+    2 x key_heads x key_dim + value_heads x value_dim, and the recurrent state [value_heads, key_dim,
+    value_dim] in float32."""
     cfg = text_config(config)
     nk, dk = int(cfg.linear_num_key_heads), int(cfg.linear_key_head_dim)
     nv, dv = int(cfg.linear_num_value_heads), int(cfg.linear_value_head_dim)
     conv = (2 * nk * dk + nv * dv) * int(cfg.linear_conv_kernel_dim)
-    return (conv + nv * dk * dv) * element_bytes
+    return conv * element_bytes + nv * dk * dv * RECURRENT_STATE_BYTES
 
 
 def bounded_bytes(config: Any, element_bytes: int, length: int) -> int:
