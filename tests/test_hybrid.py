@@ -85,11 +85,15 @@ def _routers(model, log: list):
     return handles
 
 
+PAD = 7  # row 1's left padding: 4 real tokens
+
+
 def _prompts():
     torch.manual_seed(3)
     ids = torch.randint(0, 90, (2, 11))
     mask = torch.ones_like(ids)
-    ids[1, :3], mask[1, :3] = 0, 0  # row 1 is left-padded (with id 0, as _ByteTokenizer pads)
+    # row 1 is left-padded (with id 0, as _ByteTokenizer pads), its padding still inside the sliding window (8)
+    ids[1, :PAD], mask[1, :PAD] = 0, 0
     return ids, mask
 
 
@@ -186,7 +190,7 @@ def test_eviction_equals_the_models_own_cache_with_evicted_tokens_masked(family,
             torch.testing.assert_close(ours.values, theirs.values, atol=1e-10, rtol=1e-10)
 
     # 4. vase.generate (its own decode loop, rows padded by its tokenizer) gives the same greedy tokens
-    prompts = [ids[0].tolist(), ids[1, 3:].tolist()]
+    prompts = [ids[0].tolist(), ids[1, PAD:].tolist()]
     out = vase.generate(model, _ByteTokenizer(), prompts, method=method, budget=budget, window=window, seed=[5, 6],
                         max_new_tokens=steps, greedy=True, chat_template=False, ignore_eos=True)
     expected = torch.cat(tokens, dim=-1).tolist()
@@ -328,7 +332,7 @@ def test_dropping_a_finished_row_keeps_the_others_exact(family):
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache))
-        solo = model(input_ids=ids[1:, 3:], position_ids=pos[1:, 3:], **cache_kwargs(alone))
+        solo = model(input_ids=ids[1:, PAD:], position_ids=pos[1:, PAD:], **cache_kwargs(alone))
         cache.batch_select_indices(torch.tensor([1]))
         nxt, p, m = solo.logits[:, -1:].argmax(-1), pos[1:, -1:], mask[1:]
         for _ in range(30):
@@ -338,3 +342,98 @@ def test_dropping_a_finished_row_keeps_the_others_exact(family):
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
             nxt = b.argmax(-1, keepdim=True)
     assert cache.stats()["evictions"] >= 5
+
+
+# -- vLLM: hybrid families refused by the plugin in one line each (stand-ins of vLLM's ModelConfig) -------------
+
+@pytest.mark.parametrize("family, fragment", [
+    ("gemma3", "(gemma3_text) has sliding-window layers, which vase's vLLM plugin does not evict"),
+    ("gpt-oss", "(gpt_oss) has sliding-window layers and attention sinks"),
+    ("qwen3-next", "(qwen3_next) has linear-attention (recurrent) layers"),
+    ("qwen3.5", "(qwen3_5_text) has linear-attention (recurrent) layers"),
+])
+def test_vllm_plugin_refuses_hybrid_families_in_one_line(family, fragment):
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.config import VaseConfigError
+    from vase.vllm.model_refusals import check_model_layers, model_refusal
+
+    from .hybrid_models import hybrid_config
+
+    hf = hybrid_config(family)
+    model = NS(model="m", hf_config=hf, hf_text_config=hf, use_mla=False, is_hybrid=False, has_inner_state=False,
+               get_sliding_window=lambda: None)
+    with pytest.raises(VaseConfigError) as info:
+        check_model_layers(model)
+    line = str(info.value)
+    assert fragment in line and "--engine transformers" in line and "\n" not in line
+    plain = NS(model="m", hf_config=hybrid_config("qwen3-moe"), hf_text_config=hybrid_config("qwen3-moe"),
+               use_mla=False, is_hybrid=False, has_inner_state=False, get_sliding_window=lambda: None)
+    assert model_refusal(plain) is None  # MoE with full attention: the plugin evicts it as any dense model
+    mla = NS(**{**vars(plain), "use_mla": True})
+    assert "uses MLA" in model_refusal(mla)
+
+
+# -- docs/models.md in step with support.py, the plugin's refusals and the bench shapes ------------------------
+
+def _table(text: str, header: str) -> list[dict[str, str]]:
+    lines = text[text.index(header):].splitlines()
+    names = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(names, [c.strip() for c in line.strip("|").split("|")])))
+    return rows
+
+
+def _vllm_stand_in(hf):
+    from types import SimpleNamespace as NS
+
+    return NS(model="m", hf_config=hf, hf_text_config=hf, use_mla=False, is_hybrid=False, has_inner_state=False,
+              get_sliding_window=lambda: None)
+
+
+def test_models_page_is_in_step_with_support():
+    from pathlib import Path
+
+    from vase.support import config_problem
+    from vase.vllm.model_refusals import model_refusal
+
+    from .hybrid_models import hybrid_config
+
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    rows = {r["model_type"]: r for r in _table(text, "| family | model_type |")}
+    by_type = {hybrid_config(f).model_type: f for f in FAMILIES}
+    assert set(by_type) <= set(rows), f"families missing from docs/models.md: {set(by_type) - set(rows)}"
+    for model_type, family in by_type.items():
+        row, cfg = rows[model_type], hybrid_config(family)
+        assert row["transformers"].startswith("tested") == (config_problem(cfg) is None), model_type
+        assert (row["vLLM CPU"] == "refused") == (model_refusal(_vllm_stand_in(cfg)) is not None), model_type
+        kept = sorted({t for t in layer_types(cfg) if t != "full_attention"})
+        if kept:
+            assert row["compile=True"] == f"refused ({', '.join(kept)})", model_type
+            assert row["evicted"] == "full-attention layers", model_type
+        else:
+            assert row["evicted"] == "every layer" and not row["compile=True"].startswith("refused"), model_type
+
+
+def test_bench_shapes_of_hybrid_families():
+    from pathlib import Path
+
+    from vase.bench.shapes import resolve_shape
+    from vase.engines import kv_bytes_per_token
+    from vase.support import config_problem
+
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    rows = _table(text, "| shape | full-attention layers |")
+    assert {r["shape"] for r in rows} == {"qwen3.5-0.8b", "qwen3.5-27b", "qwen3-next-80b-a3b", "gpt-oss-20b",
+                                          "gemma3-1b"}
+    for row in rows:
+        cfg = resolve_shape(row["shape"])
+        types = layer_types(cfg)
+        assert config_problem(cfg) is None
+        assert row["full-attention layers"] == f"{types.count('full_attention')} of {len(types)}"
+        assert int(row["K/V per token (growing)"].replace(",", "")) == kv_bytes_per_token(cfg, "bfloat16")
+        bounded = int(row["bounded bytes at 4,096 tokens"].split()[0].replace(",", ""))
+        assert bounded == bounded_bytes(cfg, 2, 4096), row["shape"]

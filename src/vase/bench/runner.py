@@ -170,12 +170,10 @@ def _dynamic_cache(model):
 
 
 def _dynamic_kv_bytes(cache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    """Bytes a transformers cache holds: every layer's K/V, and a hybrid model's linear-attention states."""
+    from ..cache import kept_layer_bytes
+
+    return sum(kept_layer_bytes(layer) for layer in getattr(cache, "layers", []))
 
 
 def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window: int) -> int:
