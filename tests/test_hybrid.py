@@ -409,7 +409,10 @@ def test_models_page_is_in_step_with_support():
     for model_type, family in by_type.items():
         row, cfg = rows[model_type], hybrid_config(family)
         assert row["transformers"].startswith("tested") == (config_problem(cfg) is None), model_type
-        assert (row["vLLM CPU"] == "refused") == (model_refusal(_vllm_stand_in(cfg)) is not None), model_type
+        refused = model_refusal(_vllm_stand_in(cfg)) is not None
+        assert (row["vLLM CPU"] == "refused") == refused, model_type
+        if not refused:
+            assert row["vLLM CPU"].startswith("tested (tests/"), model_type
         kept = sorted({t for t in layer_types(cfg) if t != "full_attention"})
         if kept:
             assert row["compile=True"] == f"refused ({', '.join(kept)})", model_type
