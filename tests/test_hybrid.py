@@ -440,3 +440,67 @@ def test_bench_shapes_of_hybrid_families():
         assert int(row["K/V per token (growing)"].replace(",", "")) == kv_bytes_per_token(cfg, "bfloat16")
         bounded = int(row["bounded bytes at 4,096 tokens"].split()[0].replace(",", ""))
         assert bounded == bounded_bytes(cfg, 2, 4096), row["shape"]
+
+
+def test_time_averaged_bounded_bytes_sum_every_step():
+    """`bounded_bytes_mean` (the eval's kv_bytes_time_mean of a hybrid model) is the plain mean over the steps."""
+    from vase.hybrid import bounded_bytes_mean
+
+    from .hybrid_models import hybrid_config
+
+    for family in ("gemma3", "gpt-oss", "qwen3.5"):
+        cfg = hybrid_config(family)
+        for prompt, seen in [(3, 3), (3, 20), (5, 7), (10, 40), (2, 6)]:
+            steps = range(prompt + 1, seen + 1)
+            plain = (sum(bounded_bytes(cfg, 8, t) for t in steps) / len(steps)) if len(steps) else \
+                bounded_bytes(cfg, 8, prompt)
+            assert bounded_bytes_mean(cfg, 8, prompt, seen) == pytest.approx(plain, rel=1e-12), (family, prompt, seen)
+
+
+def test_eval_kv_columns_count_every_layer_type(tmp_path):
+    """An eval run on a Gemma 3 tiny model: each record's K/V columns are the full-attention layer's bytes plus
+    the sliding layers' (3 x min(7, length) tokens), for `full` and for the evicting method."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers_tiny import tiny_tokenizer
+    from vase.eval.config import EvalConfig
+    from vase.eval.runner import run_eval
+    from vase.eval.store import rank_files, read_jsonl
+
+    from .hybrid_models import hybrid_config
+
+    tok = tiny_tokenizer()
+    cfg = hybrid_config("gemma3")
+    cfg.vocab_size, cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = len(tok), 1, 0, None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.float64).eval()
+    config = EvalConfig(task="arith", limit=1, methods=["snapkv"], budgets=[24], window=8, samples=1,
+                        max_new_tokens=24, batch_size=1, model="tiny-gemma3", output_dir=str(tmp_path))
+    run_dir = run_eval(config, model, tok, progress=False)
+    records = [r for p in rank_files(run_dir, "samples") for r in read_jsonl(p)]
+    assert {r["method"] for r in records} == {"full", "snapkv"}
+    per_token = 2 * 2 * 16 * 8  # one full-attention layer, 2 KV heads of 16, float64
+    for r in records:
+        seen = r["prompt_length"] + r["length"] - (0 if r["finished"] else 1)
+        sliding = 3 * min(7, seen) * per_token
+        assert r["kv_bytes_full"] == seen * per_token + sliding
+        steps = range(r["prompt_length"] + 1, seen + 1)
+        if r["method"] == "full":
+            assert r["kv_bytes"] == r["kv_bytes_full"]
+            mean = sum(t * per_token + 3 * min(7, t) * per_token for t in steps) / len(steps)
+            assert r["kv_bytes_time_mean"] == pytest.approx(mean, rel=1e-12)
+        else:
+            assert r["evictions"] > 0 and r["kv_bytes"] < r["kv_bytes_full"]
+            assert (r["kv_bytes"] - sliding) % per_token == 0 and r["kv_bytes"] - sliding <= (24 + 8) * per_token
+    # a generate_fn without per-row stats: the runner derives them from the schedule and the config, the same
+    def without_rows(*args, **kwargs):
+        out = vase.generate(*args, **kwargs)
+        out.stats.pop("rows")
+        return out
+
+    derived_dir = run_eval(EvalConfig(**{**config.to_dict(), "output_dir": str(tmp_path / "derived")}), model, tok,
+                           generate_fn=without_rows, progress=False)
+    derived = {r["method"]: r for p in rank_files(derived_dir, "samples") for r in read_jsonl(p)}
+    for r in records:
+        for k in ("kv_bytes", "kv_bytes_peak", "kv_bytes_full", "kv_bytes_time_mean"):
+            assert derived[r["method"]][k] == r[k], (r["method"], k)

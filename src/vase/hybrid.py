@@ -109,6 +109,23 @@ def bounded_bytes(config: Any, element_bytes: int, length: int) -> int:
     return total
 
 
+def bounded_bytes_mean(config: Any, element_bytes: int, prompt_length: int, seen: int) -> float:
+    """`bounded_bytes` averaged over the tokens fed after the prompt (lengths prompt + 1 .. seen), the
+    convention of the eval's time-averaged K/V (`kv_bytes_time_mean`); at the prompt length when nothing
+    was fed after it."""
+    if seen <= prompt_length:
+        return float(bounded_bytes(config, element_bytes, prompt_length))
+    window = (sliding_window(config) or 1) - 1
+    fixed = bounded_bytes(config, element_bytes, 0)  # the recurrent states, there from the first token
+    per_length = bounded_bytes(config, element_bytes, 1) - fixed  # sliding bytes per held token
+    # sum over t of min(window, t) for t = prompt + 1 .. seen
+    lo, hi = prompt_length + 1, seen
+    below = max(0, min(hi, window) - lo + 1)  # t < window: t itself
+    below_sum = (lo + lo + below - 1) * below // 2 if below else 0
+    held = below_sum + (hi - lo + 1 - below) * window
+    return fixed + per_length * held / (hi - lo + 1)
+
+
 def layer_type_problem(config: Any) -> str | None:
     """Why vase cannot evict this config's layer mix, if it cannot (None when it can)."""
     types = layer_types(config)
