@@ -170,8 +170,8 @@ def build_random_model(name_or_config_json: str | Path | PreTrainedConfig = "tin
                        num_layers: int | None = None, seed: int = 0):
     """A causal LM with the shapes of `name_or_config_json` and random weights, in eval mode.
 
-    name_or_config_json: a name from `SHAPES` (qwen3-0.6b, qwen3-4b, qwen3-14b, smollm2-135m,
-    tiny), a path to a config.json (or its directory), or a config object.
+    name_or_config_json: a name from `SHAPES` (qwen3-0.6b, qwen3-4b, qwen3-14b, smollm2-135m, the hybrid
+    qwen3.5-0.8b, qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b and gemma3-1b, tiny), a path to a config.json (or its directory), or a config object.
     """
     from transformers.initialization import no_init_weights
 
