@@ -504,3 +504,20 @@ def test_eval_kv_columns_count_every_layer_type(tmp_path):
     for r in records:
         for k in ("kv_bytes", "kv_bytes_peak", "kv_bytes_full", "kv_bytes_time_mean"):
             assert derived[r["method"]][k] == r[k], (r["method"], k)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_teacher_forcing_equals_decoding_on_hybrid_models(family):
+    """`forced_log_probs` feeds chunks up to the next eviction (several tokens per forward through the sliding and
+    linear-attention layers too): the log-probs of decoding the same tokens one at a time (float32 output; the
+    gated delta rule's chunked and recurrent forms round apart by ~1e-6)."""
+    from vase.generation import forced_log_probs
+
+    model = hybrid_model(family)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 90, (1, 10))
+    logits, tokens = _decode(model, EvictionCache(model, "snapkv", 12, 4), ids, torch.ones_like(ids), 30)
+    targets = torch.cat(tokens, dim=-1)[0]
+    forced = forced_log_probs(model, ids[0], targets, method="snapkv", budget=12, window=4)
+    expected = torch.stack([l[0].float().log_softmax(-1) for l in logits[:-1]])
+    torch.testing.assert_close(forced, expected, atol=1e-5, rtol=0)
