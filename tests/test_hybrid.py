@@ -521,3 +521,43 @@ def test_teacher_forcing_equals_decoding_on_hybrid_models(family):
     forced = forced_log_probs(model, ids[0], targets, method="snapkv", budget=12, window=4)
     expected = torch.stack([l[0].float().log_softmax(-1) for l in logits[:-1]])
     torch.testing.assert_close(forced, expected, atol=1e-5, rtol=0)
+
+
+def test_quantized_storage_on_a_hybrid_model_counts_its_evicting_layers(tmp_path):
+    """kv_bits on Gemma 3: only the full-attention layer is quantized (`QuantBytes` counts 1 layer, not 4); the
+    eval's K/V columns derived from `QuantBytes` (no per-row stats) add the sliding layers' bytes."""
+    from tests.helpers_tiny import tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from vase import schedule
+    from vase.eval.config import EvalConfig
+    from vase.eval.runner import run_eval
+    from vase.eval.store import rank_files, read_jsonl
+    from vase.policies import get_policy
+    from vase.quant_cache import QuantBytes
+
+    from .hybrid_models import hybrid_config
+
+    tok = tiny_tokenizer()
+    cfg = hybrid_config("gemma3")
+    cfg.vocab_size, cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = len(tok), 1, 0, None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.float64).eval()
+    quant = QuantBytes.for_model(model, get_policy("snapkv"), 24, 8, {"kv_bits": 4})
+    assert quant.layers == 1
+
+    def without_rows(*args, **kwargs):
+        out = vase.generate(*args, **kwargs)
+        out.stats.pop("rows")
+        return out
+
+    config = EvalConfig(task="arith", limit=1, methods=["snapkv"], budgets=[24], window=8, samples=1,
+                        max_new_tokens=24, batch_size=1, model="tiny-gemma3", output_dir=str(tmp_path),
+                        method_params={"snapkv": {"kv_bits": 4}})
+    run_dir = run_eval(config, model, tok, generate_fn=without_rows, progress=False)
+    r = {r["method"]: r for p in rank_files(run_dir, "samples") for r in read_jsonl(p)}["snapkv"]
+    P, seen = r["prompt_length"], r["prompt_length"] + r["length"] - (0 if r["finished"] else 1)
+    s = schedule.sequence_stats(P, 24, 8, seen - P)
+    sliding = 3 * min(7, seen) * 2 * 2 * 16 * 8
+    assert r["evictions"] > 0
+    assert r["kv_bytes"] == quant.held(s.stored, seen - P, schedule.first_limit(P, 24, 8)) + sliding

@@ -488,13 +488,13 @@ class _Runner:
         cap = stats.get("capacity")
         cap = int(cap) if isinstance(cap, int) and cap > 0 else None
         quant = self._quant_bytes(spec, budget)
+        bounded = self._bounded_mean(P, seen)  # a hybrid model's sliding and linear-attention layers
         if quant is not None:  # kv_bits: the quantized cache's own bytes (codes, exact entries, tags) per step
             c = cap or (schedule.first_limit(P, budget, self.config.window) if spec.evicts else seen)
             steps = seen - P
             mean = quant.byte_steps(P, steps, c, budget, spec.evicts) / steps if steps else quant.held(P, 0, c)
-            return {"kv_bytes_time_mean": mean if agree else None,
-                    "kv_bytes_allocated": quant.allocated(cap) if cap else None}
-        bounded = self._bounded_mean(P, seen)  # a hybrid model's sliding and linear-attention layers
+            return {"kv_bytes_time_mean": mean + bounded if agree else None,
+                    "kv_bytes_allocated": quant.allocated(cap) + bounded if cap else None}
         return {"kv_bytes_time_mean": sched["time_mean"] * self.bytes_per_token + bounded if agree else None,
                 "kv_bytes_allocated": cap * self.bytes_per_token + bounded if cap else None}
 
@@ -534,8 +534,8 @@ class _Runner:
             cap = schedule.first_limit(prompt_length, budget, self.config.window) if spec.evicts \
                 else est["seen_length"]
             peak_step = est["peak_length"] - prompt_length  # the peak is reached before the first eviction
-            est["kv_bytes"] = quant.held(est["stored_length"], steps, cap)
-            est["kv_bytes_peak"] = quant.held(est["peak_length"], peak_step, cap)
+            est["kv_bytes"] = quant.held(est["stored_length"], steps, cap) + bounded
+            est["kv_bytes_peak"] = quant.held(est["peak_length"], peak_step, cap) + bounded
         return {k: est[k] for k in keys}
 
     # -- fidelity --------------------------------------------------------------------------------
