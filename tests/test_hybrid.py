@@ -316,6 +316,9 @@ def test_layer_mixes_vase_cannot_evict_are_refused_in_one_line():
     assert "every layer uses sliding-window attention" in problem and "\n" not in problem
     problem = config_problem(Gemma3TextConfig(**base, layer_types=["chunked_attention", "full_attention"]))
     assert "chunked_attention" in problem
+    shared = Gemma3TextConfig(**base, layer_types=["sliding_attention", "full_attention"])
+    shared.num_kv_shared_layers = 1
+    assert "num_kv_shared_layers=1" in config_problem(shared)
     assert issubclass(UnsupportedModelError, ValueError)
 
 

@@ -544,9 +544,10 @@ class EvictionCache(Cache):
 
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
-        if value and any(layer.is_initialized for layer in self.evicting_layers):
+        filled = [layer for layer in self.evicting_layers if layer.is_initialized]
+        if value and filled:
             raise EvictedStateError(
-                f"this EvictionCache already holds a generation ({self.evicting_layers[0].seen} tokens): it is one-shot; build "
+                f"this EvictionCache already holds a generation ({filled[0].seen} tokens): it is one-shot; build "
                 f"a new EvictionCache for each generate call, or call cache.reset() first")
         self.__dict__["_user_defined"] = value
 

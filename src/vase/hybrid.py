@@ -129,6 +129,10 @@ def bounded_bytes_mean(config: Any, element_bytes: int, prompt_length: int, seen
 def layer_type_problem(config: Any) -> str | None:
     """Why vase cannot evict this config's layer mix, if it cannot (None when it can)."""
     types = layer_types(config)
+    shared = getattr(text_config(config), "num_kv_shared_layers", None)
+    if shared:
+        return (f"config.num_kv_shared_layers={shared}: layers that read another layer's K/V (Gemma 3n) are not "
+                f"supported by vase's evicting cache")
     other = sorted(set(types) - set(KNOWN))
     if other:
         return (f"config.layer_types has {', '.join(other)} layers (vase runs full_attention layers, evicting them, "
