@@ -564,3 +564,22 @@ def test_quantized_storage_on_a_hybrid_model_counts_its_evicting_layers(tmp_path
     sliding = 3 * min(7, seen) * 2 * 2 * 16 * 8
     assert r["evictions"] > 0
     assert r["kv_bytes"] == quant.held(s.stored, seen - P, schedule.first_limit(P, 24, 8)) + sliding
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])  # float64 throughout (the linear layers' state is float32)
+def test_generate_rows_that_finish_early_leave_the_others_exact(family):
+    """`vase.generate`: row 0 stops on an EOS after a few tokens and leaves the batch (and every layer type of the
+    cache, and the running padding mask); row 1 goes on exactly as when it is decoded alone."""
+    model = hybrid_model(family)
+    ids, _ = _prompts()
+    prompts = [ids[0].tolist(), ids[1, PAD:].tolist()]
+    kwargs = dict(method="snapkv", budget=12, window=4, max_new_tokens=40, greedy=True, chat_template=False)
+    free = vase.generate(model, _ByteTokenizer(), prompts, seed=[5, 6], ignore_eos=True, **kwargs)
+    row1 = free.token_ids[1]
+    eos = next(t for t in free.token_ids[0][3:] if t not in row1)  # ends row 0 early, never row 1
+    model.generation_config.eos_token_id = eos
+    batch = vase.generate(model, _ByteTokenizer(), prompts, seed=[5, 6], **kwargs)
+    alone = vase.generate(model, _ByteTokenizer(), prompts[1:], seed=[6], **kwargs)
+    assert batch.finished[0] and len(batch.token_ids[0]) < 40
+    assert batch.token_ids[1] == alone.token_ids[0] == row1
+    assert batch.stats["evictions"] >= 5
