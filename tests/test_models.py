@@ -559,17 +559,17 @@ def test_check_model_supported_accepts_full_attention_decoders():
 
 def test_check_model_supported_refuses_sliding_window():
     model = tiny_qwen3(use_sliding_window=True, sliding_window=32, max_window_layers=0)
-    with pytest.raises(UnsupportedModelError, match=r"Qwen3ForCausalLM.*sliding"):
+    with pytest.raises(UnsupportedModelError, match=r"Qwen3ForCausalLM.*every layer uses sliding-window"):
         check_model_supported(model)
 
-    # the flag alone, even when max_window_layers leaves every layer_type "full_attention"
-    model = tiny_qwen3(use_sliding_window=True, sliding_window=32)
-    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
-        check_model_supported(model)
+    # the flag alone, when max_window_layers leaves every layer_type "full_attention": every layer attends fully
+    check_model_supported(tiny_qwen3(use_sliding_window=True, sliding_window=32))
 
+    # sliding beside full attention is a hybrid model: the full-attention layer is evicted (tests/test_hybrid.py)
     base = {k: v for k, v in TINY.items() if k != "head_dim"}
-    qwen2 = Qwen2ForCausalLM(Qwen2Config(**base, layer_types=["sliding_attention", "full_attention"]))
-    with pytest.raises(UnsupportedModelError, match=r"Qwen2ForCausalLM.*sliding_attention"):
+    check_model_supported(Qwen2ForCausalLM(Qwen2Config(**base, layer_types=["sliding_attention", "full_attention"])))
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(**base, layer_types=["chunked_attention", "full_attention"]))
+    with pytest.raises(UnsupportedModelError, match=r"Qwen2ForCausalLM.*chunked_attention"):
         check_model_supported(qwen2)
 
     mistral = MistralForCausalLM(MistralConfig(**base, sliding_window=64))

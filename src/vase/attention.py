@@ -10,7 +10,10 @@ For each stock kernel (sdpa, eager, flash_attention_2) we register `vase_<kernel
 2. calls the stock kernel on what the cache holds.
 
 With any other cache (or none) it behaves like the stock kernel with a causal + padding mask
-(`vase.masks`, the one mask builder). This module does not import the cache.
+(`vase.masks`, the one mask builder). A sliding-window layer of a hybrid model (`vase.hybrid`) is never
+evicted: it gets transformers' own sliding mask (built by the stock mask function from its own cache
+layer) and the stock kernel, exactly as without vase; kernel arguments such as gpt-oss's attention
+sinks (`s_aux`) reach the stock kernel unchanged in every layer. This module does not import the cache.
 Nothing is registered at import: `install(model)` does it (idempotent), and `EvictionCache(model)`
 calls it.
 """
@@ -69,6 +72,8 @@ def _make_attention(kernel: str) -> Callable:
         if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
             PENDING_LAYER.set(None)
             mask = layer.attention_mask_for(query, mask_2d, kind)
+        elif _is_sliding(module, kwargs):  # the model's own sliding mask (see `_mask_function`)
+            mask = attention_mask
         else:  # another cache (or none): the 2-D padding mask lines up with the keys
             mask = causal_padding_mask(mask_2d, query.shape[2], key.shape[2], kind, query.dtype, query.device)
         return _stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
@@ -77,13 +82,31 @@ def _make_attention(kernel: str) -> Callable:
     return vase_attention
 
 
-def _passthrough_mask(*, attention_mask=None, **kwargs):
-    """Mask "creation" for vase kernels: hand the 2-D padding mask through untouched.
+def _is_sliding(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether `module` is a sliding-window attention layer (the kernel gets `sliding_window`, or the config
+    names the layer's type)."""
+    if kwargs.get("sliding_window"):
+        return True
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    return bool(types) and isinstance(idx, int) and idx < len(types) and types[idx] == "sliding_attention"
 
-    The attention function builds the real mask from what the cache stores; it only needs
-    the 2-D mask of the first forward to learn each row's left padding.
-    """
-    return attention_mask
+
+def _mask_function(kernel: str) -> Callable:
+    """The mask function registered as `vase_<kernel>`: for full attention, the 2-D padding mask passed
+    through untouched (the attention function builds the real mask from what the cache stores; it only
+    needs the 2-D mask of the first forward to learn each row's left padding); for sliding-window
+    attention, the stock kernel's own mask (transformers asks with `local_size`, sized from the sliding
+    layer of the cache, which vase never evicts)."""
+    stock = AttentionMaskInterface._global_mapping[kernel]
+
+    def vase_mask(*, attention_mask=None, **kwargs):
+        if kwargs.get("local_size") is not None:
+            return stock(attention_mask=attention_mask, **kwargs)
+        return attention_mask
+
+    vase_mask.__name__ = f"vase_{kernel}_mask"
+    return vase_mask
 
 
 def register() -> None:
@@ -92,7 +115,7 @@ def register() -> None:
         if PREFIX + kernel not in AttentionInterface._global_mapping:
             AttentionInterface.register(PREFIX + kernel, _make_attention(kernel))
         if PREFIX + kernel not in AttentionMaskInterface._global_mapping:
-            AttentionMaskInterface.register(PREFIX + kernel, _passthrough_mask)
+            AttentionMaskInterface.register(PREFIX + kernel, _mask_function(kernel))
 
 
 def base_kernel(model: PreTrainedModel) -> str:

@@ -24,13 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin,
+                                      LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs)
 
 # The side channel to the attention function (PENDING_LAYER) lives in vase.attention; the
 # cache sets it in `update`, the attention function calls `attention_mask_for` on that layer.
 from .attention import PENDING_LAYER, install
 from .masks import and_selection, causal_padding_mask, real_slots
 from .checks import check_budget_window, check_method
+from .hybrid import FULL, LINEAR, is_hybrid, text_config
 from .policies import Policy, get_policy
 from .quant import CACHE_STORAGE_OPTIONS
 from .quant_cache import QuantConfig, QuantSpec, QuantStorage
@@ -458,6 +460,11 @@ class EvictionCache(Cache):
             num_layers = model.config.get_text_config().num_hidden_layers
         if num_layers is None:
             raise ValueError("pass the model (or num_layers) so the cache knows how many layers to hold")
+        #: per layer: `full_attention` (evicted here) or the layer type whose own transformers cache layer is kept
+        self.layer_types: list[str] = [FULL] * num_layers
+        self._layer_kwargs: list[dict] = [{}] * num_layers
+        if model is not None and is_hybrid(model.config):  # `install` refused the mixes vase cannot run
+            self.layer_types, self._layer_kwargs = get_layer_types_and_kwargs(text_config(model.config))
         self.cfg = CacheConfig(policy=policy, budget=budget, window=window, sort_kept=sort_kept,
                                max_length=max_length)
         self.seed = seed
@@ -465,7 +472,31 @@ class EvictionCache(Cache):
         self._mask_memo: tuple | None = None
         #: the quantized storage's validated configuration; None: full precision (`DenseStorage`)
         self.quant: QuantConfig | None = None if storage is None else storage.resolve(policy, budget, window, seed)
-        super().__init__(layers=[EvictionLayer(self, i) for i in range(num_layers)])
+        super().__init__(layers=[self._new_layer(i) for i in range(num_layers)])
+
+    def _new_layer(self, i: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin:
+        """Layer i's cache: vase's evicting layer for full attention, else transformers' own layer for its type
+        (the sliding window's `DynamicSlidingWindowLayer`, the linear attention's `LinearAttentionLayer`), so
+        the model runs those layers exactly as with its DynamicCache."""
+        if self.layer_types[i] == FULL:
+            return EvictionLayer(self, i)
+        return DYNAMIC_LAYER_TYPE_MAPPING[self.layer_types[i]](**self._layer_kwargs[i])
+
+    @property
+    def evicting_layers(self) -> list[EvictionLayer]:
+        """The full-attention layers, the ones vase evicts (every layer of a non-hybrid model)."""
+        return [l for l in self.layers if isinstance(l, EvictionLayer)]
+
+    @property
+    def kept_layers(self) -> list:
+        """The sliding-window and linear-attention layers, left to transformers' own cache layers."""
+        return [l for l in self.layers if not isinstance(l, EvictionLayer)]
+
+    @property
+    def needs_padding_mask(self) -> bool:
+        """Whether every forward needs the model's 2-D padding mask: transformers' sliding layers mask left
+        padding from it at each step (vase's own layers learn the padding once, at the prefill)."""
+        return any(t != FULL and t != LINEAR for t in self.layer_types)
 
     @property
     def policy(self) -> Policy:
@@ -487,8 +518,12 @@ class EvictionCache(Cache):
         self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
         rows = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        for layer in self.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin):  # transformers' linear layer has no row selection
+                _select_state_rows(layer, rows)
+            else:
+                layer.batch_select_indices(indices)
         if self.generators is not None:
             self.generators = [self.generators[r] for r in rows]
         self._mask_memo = None
@@ -496,6 +531,8 @@ class EvictionCache(Cache):
     def reset(self) -> None:
         """Empty the cache for a new generation: same method, budget, window and seeds, nothing stored."""
         super().reset()
+        # transformers' reset zeroes a sliding layer's tensors but keeps their length: start those afresh
+        self.layers = [l if isinstance(l, EvictionLayer) else self._new_layer(i) for i, l in enumerate(self.layers)]
         self.generators = None
         self._mask_memo = None
 
@@ -507,9 +544,10 @@ class EvictionCache(Cache):
 
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
-        if value and any(layer.is_initialized for layer in self.layers):
+        filled = [layer for layer in self.evicting_layers if layer.is_initialized]
+        if value and filled:
             raise EvictedStateError(
-                f"this EvictionCache already holds a generation ({self.layers[0].seen} tokens): it is one-shot; build "
+                f"this EvictionCache already holds a generation ({filled[0].seen} tokens): it is one-shot; build "
                 f"a new EvictionCache for each generate call, or call cache.reset() first")
         self.__dict__["_user_defined"] = value
 
@@ -530,8 +568,11 @@ class EvictionCache(Cache):
         return mask
 
     def row_stats(self) -> list[dict]:
-        """Per batch row (current rows): evictions and the K/V bytes it holds now, at its peak, and in full."""
-        layers = [l for l in self.layers if l.is_initialized and l.pad is not None]
+        """Per batch row (current rows): evictions and the K/V bytes it holds now, at its peak, and in full.
+
+        Every layer counts: an evicting layer its stored real tokens, a sliding layer the real tokens of its
+        window, a linear-attention layer its state (the same in a full cache: only the evicting layers differ)."""
+        layers = [l for l in self.evicting_layers if l.is_initialized and l.pad is not None]
         if not layers:
             return []
         rows = []
@@ -544,17 +585,23 @@ class EvictionCache(Cache):
                 now += held
                 peak += held + max(0, l.row_peak[r] - real) * per_token  # the tokens above B were the window's
                 full += (l.seen - l.row_pad0[r]) * per_token
-            rows.append({"evictions": layers[0].row_evictions[r], "kv_bytes": now, "kv_bytes_peak": peak,
-                         "kv_bytes_full": full})
+            bounded = sum(kept_layer_bytes(k, r, layers[0].seen - layers[0].row_pad0[r]) for k in self.kept_layers)
+            rows.append({"evictions": layers[0].row_evictions[r], "kv_bytes": now + bounded,
+                         "kv_bytes_peak": peak + bounded, "kv_bytes_full": full + bounded})
         return rows
 
     def stats(self) -> dict:
-        """Counters that prove what happened: evictions, evicted tokens, lengths and bytes."""
-        layers = [l for l in self.layers if l.is_initialized]
+        """Counters that prove what happened: evictions, evicted tokens, lengths and bytes.
+
+        Counters and lengths are the evicting (full-attention) layers'; the bytes count every layer, the
+        sliding and linear-attention layers' own caches included (`kv_bytes_kept`, the same in a full cache)."""
+        layers = [l for l in self.evicting_layers if l.is_initialized]
+        kept = sum(kept_layer_bytes(k) for k in self.kept_layers)
         if not layers:
             return {"method": self.policy.name, "budget": self.cfg.budget, "window": self.cfg.window,
-                    "evictions": 0, "tokens_evicted": 0, "kv_bytes": 0, "kv_bytes_capacity": 0,
-                    "kv_bytes_full": 0, "stored_length": 0, "seen_length": 0, "capacity": 0}
+                    "evictions": 0, "tokens_evicted": 0, "kv_bytes": kept, "kv_bytes_capacity": kept,
+                    "kv_bytes_full": kept, "kv_bytes_kept": kept, "stored_length": 0, "seen_length": 0,
+                    "capacity": 0}
 
         def kv_bytes(l: EvictionLayer, length: int) -> int:
             b, h, _, d = l.keys.shape
@@ -571,7 +618,38 @@ class EvictionCache(Cache):
             "stored_length": first.length,
             "seen_length": first.seen,
             "capacity": first.capacity,
-            "kv_bytes": sum(l.held_bytes() for l in layers),
-            "kv_bytes_capacity": sum(l.capacity_bytes() for l in layers),
-            "kv_bytes_full": sum(kv_bytes(l, l.seen) for l in layers),
+            "kv_bytes": sum(l.held_bytes() for l in layers) + kept,
+            "kv_bytes_capacity": sum(l.capacity_bytes() for l in layers) + kept,
+            "kv_bytes_full": sum(kv_bytes(l, l.seen) for l in layers) + kept,
+            "kv_bytes_kept": kept,
         }
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def kept_layer_bytes(layer, row: int | None = None, real_seen: int | None = None) -> int:
+    """Bytes one transformers cache layer that vase does not evict holds: a sliding layer's K/V (its last
+    `window - 1` tokens), a linear-attention layer's conv and recurrent states. `row`: that batch row's
+    share (a sliding layer then counts only its real tokens, `real_seen` of them seen by the row)."""
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        states = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+        total = sum(_tensor_bytes(t) for t in states)
+        if row is None or total == 0:
+            return total
+        return total // next(t.shape[0] for t in states if isinstance(t, torch.Tensor))
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if row is None or not isinstance(keys, torch.Tensor):
+        return _tensor_bytes(keys) + _tensor_bytes(values)
+    per_token = (keys[0, :, :1].numel() + values[0, :, :1].numel()) * keys.element_size()
+    held = keys.shape[2] if real_seen is None else min(keys.shape[2], real_seen)
+    return held * per_token
+
+
+def _select_state_rows(layer: LinearAttentionCacheLayerMixin, rows: list[int]) -> None:
+    """Keep the batch rows `rows` of a linear-attention layer's conv and recurrent states."""
+    for states in (layer.conv_states, layer.recurrent_states):
+        for i, t in states.items():
+            if isinstance(t, torch.Tensor):
+                states[i] = t[rows]

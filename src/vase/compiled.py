@@ -25,7 +25,8 @@ from .attention import base_kernel, uninstall
 from .cache import EvictionCache
 from .compat import cache_kwargs
 from .decoding import prefill, sampler_generators
-from .static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, ready
+from .static import (CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, check_no_kept_layers,
+                     ready)
 
 
 def _model_step(model, cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -116,6 +117,7 @@ class StaticStepper:
 def compile_cache(model, cache: EvictionCache, batch: int, total: int):
     """The cache `decode_compiled` runs for `cache`'s method: transformers' StaticCache of `total`
     slots for `full`, else `cache` itself once it is checked compilable (one-line refusal otherwise)."""
+    check_no_kept_layers(cache)  # a hybrid model, even for 'full'
     if not cache.policy.evicts and not cache.policy.selects:
         if cache.quant is not None:
             raise CompileUnsupportedError("compile=True runs 'full' on transformers' StaticCache, which stores "

@@ -94,6 +94,8 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
     finished = [False] * b
     active = list(range(b))
     next_pos = positions[:, -1:] + 1
+    # transformers' sliding layers (hybrid models) mask left padding from the 2-D mask at every step
+    running_mask = attention_mask if getattr(cache, "needs_padding_mask", False) else None
     for _ in range(max_new_tokens):
         tokens = sampler(logits, [generators[r] for r in active])
         done = torch.isin(tokens, eos).tolist() if not ignore_eos else [False] * len(active)
@@ -114,7 +116,14 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, 
             cache.batch_select_indices(index)
             tokens, next_pos = tokens[index], next_pos[index]
             active = [active[i] for i in keep]
-        out = model(input_ids=tokens[:, None], position_ids=next_pos, **cache_kwargs(cache), use_cache=True)
+            if running_mask is not None:
+                running_mask = running_mask[index]
+        mask_kw = {}
+        if running_mask is not None:
+            running_mask = torch.cat([running_mask, running_mask.new_ones(running_mask.shape[0], 1)], dim=-1)
+            mask_kw["attention_mask"] = running_mask
+        out = model(input_ids=tokens[:, None], position_ids=next_pos, **mask_kw, **cache_kwargs(cache),
+                    use_cache=True)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
     _save_row_stats(cache, active, row_stats)
@@ -293,7 +302,7 @@ def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids
     out = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     pieces = [out.logits[0, -1:].float().log_softmax(-1)]
     fed, total = 0, target.numel() - 1
-    layer0 = cache.layers[0]
+    layer0 = cache.evicting_layers[0]  # a hybrid model's sliding and linear layers follow the fed tokens
     while fed < total:
         n = min(layer0.room(), total - fed, max_chunk or total)
         chunk = target[fed:fed + n].view(1, -1)

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .hybrid import full_attention_layers
 from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
 from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, check_format, dequantize, packed_bytes,  # noqa: F401
@@ -289,7 +290,8 @@ class QuantBytes:
         heads = int(text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
         dtype = next(model.parameters()).dtype
-        return cls(cfg, window, int(text.num_hidden_layers), int(getattr(text, "num_key_value_heads", None) or heads),
+        layers = len(full_attention_layers(text))  # a hybrid model quantizes its evicting (full-attention) layers
+        return cls(cfg, window, layers, int(getattr(text, "num_key_value_heads", None) or heads),
                    head_dim, _itemsize(dtype))
 
     def allocated(self, capacity: int) -> int:

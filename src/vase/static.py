@@ -51,8 +51,17 @@ class CompileUnsupportedError(ValueError):
     """A configuration the compiled decode step does not run."""
 
 
+def check_no_kept_layers(cache: EvictionCache) -> None:
+    """Refuse a hybrid model's cache: the static buffers hold full-attention layers only (`vase.hybrid`)."""
+    other = sorted({t for t in cache.layer_types if t != "full_attention"})
+    if other:
+        raise CompileUnsupportedError(f"compile=True has no static form for {', '.join(other)} layers (this model "
+                                      f"is hybrid): use compile=False, which evicts its full-attention layers")
+
+
 def check_compilable(cache: EvictionCache, kernel: str) -> None:
     """Raise CompileUnsupportedError (one line saying what to change) when `cache` has no static form."""
+    check_no_kept_layers(cache)
     policy = cache.policy
     if cache.quant is not None and cache.quant.select != "value":
         raise CompileUnsupportedError("compile=True keeps the reserve by the value guard's ranking only: drop "

@@ -1,9 +1,13 @@
-"""Which models vase can run: decoder-only, full attention on every layer, attention through
-transformers' AttentionInterface. Checked on a config before weights load, and on a model."""
+"""Which models vase can run: decoder-only, attention through transformers' AttentionInterface, at least
+one full-attention layer (evicted) and otherwise only sliding-window or linear-attention layers (left to
+the model, `vase.hybrid`). Checked on a config before weights load, and on a model."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
+
+from .hybrid import layer_type_problem
 
 
 class UnsupportedModelError(ValueError):
@@ -11,20 +15,11 @@ class UnsupportedModelError(ValueError):
 
 
 def sliding_window_problem(config: Any) -> str | None:
-    """Why this config's attention is not plain full causal attention on every layer, if it is not."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        other = sorted({str(t) for t in layer_types} - {"full_attention"})
-        if other:
-            return f"config.layer_types has {', '.join(other)} layers (vase needs full_attention on every layer)"
-    sliding_window = getattr(config, "sliding_window", None)
-    if hasattr(config, "use_sliding_window"):
-        if config.use_sliding_window and sliding_window:
-            return f"config.use_sliding_window is set with sliding_window={sliding_window}"
-    elif sliding_window and not layer_types:
-        # Mistral-style configs have no switch: a set sliding_window slides every layer.
-        return f"config.sliding_window={sliding_window} applies to every layer"
-    return None
+    """Why this config's layer mix cannot be evicted, if it cannot (`vase.hybrid.layer_type_problem`).
+
+    Full-attention layers are evicted; sliding-window and linear-attention (recurrent) layers beside them
+    keep transformers' own cache. A model with no full-attention layer has nothing to evict."""
+    return layer_type_problem(config)
 
 
 def config_problem(config: Any) -> str | None:
@@ -43,16 +38,18 @@ def config_problem(config: Any) -> str | None:
     for cfg in configs:
         problem = sliding_window_problem(cfg)
         if problem:
-            return f"it uses sliding-window attention: {problem}"
+            return f"its layers cannot be evicted: {problem}"
     return None
 
 
 def check_model_supported(model: Any) -> None:
     """Refuse a model whose attention vase cannot hook into.
 
-    vase's policies plug into transformers' attention interface and assume one full-attention KV
-    cache per layer, so the model class must support the attention backend, the model must be
-    decoder-only, and no layer may use sliding-window (or other non-full) attention.
+    vase's policies plug into transformers' attention interface, so the model's attention must go
+    through it (`_supports_attention_backend`, or a modeling file that dispatches through
+    `ALL_ATTENTION_FUNCTIONS`, as Qwen3-Next and Qwen3.5 do), the model must be decoder-only, and its
+    layers must be full attention, sliding window or linear attention with at least one full-attention
+    layer (`vase.hybrid`).
 
     Raises:
         UnsupportedModelError: naming the model class and the reason.
@@ -61,7 +58,7 @@ def check_model_supported(model: Any) -> None:
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{cls_name} is not supported: {config_problem(config)}")
-    if not getattr(type(model), "_supports_attention_backend", False):
+    if not getattr(type(model), "_supports_attention_backend", False) and not _dispatches_attention(model):
         raise UnsupportedModelError(
             f"{cls_name} is not supported: it does not use transformers' attention interface "
             "(_supports_attention_backend is False), which vase hooks into"
@@ -70,3 +67,11 @@ def check_model_supported(model: Any) -> None:
         problem = config_problem(config)
         if problem:
             raise UnsupportedModelError(f"{cls_name} is not supported: {problem}")
+
+
+def _dispatches_attention(model: Any) -> bool:
+    """Whether the model's modeling file calls its attention through transformers' `ALL_ATTENTION_FUNCTIONS`
+    (some hybrid models, e.g. Qwen3-Next, do without setting `_supports_attention_backend`). The cache
+    checks at run time that every update of an evicting layer is followed by a call of vase's attention."""
+    name = type(model).__module__
+    return name.startswith("transformers.models.") and hasattr(sys.modules.get(name), "ALL_ATTENTION_FUNCTIONS")

@@ -10,9 +10,10 @@ import torch
 def kept_map(cache, row: int = 0) -> torch.Tensor:
     """Bool [layers, kv_heads, seen]: True where the cache still holds that sequence position.
 
-    `cache` is a `vase.EvictionCache` after a run; positions are sequence indices (padding included).
+    `cache` is a `vase.EvictionCache` after a run; positions are sequence indices (padding included). A hybrid
+    model's layers here are its evicting (full-attention) ones.
     """
-    layers = [layer for layer in cache.layers if layer.is_initialized]
+    layers = [layer for layer in cache.evicting_layers if layer.is_initialized]
     seen = layers[0].seen
     out = torch.zeros(len(layers), layers[0].keys.shape[1], seen + 1, dtype=torch.bool)
     for i, layer in enumerate(layers):

@@ -211,7 +211,7 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
 
     @contextmanager
     def observe(cache, start: int, n: int):
-        layers = cache.layers
+        layers = cache.evicting_layers
         before = [layer.evictions for layer in layers]
         offered = torch.stack([_held(layer, n_total, layer.length - window) for layer in layers])
         fed[0] = start

@@ -170,12 +170,10 @@ def _dynamic_cache(model):
 
 
 def _dynamic_kv_bytes(cache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    """Bytes a transformers cache holds: every layer's K/V, and a hybrid model's linear-attention states."""
+    from ..cache import kept_layer_bytes
+
+    return sum(kept_layer_bytes(layer) for layer in getattr(cache, "layers", []))
 
 
 def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window: int) -> int:
@@ -195,7 +193,7 @@ class _EvictTimer:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
         self.events: list[tuple] = []
-        for layer in cache.layers:
+        for layer in cache.evicting_layers:
             layer.evict = self._wrap(layer.evict)
 
     def _wrap(self, evict: Callable) -> Callable:
@@ -271,7 +269,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
         stamps: list[float] = []
         evict_marks: list[int] = []
         calls = 0
-        first_layer = cache.layers[0] if timer is not None else None
+        first_layer = cache.evicting_layers[0] if timer is not None else None
         if compiled and timer is not None:
             from ..compiled import decode_compiled
 

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, Qwen3Config
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+                          PreTrainedConfig, Qwen3Config, Qwen3NextConfig)
+from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 __all__ = ["SHAPES", "build_random_model", "resolve_shape", "shape_names"]
 
@@ -30,6 +32,8 @@ _QWEN3_COMMON: dict[str, Any] = dict(
     hidden_act="silu", use_sliding_window=False, attention_bias=False,
     bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
 )
+
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
 
 #: name -> (config class, keyword arguments). Values from the models' published config.json files.
 SHAPES: dict[str, tuple[type[PreTrainedConfig], dict[str, Any]]] = {
@@ -48,6 +52,34 @@ SHAPES: dict[str, tuple[type[PreTrainedConfig], dict[str, Any]]] = {
                                        rope_parameters={"rope_type": "default", "rope_theta": 100_000.0},
                                        rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=1, eos_token_id=2,
                                        pad_token_id=2)),
+    # Hybrid reasoning models (docs/models.md): vase evicts their full-attention layers only.
+    # Qwen3.5: 3 gated-delta-net (linear-attention) layers to 1 full-attention layer. Attention shapes from the
+    # published 0.8B / 27B training arguments; the linear-attention dims are transformers' Qwen3_5TextConfig
+    # defaults (16 key heads, 32 value heads of 128, conv kernel 4, as published for Qwen3.5-35B-A3B).
+    "qwen3.5-0.8b": (Qwen3_5TextConfig, dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                                             num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                                             head_dim=256, tie_word_embeddings=True, max_position_embeddings=262144,
+                                             rope_parameters=_QWEN35_ROPE)),
+    "qwen3.5-27b": (Qwen3_5TextConfig, dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                                            num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                                            head_dim=256, tie_word_embeddings=False, max_position_embeddings=262144,
+                                            rope_parameters=_QWEN35_ROPE)),
+    # Qwen3-Next-80B-A3B: 48 layers (36 linear, 12 full), 512 experts, 10 routed + 1 shared per token.
+    "qwen3-next-80b-a3b": (Qwen3NextConfig, dict(vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                                                 num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+                                                 head_dim=256, num_experts=512, num_experts_per_tok=10,
+                                                 moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                                 max_position_embeddings=262144, rope_parameters=_QWEN35_ROPE)),
+    # gpt-oss-20b: 24 layers alternating sliding (128) and full attention, learned sinks, 32 experts, 4 per token.
+    "gpt-oss-20b": (GptOssConfig, dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                                       num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                                       head_dim=64, sliding_window=128, num_local_experts=32, num_experts_per_tok=4,
+                                       max_position_embeddings=131072)),
+    # Gemma 3 1B: 26 layers, five sliding (512) to one full attention, one KV head of 256.
+    "gemma3-1b": (Gemma3TextConfig, dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                                         num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                                         head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+                                         max_position_embeddings=32768)),
     # For tests: a 2-layer GQA Qwen3 (4 query heads, 2 KV heads, head_dim 16) that decodes in microseconds.
     "tiny": (Qwen3Config, dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -138,8 +170,8 @@ def build_random_model(name_or_config_json: str | Path | PreTrainedConfig = "tin
                        num_layers: int | None = None, seed: int = 0):
     """A causal LM with the shapes of `name_or_config_json` and random weights, in eval mode.
 
-    name_or_config_json: a name from `SHAPES` (qwen3-0.6b, qwen3-4b, qwen3-14b, smollm2-135m,
-    tiny), a path to a config.json (or its directory), or a config object.
+    name_or_config_json: a name from `SHAPES` (qwen3-0.6b, qwen3-4b, qwen3-14b, smollm2-135m, the hybrid
+    qwen3.5-0.8b, qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b and gemma3-1b, tiny), a path to a config.json (or its directory), or a config object.
     """
     from transformers.initialization import no_init_weights
 

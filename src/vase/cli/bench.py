@@ -31,7 +31,9 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 1,
     no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
     random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
-                                                       "qwen3-4b, qwen3-14b, smollm2-135m, or a config.json.")] = None,
+                                                       "qwen3-4b, qwen3-14b, smollm2-135m, the hybrid qwen3.5-0.8b, "
+                                                       "qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b "
+                                                       "(docs/models.md), or a config.json.")] = None,
     param: ParamOpt = None,
     kv_bits: Annotated[int, typer.Option("--kv-bits", help="The methods store old K/V in 8, 4 or 2 bits "
                                          "(full and dynamic stay in full precision).")] = 16,
@@ -92,7 +94,7 @@ def bench(
 
 def random_model(spec: str, model: ModelArgs):
     """`bench --random-init`: a named shape or a config.json, random weights; one line naming the file if bad."""
-    from ..bench.shapes import build_random_model
+    from ..bench.shapes import build_random_model, shape_names
     from ..models import resolve_device, resolve_dtype
 
     dev = resolve_device(model.device)
@@ -102,5 +104,5 @@ def random_model(spec: str, model: ModelArgs):
     except Exception as e:  # noqa: BLE001 - any reader's or config class's error means "bad file"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"--random-init {spec}: cannot build a model from it ({type(e).__name__}: {first[:200]}); "
-                        f"give a transformers config.json (with model_type) or one of qwen3-0.6b, qwen3-4b, "
-                        f"qwen3-14b, smollm2-135m") from None
+                        f"give a transformers config.json (with model_type) or one of "
+                        f"{', '.join(n for n in shape_names() if n != 'tiny')}") from None

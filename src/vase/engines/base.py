@@ -67,25 +67,22 @@ class Engine(Protocol):
 
 
 def kv_bytes_per_token(source: Any, dtype: torch.dtype | str | None = None) -> int:
-    """Bytes of K and V one token takes over all layers of a dense, unquantised cache:
-    2 x layers x kv_heads x head_dim x element bytes.
+    """Bytes of K and V one token adds over the layers whose cache grows with the sequence, dense and
+    unquantised: 2 x full-attention layers x kv_heads x head_dim x element bytes (every layer of a model
+    with full attention throughout; a hybrid model's sliding and linear-attention layers hold a bounded
+    amount instead, `vase.hybrid.bounded_bytes`, which a cache's own stats count).
 
     source: a transformers model (its config and its parameters' dtype), or a model config with
     `dtype` given (a torch dtype or its name: "float32", "bfloat16", ...). A multimodal config's
     text config is used.
     """
+    from vase.hybrid import full_attention_layers, kv_bytes_per_layer_token
+
     if dtype is None:
         cfg, dtype = source.config, next(source.parameters()).dtype
     else:
         cfg = source
-    if hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
-    layers = int(cfg.num_hidden_layers)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
-    return 2 * layers * kv_heads * head_dim * size
-
+    return len(full_attention_layers(cfg)) * kv_bytes_per_layer_token(cfg, size)

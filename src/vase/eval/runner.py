@@ -488,14 +488,25 @@ class _Runner:
         cap = stats.get("capacity")
         cap = int(cap) if isinstance(cap, int) and cap > 0 else None
         quant = self._quant_bytes(spec, budget)
+        bounded = self._bounded_mean(P, seen)  # a hybrid model's sliding and linear-attention layers
         if quant is not None:  # kv_bits: the quantized cache's own bytes (codes, exact entries, tags) per step
             c = cap or (schedule.first_limit(P, budget, self.config.window) if spec.evicts else seen)
             steps = seen - P
             mean = quant.byte_steps(P, steps, c, budget, spec.evicts) / steps if steps else quant.held(P, 0, c)
-            return {"kv_bytes_time_mean": mean if agree else None,
-                    "kv_bytes_allocated": quant.allocated(cap) if cap else None}
-        return {"kv_bytes_time_mean": sched["time_mean"] * self.bytes_per_token if agree else None,
-                "kv_bytes_allocated": cap * self.bytes_per_token if cap else None}
+            return {"kv_bytes_time_mean": mean + bounded if agree else None,
+                    "kv_bytes_allocated": quant.allocated(cap) + bounded if cap else None}
+        return {"kv_bytes_time_mean": sched["time_mean"] * self.bytes_per_token + bounded if agree else None,
+                "kv_bytes_allocated": cap * self.bytes_per_token + bounded if cap else None}
+
+    def _bounded_mean(self, prompt_length: int, seen: int) -> float:
+        """Time-averaged bytes of the layers vase does not evict (`vase.hybrid.bounded_bytes_mean`); 0 without
+        a transformers model or for a model with full attention throughout."""
+        from vase.hybrid import bounded_bytes_mean, is_hybrid
+
+        if self.model is None or not is_hybrid(self.model.config):
+            return 0.0
+        size = next(self.model.parameters()).element_size()
+        return bounded_bytes_mean(self.model.config, size, prompt_length, seen)
 
     def _quant_bytes(self, spec: MethodSpec, budget: int | None):
         """`vase.quant_cache.QuantBytes` of the method's cache when it is quantized (kv_bits), else None."""
@@ -514,14 +525,17 @@ class _Runner:
             return {k: int(row[k]) for k in keys}
         est = row_cache_stats(prompt_length, n_generated, finished, budget=budget, window=self.config.window,
                               evicts=spec.evicts, bytes_per_token=self.bytes_per_token)
+        bounded = round(self._bounded_mean(est["seen_length"], est["seen_length"]))  # at the final length
+        for k in ("kv_bytes", "kv_bytes_peak", "kv_bytes_full"):
+            est[k] += bounded
         quant = self._quant_bytes(spec, budget)
         if quant is not None:  # the held and peak bytes of the quantized cache (the full reference stays dense)
             steps = est["seen_length"] - prompt_length
             cap = schedule.first_limit(prompt_length, budget, self.config.window) if spec.evicts \
                 else est["seen_length"]
             peak_step = est["peak_length"] - prompt_length  # the peak is reached before the first eviction
-            est["kv_bytes"] = quant.held(est["stored_length"], steps, cap)
-            est["kv_bytes_peak"] = quant.held(est["peak_length"], peak_step, cap)
+            est["kv_bytes"] = quant.held(est["stored_length"], steps, cap) + bounded
+            est["kv_bytes_peak"] = quant.held(est["peak_length"], peak_step, cap) + bounded
         return {k: est[k] for k in keys}
 
     # -- fidelity --------------------------------------------------------------------------------

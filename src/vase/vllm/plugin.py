@@ -14,6 +14,7 @@ import functools
 
 from .config import VaseConfigError, VaseVllmConfig
 from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, worker_cls_for
+from .model_refusals import check_model_layers
 from .refusals import check_built_config
 
 #: The vLLM minor version whose internals the scheduler and worker hooks were written against.
@@ -68,19 +69,9 @@ def check_vllm_config(vllm_config) -> None:
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
-    name = model.model
     if worker_cls_for(current_platform) == GPU_WORKER_CLS:
         check_gpu_config(vllm_config)
-    if getattr(model, "use_mla", False):
-        raise VaseConfigError(f"{name} uses MLA (a compressed latent cache) that vase cannot evict per KV head: "
-                              f"use a model with standard attention")
-    if getattr(model, "is_hybrid", False) or getattr(model, "has_inner_state", False):
-        raise VaseConfigError(f"{name} is a hybrid (attention + recurrent) model that vase cannot evict: "
-                              f"use a model with standard attention")
-    layer_types = getattr(model.hf_text_config, "layer_types", None) or ()
-    if model.get_sliding_window() is not None or any("sliding" in str(t) for t in layer_types):
-        raise VaseConfigError(f"{name} uses sliding-window attention, which vase does not combine with eviction: "
-                              f"use a model with full attention")
+    check_model_layers(model)  # MLA, hybrid (sliding, recurrent) models: one line each
     if vllm_config.speculative_config is not None:
         raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop speculative_config")
     check_built_config(vllm_config)

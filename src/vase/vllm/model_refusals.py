@@ -1,0 +1,45 @@
+"""The models the vLLM plugin refuses by their layers, one line each (duck-typed: no vLLM import).
+
+vase's vLLM plugin evicts one KV cache group of full-attention layers. vLLM 0.32 gives a hybrid model
+several groups (sliding-window layers, recurrent/Mamba-style state); evicting in the full-attention
+group only, with the block accounting per group, is not written yet, so those models are refused here
+and run with vase's transformers engine instead, which evicts their full-attention layers
+(docs/models.md). MLA's latent cache has no per-KV-head tokens to evict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vase.hybrid import LINEAR, SLIDING, layer_types
+
+from .config import VaseConfigError
+
+_INSTEAD = ("run it with vase's transformers engine (--engine transformers), which evicts its full-attention "
+            "layers (docs/models.md)")
+
+
+def model_refusal(model_config: Any) -> str | None:
+    """Why the plugin cannot evict in this vLLM `ModelConfig`'s model, in one line (None: it can)."""
+    name = model_config.model
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    kind = getattr(text, "model_type", None) or "this model"
+    if getattr(model_config, "use_mla", False):
+        return (f"{name} uses MLA (a compressed latent cache) that vase cannot evict per KV head: use a model with "
+                f"standard attention")
+    types = set(layer_types(text))
+    if getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False) or LINEAR in types:
+        return (f"{name} ({kind}) has linear-attention (recurrent) layers beside full attention, which vase's vLLM "
+                f"plugin does not evict in yet: {_INSTEAD}")
+    if model_config.get_sliding_window() is not None or SLIDING in types:
+        sinks = " and attention sinks" if kind == "gpt_oss" else ""
+        return (f"{name} ({kind}) has sliding-window layers{sinks}, which vase's vLLM plugin does not evict beside "
+                f"full attention yet: {_INSTEAD}")
+    return None
+
+
+def check_model_layers(model_config: Any) -> None:
+    """Raise VaseConfigError with `model_refusal`'s line, if any."""
+    problem = model_refusal(model_config)
+    if problem:
+        raise VaseConfigError(problem)
