@@ -41,6 +41,20 @@ def test_results_files_carry_provenance(path):
         assert prov.get("commit") and prov["machine"].get("cpu") and prov.get("versions"), path.name
 
 
+def test_every_relative_link_in_the_docs_resolves():
+    import re
+
+    broken = []
+    for doc in rd.doc_files(ROOT):
+        for m in re.finditer(r"\]\(([^)\s]+)\)", doc.read_text()):
+            target = m.group(1)
+            if target.startswith(("http://", "https://", "#", "mailto:")):
+                continue
+            if not (doc.parent / target.split("#")[0]).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
 def _site(tmp_path: Path, doc: str, rows=None, table=None) -> Path:
     (tmp_path / "docs" / "results").mkdir(parents=True)
     from vase.provenance import write_results

