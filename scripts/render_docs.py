@@ -79,7 +79,7 @@ def _eval_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     lines += ["| " + " | ".join(f(r) for _, _, f in cells) + " |" for r in rows]
     lines += ["", conclusion(rows)]
     noise = noise_line(rows)
-    return lines + ([noise] if noise else [])
+    return lines + (["", noise] if noise else [])
 
 
 def _number(cell: Any) -> float:
