@@ -197,8 +197,14 @@ def unmarked_tables(text: str) -> list[int]:
     for line in lines:
         starts.append(offset)
         offset += len(line) + 1
+    fenced, in_fence = set(), False  # a table shown inside a code fence is an example, not a figure table
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        elif in_fence:
+            fenced.add(i)
     for i in range(1, len(lines)):
-        if not (SEPARATOR.match(lines[i]) and lines[i - 1].startswith("|")):
+        if i in fenced or not (SEPARATOR.match(lines[i]) and lines[i - 1].startswith("|")):
             continue
         head = i - 1
         if any(a <= starts[head] < b for a, b in inside):

@@ -80,6 +80,8 @@ def test_a_changed_cell_an_unmarked_table_and_a_missing_file_are_each_caught(tmp
     assert [p for p in rd.check(root) if "no results marker" in p]
     doc.write_text(text + "\n<!-- table: no measured figures -->\n| a | b |\n|---|---|\n| 1 | 2 |\n")
     assert rd.check(root) == []
+    doc.write_text(text + "\n```\n| a | b |\n|---|---|\n```\n")  # an example in a code fence
+    assert rd.check(root) == []
     doc.write_text(text.replace("docs/results/x.json", "docs/results/y.json"))
     assert [p for p in rd.check(root) if "does not exist" in p]
 
