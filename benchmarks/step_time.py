@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         settings = {k: getattr(args, k) for k in ("shape", "method", "batch", "budget", "window", "prompt",
                                                    "kv_bits", "warm", "steps", "threads", "repeats")}
         write_results(args.out, rows, finish({**record, "settings": settings}),
-                      table={"align": "rrrrr"})
+                      table={"align": "rrrrr", "formats": {k: ".3f" if k == "compiled / eager" else ".2f"
+                                                           for k in rows[0] if k != "repeat"}})
         print(f"wrote {args.out}")
     return 0
 
