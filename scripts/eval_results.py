@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", default="full", help="pair every row with METHOD:B instead of full")
     ap.add_argument("--command", default=MAKE_EVAL + "   # make eval",
                     help="the command that made the run (default: make eval's)")
+    ap.add_argument("--note", help="a sentence printed under the table (e.g. what a repeat of the run gave)")
     args = ap.parse_args(argv)
     run = Path(args.run_dir)
     config = json.loads((run / "config.json").read_text())
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                         run_finished=(datetime.fromtimestamp(ended, timezone.utc).isoformat(timespec="seconds")
                                       if ended else None),
                         model_sha256=(config.get("identity") or {}).get("model_sha256"))
+    if args.note:
+        record["note"] = args.note
     rows = summarize(run, print_table=False, plots=False, reference=parse_reference(args.against))
     write_results(args.out, rows, finish(record), table={"render": "eval"})
     print(f"{len(rows)} rows -> {args.out}")
