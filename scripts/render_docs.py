@@ -120,6 +120,9 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
             value = str(_select(src, r.get("where", {}), r["file"])[0][r["cell"]]).strip("*") + r.get("unit", "")
             spread = r.get("spread", "one run")
         when = str(prov.get("date", "?"))[:10]
+        machine = prov.get("machine")
+        if isinstance(machine, dict) and machine.get("loadavg_1m") is not None:  # a measured file: how loaded
+            when += f", load {machine['loadavg_1m']} -> {machine.get('loadavg_1m_after', '?')}"
         if prov.get("source"):
             when += f", {prov['source']}"
         if prov.get("status"):
