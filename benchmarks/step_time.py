@@ -10,6 +10,12 @@ graphs compile, several evictions), then times `--steps` more steps of each path
 `torch.compile`d step), eager again to bracket the compiled run (the machine's load drifts). The
 compiled/eager ratio uses the mean of the two eager runs. Prints ms per step; no sampling, no host
 work other than the schedule.
+
+    python benchmarks/step_time.py --repeats 5 --out docs/results/step-time-b1.json
+
+alternates eager, compiled, eager, compiled, ..., eager (5 compiled runs between 6 eager ones): each
+compiled run is paired with the mean of the eager runs on either side, and the result is the median
+ratio with its range, written with its provenance (`vase.provenance`) when `--out` is given.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm", type=int, default=300, help="untimed steps before each timed run")
     p.add_argument("--steps", type=int, default=40, help="timed steps per run")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="compiled runs, each between two eager runs (paired)")
+    p.add_argument("--out", help="write the rows and their provenance to this results file (JSON)")
     return p.parse_args(argv)
 
 
@@ -81,12 +89,37 @@ def main(argv=None) -> int:
         finally:
             activate(model, None)
 
-    first = eager()
-    comp = compiled()
-    last = eager()
-    print(f"{args.shape}, {args.method}, batch {args.batch}, B = {args.budget}, w = {args.window}, "
-          f"kv_bits {args.kv_bits}, {args.threads} thread(s): ms per step eager {first:.1f} / compiled {comp:.1f} / "
-          f"eager {last:.1f}; compiled / eager speed {(first + last) / 2 / comp:.2f}x")
+    if args.repeats < 1:
+        raise SystemExit("step_time.py: --repeats must be at least 1")
+    from vase.provenance import finish, provenance, write_results
+
+    record = provenance()
+    eagers, comps = [eager()], []
+    for _ in range(args.repeats):  # E, C, E, C, ..., E: every compiled run sits between two eager runs
+        comps.append(compiled())
+        eagers.append(eager())
+    rows = []
+    for i, comp in enumerate(comps):
+        first, last = eagers[i], eagers[i + 1]
+        ratio = (first + last) / 2 / comp
+        rows.append({"repeat": i, "eager ms before": round(first, 2), "compiled ms": round(comp, 2),
+                     "eager ms after": round(last, 2), "compiled / eager": round(ratio, 3)})
+        print(f"{args.shape}, {args.method}, batch {args.batch}, B = {args.budget}, w = {args.window}, "
+              f"kv_bits {args.kv_bits}, {args.threads} thread(s): ms per step eager {first:.1f} / compiled "
+              f"{comp:.1f} / eager {last:.1f}; compiled / eager speed {ratio:.2f}x", flush=True)
+    ratios = sorted(r["compiled / eager"] for r in rows)
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    if len(rows) > 1:
+        print(f"median compiled / eager {median:.3f}x over {len(rows)} paired repeats (range {ratios[0]:.3f}.."
+              f"{ratios[-1]:.3f})")
+    if args.out:
+        settings = {k: getattr(args, k) for k in ("shape", "method", "batch", "budget", "window", "prompt",
+                                                   "kv_bits", "warm", "steps", "threads", "repeats")}
+        write_results(args.out, rows, finish({**record, "settings": settings}),
+                      table={"align": "rrrrr", "formats": {k: ".3f" if k == "compiled / eager" else ".2f"
+                                                           for k in rows[0] if k != "repeat"}})
+        print(f"wrote {args.out}")
     return 0
 
 

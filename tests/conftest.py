@@ -4,7 +4,7 @@ Tests that ask for identical tokens across batch sizes, paddings, attention path
 model in float64 (`tiny_model(dtype=F64)`): another CPU's BLAS kernels (AVX-512, AMX, another thread
 count) round float32 differently, by about 1e-7, which flips a near-tied argmax or sampled pick and
 every token after it; in float64 the same differences are about 1e-16 and never reach a decision.
-`make test-other-isa` runs the suite under other kernels (README, Testing).
+`make test-other-isa` runs the suite under other kernels (docs/install.md).
 """
 
 from __future__ import annotations

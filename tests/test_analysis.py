@@ -46,7 +46,12 @@ def test_loop_onset():
     ids = [ord(c) for c in text]
     onset = loop_onset(ids, decode)
     phrase = len("the answer is 42, ")
-    assert onset == len("Let us think about the problem. ") + 5 * phrase - 1 or onset <= 32 + 5 * phrase
+    # The fifth copy completes the loop (a 4-60 character phrase needs 5), at its comma: the trailing space is not
+    # needed. Exactly, and equal to the shortest looping prefix found by a linear scan (the binary search's answer).
+    from vase.eval.failures import has_loop
+
+    assert onset == len("Let us think about the problem. ") + 5 * phrase - 1 == 121
+    assert onset == next(n for n in range(1, len(ids) + 1) if has_loop(decode(ids[:n])))
     assert loop_onset([ord(c) for c in "no loop in this short sentence at all."], decode) is None
     # the prefix up to the onset loops, the one before does not
     from vase.eval.failures import has_phrase_loop

@@ -93,6 +93,26 @@ def test_kv_bytes_flat_for_an_evicting_method_while_full_grows(rows):
     assert a80["kv_vs_full"] == pytest.approx(a80["kv_bytes"] / pick(rows, "full", 80)["kv_bytes"])
 
 
+@pytest.mark.parametrize("last,flagged", [(9.4, True), (9.6, False)])
+def test_a_bounded_row_whose_rate_falls_below_0_95_is_flagged(tiny, monkeypatch, last, flagged):
+    """The flat-rate check: an evicting row whose last part runs below 0.95 x its first is flagged, one at
+    0.96 is not, and the growing caches (full, dynamic) are never flagged for slowing down."""
+    import vase.bench.runner as runner
+
+    real = runner.run_one
+
+    def run_one(*args, **kwargs):  # the real run, its part rates replaced by 10, 10, 10, `last` tok/s
+        out = real(*args, **kwargs)
+        return {**out, "seg_tok_s": [10.0, 10.0, 10.0, last]}
+
+    monkeypatch.setattr(runner, "run_one", run_one)
+    got = run_bench(tiny, ["snapkv"], [B], [40], [1], prompt_length=P, window=W, warmup=0, repeats=1, segments=4)
+    row = pick(got, "snapkv", 40)
+    assert row["seg_ratio"] == pytest.approx(last / 10) and row["eviction_fired"]
+    assert ("rate fell over the output (last/first part %.2f)" % (last / 10) in row["flag"]) is flagged
+    assert "rate fell" not in pick(got, "full", 40)["flag"] + pick(got, "dynamic", 40)["flag"]
+
+
 def test_report_writes_csv_markdown_and_plots(rows, tmp_path):
     paths = write_report(rows, tmp_path, show=False)
     with paths["csv"].open() as f:

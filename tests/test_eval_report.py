@@ -132,8 +132,10 @@ def test_summary_rows_values():
     assert m["top1_agree_evicted_pct"] == pytest.approx(75.0) and m["dnll_evicted"] == pytest.approx(0.4)
     assert m["kl_all"] == pytest.approx((0.1 * 10 + 0.5 * 30) / 40) and m["fidelity_tokens_evicted"] == 25
     assert full["kl_evicted"] is None and m["keys_match"] is True
+    # Both problems worse: the bootstrap interval is [-50, -50], but with 2 problems the exact paired p is 0.5.
     line = conclusion([full, m])
-    assert "less accurate than full" in line and "m B=50 (-50 pts)" in line
+    assert "less accurate" not in line and "not distinguishable from full" in line and "n = 2 problems" in line
+    assert "m B=50 ([-50.0, -50.0] pts, p = 0.500)" in line
 
 
 def test_partial_problem_sets_are_flagged():
@@ -172,8 +174,37 @@ def test_paired_p_tests_problems_not_samples():
     full, m = summary_rows(samples)
     assert (m["only_method_right"], m["only_full_right"]) == (0, 12)
     assert m["paired_p"] == pytest.approx(0.25) and m["paired_p_exact"] is True
-    assert m["d_acc_lo_pct"] <= -30.0 * 0 and m["d_acc_hi_pct"] == 0.0  # the interval reaches 0, as p says
+    # The interval reaches 0, as p says: (-30 pts) with a percentile bootstrap of [-60, 0] (P(no wrong problem
+    # drawn in 10) = 0.7**10 = 2.8 % > 2.5 %, so the upper end is exactly 0).
+    assert (m["d_acc_pct"], m["d_acc_lo_pct"], m["d_acc_hi_pct"]) == (-30.0, -60.0, 0.0)
     assert full["paired_p"] is None
+    assert "not distinguishable" in conclusion([full, m]) and "less accurate" not in conclusion([full, m])
+
+
+def test_verdict_needs_both_the_interval_and_the_exact_test():
+    # 16 problems, one sample each: the method wrong on 4 where full is right, never the other way. The bootstrap
+    # interval lies below 0, but the exact paired test (McNemar: 2 / 2**4) gives p = 0.125: not a difference.
+    samples = [rec("full", None, f"p{i}", 0, True, 10, "1") for i in range(16)]
+    samples += [rec("m", 50, f"p{i}", 0, i >= 4, 10, "1") for i in range(16)]
+    full, m = summary_rows(samples)
+    assert m["d_acc_hi_pct"] < 0 and m["paired_p"] == pytest.approx(0.125) and m["paired_p_exact"] is True
+    line = conclusion([full, m])
+    assert "less accurate" not in line
+    assert line.startswith("not distinguishable from full on accuracy at n = 16 problems")
+    assert "m B=50 ([-50.0, -6.2] pts, p = 0.125)" in line
+    # 8 of 16 worse: interval below 0 and p = 2 / 2**8 < 0.05: now it is below full.
+    samples = [rec("full", None, f"p{i}", 0, True, 10, "1") for i in range(16)]
+    samples += [rec("m", 50, f"p{i}", 0, i >= 8, 10, "1") for i in range(16)]
+    full, m = summary_rows(samples)
+    assert m["paired_p"] == pytest.approx(2 / 2**8)
+    line = conclusion([full, m])
+    assert line.startswith("less accurate than full") and "m B=50 (-50 pts, p = 0.008)" in line
+    assert "not distinguishable" not in line
+    # And the other side: better on 8 of 16.
+    samples = [rec("full", None, f"p{i}", 0, i >= 8, 10, "1") for i in range(16)]
+    samples += [rec("m", 50, f"p{i}", 0, True, 10, "1") for i in range(16)]
+    full, m = summary_rows(samples)
+    assert conclusion([full, m]).startswith("more accurate than full")
 
 
 def test_kv_avg_sums_bytes_over_decode_steps():
@@ -308,10 +339,15 @@ def test_cli_wide_flag(run_dir):
 
     from vase.cli import app
 
-    narrow = CliRunner().invoke(app, ["summarize", str(run_dir)], env={"COLUMNS": "100"})
+    # At 400 columns no header wraps, so a header missing from the output is a hidden column (at 100 columns
+    # "batch tok/s" would be missing from the text even when shown, wrapped over two lines).
+    default = CliRunner().invoke(app, ["summarize", str(run_dir)], env={"COLUMNS": "400"})
     wide = CliRunner().invoke(app, ["summarize", str(run_dir), "--wide"], env={"COLUMNS": "400"})
-    assert narrow.exit_code == 0 and wide.exit_code == 0, (narrow.output, wide.output)
-    assert "batch tok/s" in wide.output and "batch tok/s" not in narrow.output and "pass@1" in narrow.output
+    narrow = CliRunner().invoke(app, ["summarize", str(run_dir)], env={"COLUMNS": "100"})
+    assert default.exit_code == 0 and wide.exit_code == 0 and narrow.exit_code == 0, (default.output, wide.output)
+    assert "batch tok/s" not in default.output and "9 more columns with --wide" in default.output
+    assert "batch tok/s" in wide.output and "top-1 % after evict." in wide.output and "more columns" not in wide.output
+    assert "pass@1" in narrow.output and "more columns with --wide" in narrow.output
 
 
 def test_runner_keeps_the_noise_per_target(tmp_path):

