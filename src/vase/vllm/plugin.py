@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from .config import VaseConfigError, VaseVllmConfig
-from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, worker_cls_for
+from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
 from .refusals import check_built_config
 
 #: The vLLM minor version whose internals the scheduler and worker hooks were written against.
@@ -56,6 +56,7 @@ def check_engine_args(args, cfg: VaseVllmConfig) -> None:
         if value not in (default, ours):
             raise VaseConfigError(f"vase brings its own {name}, got {name}={value!r}: drop {name} or "
                                   f"additional_config['vase']")
+    select_v1_runner()  # vLLM 0.32 would run V2 on CUDA by default; vase hooks V1
     args.enable_prefix_caching = False
     args.scheduler_cls = SCHEDULER_CLS
     args.worker_cls = worker_cls
