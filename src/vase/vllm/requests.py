@@ -20,7 +20,7 @@ from .capture import QueryRing
 from .config import VaseConfigError, VaseVllmConfig
 from .heads import RankHeads, rank_policy
 from .paged import RequestPolicyState
-from .refusals import check_kv_tensor
+from .refusals import check_head_sizes, check_kv_tensor
 from .steps import StepPlan, VaseStepError
 
 
@@ -88,6 +88,7 @@ class VaseRunnerMixin:
         for name, layer in self.compilation_config.static_forward_context.items():
             impl = getattr(layer, "impl", None)
             if impl is not None:
+                check_head_sizes(name, layer)  # FlashAttention/Triton take value heads of another size; eviction not
                 yield name, impl
 
     def _vase_attach_layers(self, kv_cache_config):
@@ -121,7 +122,11 @@ class VaseRunnerMixin:
         if computed == 0:  # a new request, or one resumed after preemption: a (re)prefill starts here
             prefill_len = int(self.input_batch.num_tokens_no_spec[index])
             if req is None:
-                seed = self.requests[req_id].sampling_params.seed
+                params = self.requests[req_id].sampling_params
+                if params is None:  # a pooling request (the config check refuses pooling models first)
+                    raise VaseConfigError(f"vase: request {req_id} has no sampling parameters (a pooling request): "
+                                          f"use a generative model or drop additional_config['vase']")
+                seed = params.seed
                 generator = torch.Generator(device=self.device).manual_seed(
                     self.vase_config.seed if seed is None else int(seed))
                 origin = int(self.requests[req_id].num_prompt_tokens)
