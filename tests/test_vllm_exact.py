@@ -164,9 +164,13 @@ def test_a_request_whose_blocks_cannot_hold_its_physical_length_fails_loudly(mis
     llm = mismatched
     manager = core(llm).scheduler.kv_cache_manager
     assert isinstance(manager, EvictingKVCacheManager)
-    # The scheduler now follows B = 16 (at most 2 blocks for a 20-token prompt), the worker B = 80 (3 blocks).
+    # The scheduler now follows B = 16, w = 16: a 20-token prompt evicts at 36 stored tokens (2 blocks of 32),
+    # after which the scheduler returns block 1 to the pool and holds 1 block. The worker follows B = 80: it
+    # does not evict and writes slot 36, then (its row still lists block 1) slot 37, in the freed block.
+    # Before the worker knew the scheduler's trims this passed until slot 64 (the row's 2 blocks).
     manager.cfg = VaseVllmConfig("snapkv", budget=16, window=16)
-    with pytest.raises(VaseStepError, match=r"would store \d+ tokens in \d+ slots"):
+    with pytest.raises(VaseStepError, match=r"request \S+ would write slot 37 outside the 32 slots it owns .*"
+                                            r"position 37\)"):
         llm.generate([{"prompt_token_ids": prompt_ids(20, 5)}], greedy(120))
 
 

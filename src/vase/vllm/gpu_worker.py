@@ -81,7 +81,7 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
         table = batch.block_table[0]
         for i, (req, plan) in enumerate(zip(reqs, plans)):
             self._vase_check_room(req_ids[i], req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size,
-                                  int(computed[i]))
+                                  int(computed[i]), int(scheduled[i]))
         for i, plan in enumerate(plans):
             if plan.evict_from:
                 self._vase_evict(reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))

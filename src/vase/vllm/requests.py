@@ -66,6 +66,8 @@ class VaseRunnerMixin:
 
     # -- vLLM's hooks ---------------------------------------------------------------------------------
     def _update_states(self, scheduler_output):
+        # the blocks the scheduler holds for each scheduled request now (after its trims; `VaseScheduler.schedule`)
+        self.vase_owned = getattr(scheduler_output, "vase_blocks", None)
         result = super()._update_states(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self._vase_forget(req_id)
@@ -142,11 +144,25 @@ class VaseRunnerMixin:
             raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
         return req
 
-    def _vase_check_room(self, req_id: str, req: VaseRequest, plan: StepPlan, room: int, computed: int) -> None:
-        """The invariant every write relies on: the request's blocks (`room` slots) hold its physical length,
-        which never passes the schedule's bound. VaseStepError in one line otherwise."""
-        bound = max(req.prefill_len, schedule.first_limit(req.origin, self.vase_config.budget, self.vase_config.window))
-        if plan.physical_end > room or plan.physical_end > bound:
-            raise VaseStepError(f"vase: request {req_id} would store {plan.physical_end} tokens in {room} slots "
-                                f"(prompt {req.origin}, prefill {req.prefill_len}, position {computed}): the scheduler "
-                                f"and the worker disagree on its schedule")
+    def _vase_check_room(self, req_id: str, req: VaseRequest, plan: StepPlan, room: int, computed: int,
+                         scheduled: int = 1) -> None:
+        """The invariant every write relies on, before the forward: the step's slots lie in the blocks the request
+        owns now (the first blocks of its row: `room` slots in the worker's row, which never shrinks, cut to what
+        the scheduler holds after its trims, `vase_owned`), and its physical length is within the schedule's
+        current bound (before the first eviction of this (re)prefill max(P', max(P, B) + w), after it B + w).
+        VaseStepError in one line, naming the first slot outside, otherwise."""
+        cfg = self.vase_config
+        owned = getattr(self, "vase_owned", None)
+        if owned is not None and req_id in owned:
+            room = min(room, int(owned[req_id]) * self.vase_block_size)
+        if computed >= req.prefill_len and schedule.num_evictions(req.origin, cfg.budget, cfg.window,
+                                                                  computed + 1 - req.origin) > 0:
+            bound = schedule.steady_limit(cfg.budget, cfg.window)
+        else:
+            bound = max(req.prefill_len, schedule.first_limit(req.origin, cfg.budget, cfg.window))
+        limit = min(room, bound)
+        if plan.physical_end > limit:
+            first = max(limit, plan.physical_end - scheduled)
+            raise VaseStepError(f"vase: request {req_id} would write slot {first} outside the {room} slots it owns "
+                                f"(bound {bound}; prompt {req.origin}, prefill {req.prefill_len}, position "
+                                f"{computed}): the scheduler and the worker disagree on its schedule")

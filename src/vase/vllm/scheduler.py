@@ -93,6 +93,13 @@ class VaseScheduler(Scheduler):
         self.vase_blocks_freed = 0
         self.vase_preemptions = 0
 
+    def schedule(self, *args, **kwargs):
+        """vLLM's schedule, telling the workers the blocks each scheduled request holds now (after this scheduler's
+        trims, which the workers' block-table rows never see): `output.vase_blocks` {request id: blocks}."""
+        output = super().schedule(*args, **kwargs)
+        output.vase_blocks = {request_id: self.blocks_held(request_id) for request_id in output.num_scheduled_tokens}
+        return output
+
     def add_request(self, request) -> None:
         if getattr(request, "resumable", False):  # the front end refuses these first (vase.vllm.plugin)
             raise VaseConfigError(STREAMING_REFUSAL)

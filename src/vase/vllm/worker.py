@@ -129,7 +129,7 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
             c, n = int(computed[i]), int(scheduled[i])
             req = self._vase_request(req_id, i, c)
             plan = plan_step(req_id, req.origin, req.prefill_len, c, n, B, w)
-            self._vase_check_room(req_id, req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size, c)
+            self._vase_check_room(req_id, req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size, c, n)
             if plan.evict_from:
                 self._vase_evict(req_id, req, i, plan.evict_from, plan.evict_to, seen=c)
             offsets[i], ring_slots[i] = plan.offset, req.slot
