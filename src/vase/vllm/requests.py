@@ -27,10 +27,10 @@ from .steps import StepPlan, VaseStepError
 class VaseRequest:
     """What a runner keeps per running request: its schedule key, last (re)prefill, ring slot and policy state."""
 
-    def __init__(self, origin: int, prefill_len: int, slot: int, state: RequestPolicyState):
+    def __init__(self, origin: int, prefill_len: int, slot: int | None, state: RequestPolicyState):
         self.origin = origin  # P0, the prompt length: the schedule's key for the request's whole life
         self.prefill_len = prefill_len  # P' of its last (re)prefill (P0 until it is preempted)
-        self.slot = slot
+        self.slot = slot  # its query-ring slot while it runs; None while preempted
         self.state = state
         #: when recording (CPU runner): per layer, the logical position of each stored slot [kv_heads, kept] at
         #: the last eviction, and the logical position where the tokens written since begin
@@ -65,9 +65,15 @@ class VaseRunnerMixin:
         return rank_policy(self.vase_config.policy, heads)
 
     # -- vLLM's hooks ---------------------------------------------------------------------------------
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self._vase_make_ring()
+
     def _update_states(self, scheduler_output):
         # the blocks the scheduler holds for each scheduled request now (after its trims; `VaseScheduler.schedule`)
         self.vase_owned = getattr(scheduler_output, "vase_blocks", None)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._vase_preempted(req_id)
         result = super()._update_states(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self._vase_forget(req_id)
@@ -93,9 +99,20 @@ class VaseRunnerMixin:
                 check_head_sizes(name, layer)  # FlashAttention/Triton take value heads of another size; eviction not
                 yield name, impl
 
+    def _vase_make_ring(self) -> None:
+        """After the model is loaded, before vLLM measures memory and sizes the KV pool: the query ring for
+        `max_num_seqs` running requests, every attention layer (nothing stored for a policy that reads no
+        queries). Never grown afterwards."""
+        layers = sorted((name for name, _ in self._vase_attention_impls()), key=extract_layer_index)
+        first = self.compilation_config.static_forward_context[layers[0]]
+        self.vase_ring = QueryRing(layers, first.num_heads, first.head_size, self.vase_config.window,
+                                   self.model_config.dtype, self.device,
+                                   slots=int(self.vllm_config.scheduler_config.max_num_seqs),
+                                   store=bool(self.vase_policy.needs_queries))
+
     def _vase_attach_layers(self, kv_cache_config):
-        """After vLLM's `initialize_kv_cache`: the attention layers in order (`vase_layers`), one query ring they
-        all record into (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
+        """After vLLM's `initialize_kv_cache`: the attention layers in order (`vase_layers`), attached to the query
+        ring made at load (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
         Returns the first attention layer (its head size and heads are every layer's)."""
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
@@ -104,8 +121,9 @@ class VaseRunnerMixin:
         self.vase_layers = sorted(groups[0].layer_names, key=extract_layer_index)
         ctx = self.compilation_config.static_forward_context
         first = ctx[self.vase_layers[0]]
-        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, self.vase_config.window,
-                                   self.model_config.dtype, self.device)
+        if self.vase_ring is None or sorted(self.vase_ring.layer_names) != sorted(self.vase_layers):
+            raise RuntimeError(f"vase: the KV cache's attention layers {self.vase_layers} are not the ones the query "
+                               f"ring was made for at load ({None if self.vase_ring is None else self.vase_ring.layer_names})")
         for name in self.vase_layers:
             ctx[name].impl.vase_ring = self.vase_ring
             check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
@@ -115,8 +133,16 @@ class VaseRunnerMixin:
     # -- requests -------------------------------------------------------------------------------------
     def _vase_forget(self, req_id: str) -> None:
         req = self.vase_requests.pop(req_id, None)
-        if req is not None and self.vase_ring is not None:
+        if req is not None and req.slot is not None and self.vase_ring is not None:
             self.vase_ring.release(req.slot)
+
+    def _vase_preempted(self, req_id: str) -> None:
+        """A preempted request gives its ring slot back (its recomputing prefill records the window again), so
+        the slots in use never pass the requests running; its policy state and generator stay."""
+        req = self.vase_requests.get(req_id)
+        if req is not None and req.slot is not None and self.vase_ring is not None:
+            self.vase_ring.release(req.slot)
+            req.slot = None
 
     def _vase_request(self, req_id: str, index: int, computed: int) -> VaseRequest:
         """The state of request `req_id` (row `index` of the input batch, `computed` tokens written so far)."""
@@ -135,6 +161,8 @@ class VaseRunnerMixin:
                 req = VaseRequest(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
                 self.vase_requests[req_id] = req
             else:  # recomputed: the slot state described slots that are gone (H2O's scores would not fit)
+                if req.slot is None:
+                    req.slot = self.vase_ring.acquire()
                 req.prefill_len = prefill_len
                 req.state = RequestPolicyState(req.state.generator, layer_state=req.state.layer_state,
                                                evictions=req.state.evictions)
