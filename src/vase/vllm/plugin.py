@@ -1,11 +1,14 @@
 """The vLLM general plugin: turns `additional_config["vase"]` into vase's scheduler and worker.
 
 vLLM calls `register()` in every process (entry point `vllm.general_plugins`). vLLM has no
-hook that reads `additional_config` before the engine is built, so this module holds the one
-internal hook the plugin needs: it wraps `EngineArgs.create_engine_config` (idempotently) so
-that an engine whose `additional_config` has a "vase" section is checked and configured with
-vLLM's own options (`scheduler_cls`, `worker_cls`, prefix caching off) before it starts.
-Engines without that section are built exactly as before.
+hook that reads `additional_config` before the engine is built, so this module wraps
+`EngineArgs.create_engine_config` (idempotently) so that an engine whose `additional_config`
+has a "vase" section is checked and configured with vLLM's own options (`scheduler_cls`,
+`worker_cls`, prefix caching off, the V1 model runner) before it starts, and wraps the front
+ends that would bypass eviction (streaming input, beam search) to refuse them. Engines without
+that section are built exactly as before. These are some of the vLLM internals the plugin
+relies on; all of them are listed in `vase.vllm.internals` (and docs/vllm.md) and pinned by
+tests/test_vllm_internals.py.
 """
 
 from __future__ import annotations
