@@ -60,10 +60,13 @@ def test_requests_are_made_at_their_prefill_renewed_at_a_recompute_and_forgotten
     assert torch.equal(b.state.generator.get_state(), torch.Generator().manual_seed(3).get_state())  # request seed
     assert runner._vase_request("a", 0, 25) is a  # decoding: the same state
     a.state.evictions, a.positions = 2, [torch.zeros(1)]
+    a.state.generator.manual_seed(99)  # draws were taken
     runner.input_batch.num_tokens_no_spec[0] = 31  # preempted, recomputed over its whole history
     again = runner._vase_request("a", 0, 0)
     assert again is a and a.prefill_len == 31 and a.origin == 20 and a.positions is None
-    assert a.state.evictions == 2 and runner.vase_recomputes == 1
+    # the replay evicts again from the start: fresh policy state, the generator re-seeded (the same draws again)
+    assert a.state.evictions == 0 and runner.vase_recomputes == 1
+    assert torch.equal(a.state.generator.get_state(), torch.Generator().manual_seed(7).get_state())
     with pytest.raises(RuntimeError, match="never prefilled here"):
         runner._vase_request("c", 0, 4)
     assert runner._update_states(SimpleNamespace(finished_req_ids={"a"})) == "updated"

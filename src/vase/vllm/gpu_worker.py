@@ -76,8 +76,7 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
         starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
         req_ids = list(batch.req_ids[:num_reqs])
         reqs = [self._vase_request(req_id, i, int(computed[i])) for i, req_id in enumerate(req_ids)]
-        plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), np.array([r.prefill_len for r in reqs]),
-                           computed, scheduled, cfg.budget, cfg.window)
+        plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), computed, scheduled, cfg.budget, cfg.window)
         table = batch.block_table[0]
         for i, (req, plan) in enumerate(zip(reqs, plans)):
             self._vase_check_room(req_ids[i], req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size,

@@ -27,11 +27,12 @@ from .steps import StepPlan, VaseStepError
 class VaseRequest:
     """What a runner keeps per running request: its schedule key, last (re)prefill, ring slot and policy state."""
 
-    def __init__(self, origin: int, prefill_len: int, slot: int | None, state: RequestPolicyState):
+    def __init__(self, origin: int, prefill_len: int, slot: int | None, state: RequestPolicyState, seed: int = 0):
         self.origin = origin  # P0, the prompt length: the schedule's key for the request's whole life
         self.prefill_len = prefill_len  # P' of its last (re)prefill (P0 until it is preempted)
         self.slot = slot  # its query-ring slot while it runs; None while preempted
         self.state = state
+        self.seed = seed  # its generator's seed: a recomputing prefill replays the draws from it
         #: when recording (CPU runner): per layer, the logical position of each stored slot [kv_heads, kept] at
         #: the last eviction, and the logical position where the tokens written since begin
         self.positions: list[torch.Tensor] | None = None
@@ -154,18 +155,16 @@ class VaseRunnerMixin:
                 if params is None:  # a pooling request (the config check refuses pooling models first)
                     raise VaseConfigError(f"vase: request {req_id} has no sampling parameters (a pooling request): "
                                           f"use a generative model or drop additional_config['vase']")
-                seed = params.seed
-                generator = torch.Generator(device=self.device).manual_seed(
-                    self.vase_config.seed if seed is None else int(seed))
+                seed = self.vase_config.seed if params.seed is None else int(params.seed)
+                generator = torch.Generator(device=self.device).manual_seed(seed)
                 origin = int(self.requests[req_id].num_prompt_tokens)
-                req = VaseRequest(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
+                req = VaseRequest(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator), seed)
                 self.vase_requests[req_id] = req
-            else:  # recomputed: the slot state described slots that are gone (H2O's scores would not fit)
+            else:  # recomputed: the replay evicts again from the start, with fresh state and the same draws
                 if req.slot is None:
                     req.slot = self.vase_ring.acquire()
                 req.prefill_len = prefill_len
-                req.state = RequestPolicyState(req.state.generator, layer_state=req.state.layer_state,
-                                               evictions=req.state.evictions)
+                req.state = RequestPolicyState(torch.Generator(device=self.device).manual_seed(req.seed))
                 req.positions = None
                 self.vase_recomputes += 1
         if req is None:
@@ -177,17 +176,17 @@ class VaseRunnerMixin:
         """The invariant every write relies on, before the forward: the step's slots lie in the blocks the request
         owns now (the first blocks of its row: `room` slots in the worker's row, which never shrinks, cut to what
         the scheduler holds after its trims, `vase_owned`), and its physical length is within the schedule's
-        current bound (before the first eviction of this (re)prefill max(P', max(P, B) + w), after it B + w).
+        current bound (max(P, B) + w before the first eviction, B + w after it; a recompute replays the same).
         VaseStepError in one line, naming the first slot outside, otherwise."""
         cfg = self.vase_config
         owned = getattr(self, "vase_owned", None)
         if owned is not None and req_id in owned:
             room = min(room, int(owned[req_id]) * self.vase_block_size)
-        if computed >= req.prefill_len and schedule.num_evictions(req.origin, cfg.budget, cfg.window,
-                                                                  computed + 1 - req.origin) > 0:
+        if computed >= req.origin and schedule.num_evictions(req.origin, cfg.budget, cfg.window,
+                                                             computed + 1 - req.origin) > 0:
             bound = schedule.steady_limit(cfg.budget, cfg.window)
         else:
-            bound = max(req.prefill_len, schedule.first_limit(req.origin, cfg.budget, cfg.window))
+            bound = schedule.first_limit(req.origin, cfg.budget, cfg.window)
         limit = min(room, bound)
         if plan.physical_end > limit:
             first = max(limit, plan.physical_end - scheduled)

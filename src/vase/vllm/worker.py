@@ -115,6 +115,34 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         nb, h, bs, _ = kv.shape
         return kv.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
 
+    # -- sampling: a discarded sample draws nothing from its request's seeded generator ------------------------
+    def _sample(self, *args, **kwargs):
+        """A request whose sample this step is discarded (a prefill chunk that is not its last, e.g. a
+        recomputing prefill cut at its eviction boundaries) samples without its seeded generator: vLLM would
+        draw from it and then rewind it (`set_offset`), which CPU generators cannot do ("CPU Generator does not
+        use offset"); not drawing leaves it exactly where the rewind would have. Put back after bookkeeping."""
+        self._vase_restore_generators()  # in case a step sampled without bookkeeping
+        gens = self.input_batch.generators
+        discard = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
+        self.vase_held_generators = {int(i): gens.pop(int(i)) for i in discard if int(i) in gens}
+        try:
+            return super()._sample(*args, **kwargs)
+        except BaseException:
+            self._vase_restore_generators()
+            raise
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            self._vase_restore_generators()
+
+    def _vase_restore_generators(self) -> None:
+        held = getattr(self, "vase_held_generators", None)
+        if held:
+            self.input_batch.generators.update(held)
+        self.vase_held_generators = {}
+
     # -- the step (after vLLM's `_prepare_inputs`, through the mixin) ----------------------------------
     def _vase_step(self, scheduled: np.ndarray) -> None:
         cfg, batch = self.vase_config, self.input_batch
@@ -128,7 +156,7 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             c, n = int(computed[i]), int(scheduled[i])
             req = self._vase_request(req_id, i, c)
-            plan = plan_step(req_id, req.origin, req.prefill_len, c, n, B, w)
+            plan = plan_step(req_id, req.origin, c, n, B, w)
             self._vase_check_room(req_id, req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size, c, n)
             if plan.evict_from:
                 self._vase_evict(req_id, req, i, plan.evict_from, plan.evict_to, seen=c)
