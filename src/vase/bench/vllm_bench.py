@@ -91,6 +91,9 @@ class VllmBenchRow:
     blocks_mean: float  # time-weighted over the run
     evictions: int | None  # eviction events counted by the plugin's worker (None: stock vLLM)
     engine_start_s: float
+    #: tokens the plugin's worker prefilled again to replay preempted requests (None: stock vLLM, which does not
+    #: count them; vLLM's prompt-token stats do not see recomputes)
+    recomputed_tokens: int | None = None
     vs_full_tok_s: float | None = None
     vs_full_time: float | None = None  # full's seconds / this one's (> 1: finishes sooner)
     same_as_ample: int | None = None  # requests whose tokens equal the ample run's (None: no ample run to compare)
@@ -154,6 +157,13 @@ def _recorder_factory(sink: list):
             pass
 
     return _Recorder
+
+
+def _worker_recomputed(worker) -> int | None:
+    """Runs inside the worker: tokens the plugin's runner prefilled again for preempted requests (None: stock)."""
+    inner = getattr(worker, "worker", worker)
+    value = getattr(getattr(inner, "model_runner", None), "vase_recomputed_tokens", None)
+    return None if value is None else int(value)
 
 
 def _worker_evictions(worker) -> int | None:
@@ -246,10 +256,12 @@ def _one_engine(model_path: str, *, regime: str, method: str, budget: int | None
                     outputs[out.request_id.rsplit("-", 1)[0]] = list(out.outputs[0].token_ids)
         produced = sum(len(t) for t in outputs.values())
         end = time.perf_counter()
-        evictions = None
+        evictions = recomputed = None
         if section is not None:
             counts = engine.collective_rpc(_worker_evictions)
             evictions = sum(c for c in counts if c is not None) if any(c is not None for c in counts) else None
+            replays = [c for c in engine.collective_rpc(_worker_recomputed) if c is not None]
+            recomputed = replays[0] if replays else None  # every TP rank replays the same tokens
     finally:
         try:
             engine.engine_core.shutdown()
@@ -271,6 +283,7 @@ def _one_engine(model_path: str, *, regime: str, method: str, budget: int | None
         blocks_peak=max((s.blocks for s in steps), default=0),
         blocks_mean=_time_mean(ts, [s.blocks for s in steps], seconds),
         evictions=evictions, engine_start_s=start_s, timeline=steps,
+        recomputed_tokens=recomputed,
         outputs=[outputs[f"r{i}"] for i in range(n)])
     if produced != n * new_tokens:
         raise RuntimeError(f"{method} B={budget}: produced {produced} tokens, expected {n} x {new_tokens}")
@@ -387,7 +400,7 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
 
 _COLUMNS = ("regime", "method", "budget", "n_requests", "new_tokens", "pool_blocks", "tokens_per_s", "vs_full_tok_s",
             "seconds", "vs_full_time", "running_peak", "running_mean", "preemptions", "blocks_peak", "blocks_mean",
-            "evictions", "same_as_ample", "first_diff_median")
+            "evictions", "recomputed_tokens", "same_as_ample", "first_diff_median")
 
 
 def _fmt(v: Any) -> str:

@@ -29,7 +29,7 @@ class VaseRequest:
 
     def __init__(self, origin: int, prefill_len: int, slot: int | None, state: RequestPolicyState, seed: int = 0):
         self.origin = origin  # P0, the prompt length: the schedule's key for the request's whole life
-        self.prefill_len = prefill_len  # P' of its last (re)prefill (P0 until it is preempted)
+        self.prefill_len = prefill_len  # tokens of its last (re)prefill (P0 until it is preempted; informational)
         self.slot = slot  # its query-ring slot while it runs; None while preempted
         self.state = state
         self.seed = seed  # its generator's seed: a recomputing prefill replays the draws from it
@@ -167,6 +167,7 @@ class VaseRunnerMixin:
                 req.state = RequestPolicyState(torch.Generator(device=self.device).manual_seed(req.seed))
                 req.positions = None
                 self.vase_recomputes += 1
+                self.vase_recomputed_tokens = getattr(self, "vase_recomputed_tokens", 0) + prefill_len
         if req is None:
             raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
         return req
