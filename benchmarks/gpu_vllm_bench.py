@@ -20,10 +20,12 @@ logged and skipped, so stock vLLM's numbers survive.
         --prompt 16 --budgets 40 --window 8 --block-size 32 --regimes tight        # CPU smoke test
 
 On a CUDA platform the plugin runs its GPU worker (``vase.vllm.gpu_worker``: built and unit-tested
-on CPU in the GPU layouts; not yet run on a GPU, see docs/vllm-gpu.md), which needs piecewise CUDA
-graphs and no async scheduling; ``--cudagraph-mode`` (default PIECEWISE) and async scheduling off
-are applied to every engine, stock vLLM included, so the ample-regime overhead compares like with
-like. ``--model`` takes a Hugging Face model id or a local folder (real weights; the pool sizes
+on CPU in the GPU layouts; see docs/vllm-gpu.md) on vLLM's V1 model runner, with piecewise CUDA
+graphs (``--cudagraph-mode``, default PIECEWISE) and no async scheduling. Stock vLLM runs twice per
+regime: ``full`` at its own defaults (V2 runner where vLLM picks it, full decode CUDA graphs, async
+scheduling: the figure a user sees, and the baseline of every ``vs_full`` column) and
+``full@vase-settings`` at the plugin's settings (V1, ``--cudagraph-mode``, synchronous), which
+separates the cost of those settings from the cost of eviction. ``--model`` takes a Hugging Face model id or a local folder (real weights; the pool sizes
 come from the model's shape).
 
     python benchmarks/gpu_vllm_bench.py --model Qwen/Qwen3-4B --new-tokens 4096      # a real model id
@@ -63,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regimes", default="ample,tight")
     p.add_argument("--block-size", type=int, default=None, help="default: vLLM's (16 on GPU, 128 on CPU)")
     p.add_argument("--cudagraph-mode", default="PIECEWISE",
-                   help="CUDA graph mode of every engine on a GPU (PIECEWISE or NONE; vase refuses FULL modes)")
+                   help="CUDA graph mode of the vase engines and of the full@vase-settings row on a GPU (PIECEWISE "
+                        "or NONE; vase refuses FULL modes); the full baseline keeps vLLM's default")
     p.add_argument("--out", default=None, help="output directory (default: $OUT, else ./gpu-vllm-bench-results)")
     return p.parse_args(argv)
 
@@ -86,13 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
     else:
         model = args.model
-    if torch.cuda.is_available():  # the same engine settings for stock vLLM and the plugin (which needs them)
-        engine_kwargs.update(compilation_config={"cudagraph_mode": args.cudagraph_mode}, async_scheduling=False)
+    vase_kwargs = None
+    if torch.cuda.is_available():  # the plugin's engines and the second stock row; the baseline keeps vLLM's defaults
+        vase_kwargs = {"compilation_config": {"cudagraph_mode": args.cudagraph_mode}, "async_scheduling": False}
     t0 = time.time()
     rows = run_vllm_bench(model, [m for m in args.methods.split(",") if m], [int(b) for b in args.budgets.split(",")],
                           n_requests=args.requests, new_tokens=args.new_tokens, prompt_len=args.prompt,
                           window=args.window, regimes=[r for r in args.regimes.split(",") if r], dtype=args.dtype,
-                          block_size=args.block_size, engine_kwargs=engine_kwargs, skip_errors=True,
+                          block_size=args.block_size, engine_kwargs=engine_kwargs, vase_kwargs=vase_kwargs,
+                          skip_errors=True,
                           in_process=not torch.cuda.is_available(), log=lambda m: print(m, flush=True))
     if not rows:
         print("no configuration finished", file=sys.stderr)

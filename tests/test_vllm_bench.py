@@ -124,6 +124,7 @@ def test_pool_is_the_requested_size(rows):
 def test_stock_vllm_preempts_in_the_tight_pool(rows):
     full = rows["full"]
     assert full.preemptions > 0 and full.evictions is None
+    assert full.recomputed_tokens is None  # stock vLLM does not count them
 
 
 @needs_vllm
@@ -131,7 +132,7 @@ def test_bounded_requests_all_run_at_once_without_preemption(rows):
     from vase import schedule
 
     v = rows["vase-attnv"]
-    assert v.preemptions == 0
+    assert v.preemptions == 0 and v.recomputed_tokens == 0
     assert v.running_peak == N
     assert v.blocks_peak <= N * math.ceil((B + W) / BS)
     # the plugin's worker counted one eviction event per request at every step the schedule says

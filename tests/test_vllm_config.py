@@ -133,3 +133,87 @@ def test_attention_layers_that_would_read_evicted_slots_wrongly_are_refused(attr
     check_kv_tensor("l0", "float32", "float32")
     with pytest.raises(VaseConfigError, match="got a uint8 KV cache for a float32 model"):
         check_kv_tensor("l0", "uint8", "float32")
+
+
+# -- beam search, pooling models, TP wider than the KV heads, K/V head sizes that differ (issue 27) ----------------
+def _shaped(runner_type="generate", tp=1, kv_heads=2):
+    from types import SimpleNamespace as NS
+
+    return NS(model_config=NS(model="m", runner_type=runner_type, get_total_num_kv_heads=lambda: kv_heads),
+              parallel_config=NS(tensor_parallel_size=tp))
+
+
+@pytest.mark.parametrize("over, fragment", [
+    ({"runner_type": "pooling"}, "runs as a pooling model"),
+    ({"tp": 2, "kv_heads": 1}, "has 1 KV head(s), fewer than tensor_parallel_size=2"),
+    ({"tp": 8, "kv_heads": 4}, "use tensor_parallel_size <= 4"),
+])
+def test_pooling_and_tp_wider_than_the_kv_heads_are_refused(over, fragment):
+    from vase.vllm.refusals import check_runner_shape
+
+    check_runner_shape(_shaped())
+    check_runner_shape(_shaped(tp=2, kv_heads=2))
+    with pytest.raises(VaseConfigError) as info:
+        check_runner_shape(_shaped(**over))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tp_2_over_one_kv_head_is_refused_when_the_real_config_is_built(tmp_path):
+    """A tiny Llama with 1 KV head at tensor_parallel_size=2: refused by the plugin when vLLM builds the config
+    (nothing started), while the same engine without vase builds."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tests.vllm_tiny import save_tiny_llama
+    from vase.vllm.plugin import register
+
+    register()
+    model = save_tiny_llama(str(tmp_path / "kv1"), kv_heads=1, heads=4)
+    options = dict(model=model, tensor_parallel_size=2, max_model_len=256, distributed_executor_backend="mp")
+    EngineArgs(**options).create_engine_config()
+    with pytest.raises(VaseConfigError) as info:
+        EngineArgs(**options, additional_config={"vase": {"method": "snapkv", "budget": 48, "window": 16}}
+                   ).create_engine_config()
+    assert "1 KV head(s), fewer than tensor_parallel_size=2" in str(info.value)
+
+
+def test_key_and_value_head_sizes_that_differ_are_refused_at_load():
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.requests import VaseRunnerMixin
+
+    def runner(head_size_v):
+        layer = NS(impl=object(), head_size=128, head_size_v=head_size_v)
+        return NS(compilation_config=NS(static_forward_context={"model.layers.0.self_attn.attn": layer}))
+
+    assert [n for n, _ in VaseRunnerMixin._vase_attention_impls(runner(128))] == ["model.layers.0.self_attn.attn"]
+    with pytest.raises(VaseConfigError) as info:
+        list(VaseRunnerMixin._vase_attention_impls(runner(64)))
+    assert "keys of 128 and values of 64 channels" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_beam_search_is_refused_offline_and_online():
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+
+    from vase.vllm.plugin import register
+
+    register()
+    vase = {"vase": {"method": "snapkv", "budget": 48, "window": 16}}
+    with pytest.raises(VaseConfigError, match="beam search"):
+        BeamSearchOfflineMixin.beam_search(NS(llm_engine=NS(vllm_config=NS(additional_config=vase))), [], None)
+
+    async def first(gen):
+        async for item in gen:
+            return item
+
+    serving = NS(engine_client=NS(vllm_config=NS(additional_config=vase)))
+    with pytest.raises(VaseConfigError, match="beam search") as info:
+        asyncio.run(first(BeamSearchOnlineMixin.beam_search(serving, {}, "r0", None)))
+    assert "\n" not in str(info.value)
+    # without vase the call goes through to vLLM's own code (which then fails on these stand-ins, not on vase)
+    with pytest.raises(Exception) as other:
+        BeamSearchOfflineMixin.beam_search(NS(llm_engine=NS(vllm_config=NS(additional_config={}))), [], None)
+    assert not isinstance(other.value, VaseConfigError)

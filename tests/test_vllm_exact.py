@@ -54,16 +54,21 @@ def preempting(tiny):
                        max_num_batched_tokens=64)
 
 
-def _preempt_evicted(llm, prompts: list[list[int]], n_new: int, every: int) -> dict:
-    """Run the requests; every `every` steps the scheduler preempts each running request that has already
-    evicted (at most twice per request). Checks, at each step, the blocks of every request that was decoding
-    in the previous step too against `request_stats` (what eval and bench report)."""
+def _preempt_evicted(llm, prompts: list[list[int]], n_new: int, every: int = 10**9, when=None,
+                     times: int = 2, sampling=None) -> dict:
+    """Run the requests; every `every` steps (or after each step where `when(request)` holds) the scheduler
+    preempts each running request that has already evicted (at most `times` per request), as vLLM does under
+    pressure. Checks after every step, for every running request (decoding, or replaying its history after a
+    preemption), that it holds the blocks the uninterrupted schedule holds at its length: ceil(c / block) before
+    its first eviction, ceil((B + w) / block) after (before the exact replay, a resumed request held its whole
+    history); and at every decode step that followed a decode step, the blocks `request_stats` reports."""
     engine = core(llm)
     sched = engine.scheduler
     cfg = VaseVllmConfig("h2o", budget=B_PRE, window=W_PRE)
+    keep = schedule.max_blocks(B_PRE, W_PRE, BLOCK)
     for i, ids in enumerate(prompts):
-        llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": ids}, greedy(n_new))
-    outputs, forced, decoding, checked, step = {}, {}, set(), 0, 0
+        llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": ids}, sampling(i) if sampling else greedy(n_new))
+    outputs, forced, decoding, checked, replayed, step = {}, {}, set(), 0, 0, 0
     while llm.llm_engine.has_unfinished_requests():
         for out in llm.llm_engine.step():
             if out.finished:
@@ -72,35 +77,103 @@ def _preempt_evicted(llm, prompts: list[list[int]], n_new: int, every: int) -> d
         manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
         now = set()
         for req in list(sched.running):
-            rid, p, n_out = req.request_id, req.num_prompt_tokens, req.num_output_tokens
-            if req.num_computed_tokens != p + n_out - 1 or n_out == 0:
+            rid, p, c = req.request_id, req.num_prompt_tokens, req.num_computed_tokens
+            held = len(manager.req_to_blocks[rid])
+            assert held == (schedule.cdiv(c, BLOCK) if c <= schedule.first_limit(p, B_PRE, W_PRE) else keep), \
+                (rid, c, held)
+            if forced.get(rid) and c < req.num_tokens:
+                replayed += 1  # a step inside a recomputing prefill
+            n_out = req.num_output_tokens
+            if c != p + n_out - 1 or n_out == 0:
                 continue  # inside a (re)prefill
             now.add(rid)
             if rid in decoding:  # a decode step followed a decode step: it holds what the stats say
-                assert len(manager.req_to_blocks[rid]) == request_stats(cfg, p, n_out, BLOCK).blocks, (rid, n_out)
+                assert held == request_stats(cfg, p, n_out, BLOCK).blocks, (rid, n_out)
                 checked += 1
-            evicted = schedule.num_evictions(p, B_PRE, W_PRE, req.num_computed_tokens - p) > 0
-            if evicted and step % every == 0 and forced.get(rid, 0) < 2:
+            evicted = schedule.num_evictions(p, B_PRE, W_PRE, c - p) > 0
+            due = when(req) if when is not None else step % every == 0
+            if evicted and due and forced.get(rid, 0) < times:
                 sched.running.remove(req)
                 sched._preempt_request(req, time.monotonic())
                 forced[rid] = forced.get(rid, 0) + 1
                 now.discard(rid)
         decoding = now
-    return {"outputs": outputs, "forced": forced, "checked": checked}
+    return {"outputs": outputs, "forced": forced, "checked": checked, "replayed": replayed}
+
+
+def _kept(record: dict) -> dict:
+    """Per request (id as given), the kept logical positions of each eviction: [(seen, per layer [heads][B])]."""
+    return {rid.rsplit("-", 1)[0]: [(e["seen"], e["positions"]) for e in entry["kept"]] for rid, entry in record.items()}
+
+
+def _exact_under_preemption(llm, method: str, prompts: list[list[int]], n_new: int, sampling=None,
+                            **preempt) -> dict:
+    """The requests uninterrupted and preempted (`preempt`: `_preempt_evicted`'s every / when / times): the same
+    tokens, and at every eviction of the preempted run (the first run's and its replays') the kept sets the
+    uninterrupted run had at that length."""
+    r = runner(llm)
+    r.vase_policy = get_policy(method)
+    r.vase_record = {}
+    plain = _preempt_evicted(llm, prompts, n_new, sampling=sampling)
+    plain_kept = _kept(r.vase_record)
+    r.vase_record = {}
+    before = r.vase_recomputes
+    forced = _preempt_evicted(llm, prompts, n_new, sampling=sampling, **preempt)
+    forced_kept = _kept(r.vase_record)
+    r.vase_record = None
+    assert not plain["forced"] and forced["forced"]
+    divergent = sum(a != b for k in plain["outputs"] for a, b in zip(plain["outputs"][k], forced["outputs"][k]))
+    assert divergent == 0 and forced["outputs"] == plain["outputs"]
+    for rid, evictions in forced_kept.items():
+        reference = dict(plain_kept[rid])
+        assert len(evictions) > len(reference)  # the replays evicted again
+        for seen, positions in evictions:
+            assert positions == reference[seen], (method, rid, seen)
+    assert r.vase_recomputes - before == sum(forced["forced"].values())
+    return forced
 
 
 @pytest.mark.parametrize("method", EVICTING)
-def test_preempting_requests_that_already_evicted_completes(preempting, method):
-    """The engine died here for H2O (its per-slot scores kept the pre-preemption length)."""
-    r = runner(preempting)
-    r.vase_policy = get_policy(method)
-    before = r.vase_recomputes
+def test_a_request_preempted_after_it_evicted_keeps_its_tokens_and_kept_sets(preempting, method):
+    """Every evicting method, greedy fp32, three requests (prompts of 10, 30, 70 tokens, B = 48, w = 16, 150 new
+    tokens), each preempted twice after it evicted: 0 divergent tokens, the same kept sets in every layer and KV
+    head at every eviction, and the uninterrupted block count at every step of the replay. (Before the replay
+    was cut at the eviction boundaries, every method diverged within 0-5 tokens of the first resume.)"""
     prompts = [prompt_ids(n, n) for n in (10, 30, 70)]
-    res = _preempt_evicted(preempting, prompts, 150, every=23)
-    assert sorted(map(len, res["outputs"].values())) == [150] * 3
-    assert sorted(res["forced"].values()) == [2, 2, 2]  # every request was preempted twice after evicting
-    assert r.vase_recomputes - before == 6
-    assert res["checked"] > 300
+    res = _exact_under_preemption(preempting, method, prompts, 150, every=23)
+    assert sorted(res["forced"].values()) == [2, 2, 2]
+    assert res["checked"] > 300 and res["replayed"] > 0
+
+
+def _boundary_offset(req) -> int:
+    """How far a request's computed length is past its last eviction boundary (0: its next step evicts)."""
+    p, c = req.num_prompt_tokens, req.num_computed_tokens
+    return (c - schedule.first_limit(p, B_PRE, W_PRE)) % W_PRE
+
+
+@pytest.mark.parametrize("where", ["on a boundary", "mid-window"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "vase-attnv", "snapkv-sample"])
+def test_preempted_once_on_a_boundary_or_mid_window(preempting, method, where):
+    """Preempted exactly when its next step would evict, or half a window later; once per request."""
+    target = 0 if where == "on a boundary" else W_PRE // 2
+    prompts = [prompt_ids(n, n + 1) for n in (12, 40)]
+    res = _exact_under_preemption(preempting, method, prompts, 120, when=lambda q: _boundary_offset(q) == target,
+                                  times=1)
+    assert sorted(res["forced"].values()) == [1, 1]
+
+
+@pytest.mark.parametrize("method", ["snapkv", "vase-attnv"])
+def test_seeded_sampling_keeps_its_tokens_through_a_chunked_replay(preempting, method):
+    """Sampled requests with their own seeds (temperature 0.8): the replay's chunks are prefill chunks whose sample
+    vLLM discards and then rewinds the seeded generator, which a CPU generator cannot do ("CPU Generator does not
+    use offset", stock vLLM). The CPU worker samples those rows without the request's generator instead, so it is
+    where the rewind would have left it: the same tokens as uninterrupted."""
+    from vllm import SamplingParams
+
+    prompts = [prompt_ids(n, n + 2) for n in (10, 30, 70)]
+    res = _exact_under_preemption(preempting, method, prompts, 150, every=23, sampling=lambda i: SamplingParams(
+        max_tokens=150, temperature=0.8, seed=100 + i, ignore_eos=True))
+    assert sorted(res["forced"].values()) == [2, 2, 2]
 
 
 # -- refusals ---------------------------------------------------------------------------------------------
@@ -164,9 +237,13 @@ def test_a_request_whose_blocks_cannot_hold_its_physical_length_fails_loudly(mis
     llm = mismatched
     manager = core(llm).scheduler.kv_cache_manager
     assert isinstance(manager, EvictingKVCacheManager)
-    # The scheduler now follows B = 16 (at most 2 blocks for a 20-token prompt), the worker B = 80 (3 blocks).
+    # The scheduler now follows B = 16, w = 16: a 20-token prompt evicts at 36 stored tokens (2 blocks of 32),
+    # after which the scheduler returns block 1 to the pool and holds 1 block. The worker follows B = 80: it
+    # does not evict and writes slot 36, then (its row still lists block 1) slot 37, in the freed block.
+    # Before the worker knew the scheduler's trims this passed until slot 64 (the row's 2 blocks).
     manager.cfg = VaseVllmConfig("snapkv", budget=16, window=16)
-    with pytest.raises(VaseStepError, match=r"would store \d+ tokens in \d+ slots"):
+    with pytest.raises(VaseStepError, match=r"request \S+ would write slot 37 outside the 32 slots it owns .*"
+                                            r"position 37\)"):
         llm.generate([{"prompt_token_ids": prompt_ids(20, 5)}], greedy(120))
 
 

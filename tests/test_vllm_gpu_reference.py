@@ -67,7 +67,7 @@ def run(method, layout, kernel_block_size=None, seq_lens_fn=physical_seq_lens, n
         scheduled = np.array([min(CHUNK, r["P"] - r["computed"]) if r["computed"] < r["P"] else 1 for r in batch])
         starts = np.concatenate([[0], np.cumsum(scheduled)])
         prompts = np.array([r["P"] for r in batch])
-        plans = plan_batch([str(id(r)) for r in batch], prompts, prompts, computed, scheduled, B, W)
+        plans = plan_batch([str(id(r)) for r in batch], prompts, computed, scheduled, B, W)
         for r, plan, c in zip(batch, plans, computed):
             if plan.evict_from:  # before the step's writes, with the window the ring holds
                 window = ring.window_of(0, r["slot"], int(c))

@@ -233,3 +233,47 @@ def test_gpu_runner_step_equals_dense_attention_over_kept_tokens():
         for r, n in zip(batch, scheduled):
             r["computed"] += int(n)
     assert runner.vase_evictions == 9 and worst < 1e-9
+
+
+def _runner_config():
+    """What `VllmConfig.use_v2_model_runner` reads besides the environment (no HiSparse, no watermark, no V2 gaps)."""
+    return SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), watermark_config=None,
+                           _get_v2_model_runner_unsupported_features=lambda: [])
+
+
+def test_vase_selects_the_v1_runner_on_cuda_before_the_config_resolves(monkeypatch):
+    """vLLM 0.32 runs V2 on CUDA with Triton by default; with vase configured (and no user choice) the plugin sets
+    VLLM_USE_V2_MODEL_RUNNER=0 before vLLM reads it, so vLLM's own property answers V1; without vase, V2 stays."""
+    import vllm.config.vllm as vllm_config_module
+    import vllm.platforms
+    from vllm.config import VllmConfig
+
+    from vase.vllm import plugin
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", CUDA, raising=False)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # recorded, so the plugin's "0" is undone after the test
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    resolve = VllmConfig.use_v2_model_runner.fget
+    built = _runner_config()
+    monkeypatch.setattr(plugin, "check_vllm_config", lambda cfg: None)
+    seen = []
+    stock = plugin._wrap_create_engine_config(lambda self: seen.append(resolve(built)) or built)
+    stock(SimpleNamespace(additional_config={}))  # no vase section: stock vLLM's choice, V2
+    assert seen == [True]
+    vase_args = _engine_args(additional_config={"vase": {"method": "snapkv", "budget": 128, "window": 16}})
+    monkeypatch.setattr(plugin, "check_vllm_version", lambda: None)
+    stock(vase_args)  # the wrapped create_engine_config: V1 chosen before the original resolves anything
+    assert seen == [True, False]
+    import os
+
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_a_users_runner_choice_is_kept(monkeypatch):
+    from vase.vllm.platforms import select_v1_runner
+
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert select_v1_runner(env) is False and env == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    env = {}
+    assert select_v1_runner(env) is True and env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}

@@ -60,10 +60,13 @@ def test_requests_are_made_at_their_prefill_renewed_at_a_recompute_and_forgotten
     assert torch.equal(b.state.generator.get_state(), torch.Generator().manual_seed(3).get_state())  # request seed
     assert runner._vase_request("a", 0, 25) is a  # decoding: the same state
     a.state.evictions, a.positions = 2, [torch.zeros(1)]
+    a.state.generator.manual_seed(99)  # draws were taken
     runner.input_batch.num_tokens_no_spec[0] = 31  # preempted, recomputed over its whole history
     again = runner._vase_request("a", 0, 0)
     assert again is a and a.prefill_len == 31 and a.origin == 20 and a.positions is None
-    assert a.state.evictions == 2 and runner.vase_recomputes == 1
+    # the replay evicts again from the start: fresh policy state, the generator re-seeded (the same draws again)
+    assert a.state.evictions == 0 and runner.vase_recomputes == 1
+    assert torch.equal(a.state.generator.get_state(), torch.Generator().manual_seed(7).get_state())
     with pytest.raises(RuntimeError, match="never prefilled here"):
         runner._vase_request("c", 0, 4)
     assert runner._update_states(SimpleNamespace(finished_req_ids={"a"})) == "updated"
@@ -84,5 +87,22 @@ def test_a_step_past_the_blocks_or_the_schedule_stops_in_one_line():
     req = runner._vase_request("a", 0, 0)  # P0 = 20: the schedule's bound is max(20, 24) + 8 = 32
     runner._vase_check_room("a", req, StepPlan(0, 0, 0, 32), room=32, computed=31)
     for plan, room in ((StepPlan(0, 0, 0, 33), 48), (StepPlan(0, 0, 0, 30), 16)):
-        with pytest.raises(VaseStepError, match="request a would store .* the scheduler and the worker disagree"):
+        with pytest.raises(VaseStepError, match="request a would write slot .* the scheduler and the worker disagree"):
             runner._vase_check_room("a", req, plan, room=room, computed=31)
+
+
+def test_the_check_sees_the_blocks_the_scheduler_freed():
+    """The worker's block-table row never shrinks; the scheduler's output says what the request holds now. A step
+    writing into a block the scheduler has returned fails at that slot, before the forward."""
+    runner = _Runner()
+    runner.vase_block_size = 16
+    req = runner._vase_request("a", 0, 0)  # P0 = 20, B = 24, w = 8: first eviction at 32 stored, then at most 32
+    runner._update_states(SimpleNamespace(finished_req_ids=set(), vase_blocks={"a": 3}))
+    runner._vase_check_room("a", req, StepPlan(0, 0, 0, 32), room=48, computed=31)  # before the eviction: 2 blocks
+    runner._update_states(SimpleNamespace(finished_req_ids=set(), vase_blocks={"a": 2}))  # trimmed to 2 blocks
+    runner._vase_check_room("a", req, StepPlan(0, 0, 0, 32), room=48, computed=40)
+    with pytest.raises(VaseStepError, match="request a would write slot 32 outside the 32 slots it owns"):
+        runner._vase_check_room("a", req, StepPlan(0, 0, 0, 33), room=48, computed=41)
+    runner._update_states(SimpleNamespace(finished_req_ids=set(), vase_blocks={"a": 1}))  # a block freed in between
+    with pytest.raises(VaseStepError, match="would write slot 29 outside the 16 slots it owns"):
+        runner._vase_check_room("a", req, StepPlan(0, 0, 0, 30), room=48, computed=40)

@@ -3,57 +3,73 @@
 import pytest
 
 from vase import schedule
-from vase.vllm.steps import VaseStepError, allocation_length, plan_step
+from vase.vllm.steps import StepPlan, VaseStepError, allocation_length, next_boundary, plan_step
 
 B, W = 64, 16
 
 
-def _run(origin: int, prefill_len: int, start: int, stop: int) -> list:
-    """Plans of the one-token steps that write tokens start+1..stop after a prefill of `prefill_len`."""
-    return [plan_step("r", origin, prefill_len, c, 1, B, W) for c in range(start, stop)]
+def _run(origin: int, start: int, stop: int) -> list:
+    """Plans of the one-token steps that write tokens start+1..stop."""
+    return [plan_step("r", origin, c, 1, B, W) for c in range(start, stop)]
 
 
 @pytest.mark.parametrize("origin", [1, 20, 64, 100, 300])
 def test_uninterrupted_steps_follow_the_schedule(origin):
-    plans = _run(origin, origin, origin, origin + 400)
+    plans = _run(origin, origin, origin + 400)
     for n, plan in enumerate(plans):  # n generated tokens stored before the step
         c = origin + n
         assert plan.physical_end == schedule.physical_length(origin, B, W, n + 1)
         assert plan.offset == c + 1 - plan.physical_end
-        assert plan.physical_end == allocation_length(origin, origin, c + 1, B, W)
+        assert plan.physical_end == allocation_length(origin, c + 1, B, W)
         if schedule.is_eviction_step(origin, B, W, n):
             assert (plan.evict_from, plan.evict_to) == (schedule.physical_length(origin, B, W, n), B)
+            assert next_boundary(origin, c - 1, B, W) == c  # eviction steps are the boundaries
         else:
             assert plan.evict_from == 0
     assert sum(p.evict_from > 0 for p in plans) == schedule.num_evictions(origin, B, W, 400)
     # Inside a prefill (chunked or not) nothing moves.
     for c, n in ((0, origin), (0, 1), (origin - 1, 1)):
-        assert plan_step("r", origin, origin, c, n, B, W) == plan_step("r", origin, origin, c, n, B, W)
-        assert plan_step("r", origin, origin, c, n, B, W).offset == 0
+        assert plan_step("r", origin, c, n, B, W) == StepPlan(0, 0, 0, c + n)
 
 
-@pytest.mark.parametrize("origin, preempt_at", [(20, 150), (20, 100), (100, 190), (20, 61), (300, 320)])
-def test_a_recomputed_request_returns_to_the_uninterrupted_length_at_once(origin, preempt_at):
-    """Preempted with `preempt_at` tokens computed; the recompute prefills all preempt_at + 1 tokens."""
-    p2 = preempt_at + 1
-    evicted = schedule.num_evictions(origin, B, W, preempt_at - origin) > 0
-    first = plan_step("r", origin, p2, p2, 1, B, W)
-    target = schedule.physical_length(origin, B, W, p2 + 1 - origin)
-    assert first.physical_end == target  # what it would hold had it never been preempted
-    if evicted:
-        assert (first.evict_from, first.evict_to) == (p2, target - 1)
-        assert target <= B + W
-    else:
-        assert first.evict_from == 0 or schedule.is_eviction_step(origin, B, W, p2 - origin)
-    for c, plan in zip(range(p2 + 1, p2 + 200), _run(origin, p2, p2 + 1, p2 + 200)):
-        assert plan == plan_step("r", origin, origin, c, 1, B, W)  # then exactly the uninterrupted steps
-        assert plan.physical_end == allocation_length(origin, p2, c + 1, B, W)
-    assert allocation_length(origin, p2, p2, B, W) == p2  # the recompute itself holds everything
+def _replay(origin: int, history: int, chunk: int) -> list:
+    """The steps of a recomputing prefill of `history` tokens cut at the boundaries and at `chunk` tokens."""
+    steps, c = [], 0
+    while c < history:
+        n = min(chunk, history - c, next_boundary(origin, c, B, W) - c)
+        steps.append((c, n, plan_step("r", origin, c, n, B, W)))
+        c += n
+    return steps
 
 
-@pytest.mark.parametrize("computed, n", [(100, 2), (100, 17), (120, 3), (90, 20)])
-def test_more_than_one_token_past_the_prefill_is_refused_in_one_line(computed, n):
+@pytest.mark.parametrize("origin, history, chunk", [(20, 150, 64), (20, 101, 7), (100, 190, 1000), (20, 61, 3),
+                                                     (300, 320, 64), (300, 700, 50), (80, 80 + 16 + 64, 40)])
+def test_a_recomputing_prefill_cut_at_the_boundaries_replays_the_uninterrupted_schedule(origin, history, chunk):
+    """After each chunk the request stores what decoding stored at that length; it evicts at exactly the positions
+    decoding evicted at, from the same lengths, to B; then decoding goes on as if nothing happened."""
+    decoded = {c: p for c, p in zip(range(origin, history), _run(origin, origin, history))}
+    evicted_at = [c for c, p in decoded.items() if p.evict_from]
+    replay = _replay(origin, history, chunk)
+    assert [c for c, _, p in replay if p.evict_from] == evicted_at
+    for c, n, plan in replay:
+        assert plan.physical_end == allocation_length(origin, c + n, B, W)
+        if c + n > origin:
+            assert plan.physical_end == schedule.physical_length(origin, B, W, c + n - origin)
+            assert plan.offset == c + n - plan.physical_end
+        if plan.evict_from:
+            assert (plan.evict_from, plan.evict_to) == (decoded[c].evict_from, B)
+        assert plan.physical_end <= max(schedule.first_limit(origin, B, W), B + W)
+    for c in range(history, history + 100):
+        assert plan_step("r", origin, c, 1, B, W) == plan_step("r", origin, c, 1, B, W)
+
+
+@pytest.mark.parametrize("computed, n", [(70, 30), (100, 17), (158, 3), (10, 20)])
+def test_a_step_across_a_boundary_is_refused_in_one_line(computed, n):
+    """P0 = 20, B = 64, w = 16: boundaries 20, 80, 96, 112, ...; a step may end on one, never cross it."""
+    assert next_boundary(20, computed, B, W) < computed + n
     with pytest.raises(VaseStepError) as info:
-        plan_step("req-7", 20, 100, computed, n, B, W)
+        plan_step("req-7", 20, computed, n, B, W)
     message = str(info.value)
     assert "req-7" in message and f"writes {n} tokens" in message and "\n" not in message
+    end = next_boundary(20, computed, B, W)
+    assert plan_step("req-7", 20, computed, end - computed, B, W).physical_end == allocation_length(20, end, B, W)

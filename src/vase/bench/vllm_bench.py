@@ -45,6 +45,12 @@ __all__ = ["Step", "VllmBenchRow", "run_vllm_bench", "pool_bytes", "write_vllm_r
 
 #: Pool size in requests held at full length, as a fraction of N.
 REGIMES: dict[str, float] = {"ample": 1.0, "tight": 0.25, "squeeze": 1 / 16}
+#: Stock vLLM rows: at its own defaults (the baseline, ``full``) and at the plugin's engine settings (V1 model
+#: runner, plus ``vase_kwargs``: on a GPU piecewise CUDA graphs and no async scheduling), the second one only when
+#: ``vase_kwargs`` is given.
+STOCK_AT_VASE = "full@vase-settings"
+STOCK_METHODS = ("full", STOCK_AT_VASE)
+_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 #: Regimes that run the evicting methods only (stock vLLM there would hold one request at a time).
 EVICTING_ONLY = frozenset({"squeeze"})
 
@@ -85,6 +91,9 @@ class VllmBenchRow:
     blocks_mean: float  # time-weighted over the run
     evictions: int | None  # eviction events counted by the plugin's worker (None: stock vLLM)
     engine_start_s: float
+    #: tokens the plugin's worker prefilled again to replay preempted requests (None: stock vLLM, which does not
+    #: count them; vLLM's prompt-token stats do not see recomputes)
+    recomputed_tokens: int | None = None
     vs_full_tok_s: float | None = None
     vs_full_time: float | None = None  # full's seconds / this one's (> 1: finishes sooner)
     same_as_ample: int | None = None  # requests whose tokens equal the ample run's (None: no ample run to compare)
@@ -150,6 +159,13 @@ def _recorder_factory(sink: list):
     return _Recorder
 
 
+def _worker_recomputed(worker) -> int | None:
+    """Runs inside the worker: tokens the plugin's runner prefilled again for preempted requests (None: stock)."""
+    inner = getattr(worker, "worker", worker)
+    value = getattr(getattr(inner, "model_runner", None), "vase_recomputed_tokens", None)
+    return None if value is None else int(value)
+
+
 def _worker_evictions(worker) -> int | None:
     """Runs inside the worker: the plugin's eviction counter (None in stock vLLM)."""
     inner = getattr(worker, "worker", worker)  # a WorkerWrapperBase around the worker, or the worker itself
@@ -174,14 +190,40 @@ def _time_mean(ts: Sequence[float], values: Sequence[float], end: float) -> floa
 
 def _one(model_path: str, *, regime: str, method: str, budget: int | None, window: int, params: dict,
          prompts: list[list[int]], new_tokens: int, kv_bytes: int, dtype: str, block_size: int | None,
-         engine_kwargs: dict, log) -> VllmBenchRow:
+         engine_kwargs: dict, log, runner_env: str | None = None) -> VllmBenchRow:
+    """One configuration. `runner_env`: VLLM_USE_V2_MODEL_RUNNER for this engine (None: unset, vLLM's default);
+    the variable is put back afterwards, since the plugin sets it process-wide for its own rows."""
+    saved = os.environ.get(_RUNNER_ENV)
+    _set_runner_env(runner_env if method in STOCK_METHODS else saved)
+    try:
+        return _one_engine(model_path, regime=regime, method=method, budget=budget, window=window, params=params,
+                           prompts=prompts, new_tokens=new_tokens, kv_bytes=kv_bytes, dtype=dtype,
+                           block_size=block_size, engine_kwargs=engine_kwargs, log=log)
+    finally:
+        _set_runner_env(saved)
+
+
+def _set_runner_env(value: str | None) -> None:
+    if value is None:
+        os.environ.pop(_RUNNER_ENV, None)
+    else:
+        os.environ[_RUNNER_ENV] = value
+    import vllm.envs as envs
+
+    if envs._is_envs_cache_enabled():  # an in-process engine core froze vLLM's variables: read them again
+        envs.__getattr__.cache_clear()
+
+
+def _one_engine(model_path: str, *, regime: str, method: str, budget: int | None, window: int, params: dict,
+                prompts: list[list[int]], new_tokens: int, kv_bytes: int, dtype: str, block_size: int | None,
+                engine_kwargs: dict, log) -> VllmBenchRow:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vase.engines.vllm import engine_args, start_engine
     from vase.vllm.config import vase_section
 
-    section = None if method == "full" else vase_section(method, int(budget), window, params)
+    section = None if method in STOCK_METHODS else vase_section(method, int(budget), window, params)
     n = len(prompts)
     prompt_len = len(prompts[0])
     args = engine_args(model_path, dtype=dtype, max_model_len=prompt_len + new_tokens, seed=0, section=section,
@@ -214,10 +256,12 @@ def _one(model_path: str, *, regime: str, method: str, budget: int | None, windo
                     outputs[out.request_id.rsplit("-", 1)[0]] = list(out.outputs[0].token_ids)
         produced = sum(len(t) for t in outputs.values())
         end = time.perf_counter()
-        evictions = None
+        evictions = recomputed = None
         if section is not None:
             counts = engine.collective_rpc(_worker_evictions)
             evictions = sum(c for c in counts if c is not None) if any(c is not None for c in counts) else None
+            replays = [c for c in engine.collective_rpc(_worker_recomputed) if c is not None]
+            recomputed = replays[0] if replays else None  # every TP rank replays the same tokens
     finally:
         try:
             engine.engine_core.shutdown()
@@ -239,6 +283,7 @@ def _one(model_path: str, *, regime: str, method: str, budget: int | None, windo
         blocks_peak=max((s.blocks for s in steps), default=0),
         blocks_mean=_time_mean(ts, [s.blocks for s in steps], seconds),
         evictions=evictions, engine_start_s=start_s, timeline=steps,
+        recomputed_tokens=recomputed,
         outputs=[outputs[f"r{i}"] for i in range(n)])
     if produced != n * new_tokens:
         raise RuntimeError(f"{method} B={budget}: produced {produced} tokens, expected {n} x {new_tokens}")
@@ -252,8 +297,8 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
                    *, n_requests: int = 16, new_tokens: int = 2048, prompt_len: int = 128, window: int = 64,
                    regimes: Sequence[str] = ("ample", "tight"), pool_requests: float | None = None,
                    dtype: str | None = None, block_size: int | None = None, in_process: bool = True,
-                   seed: int = 0, engine_kwargs: dict | None = None, skip_errors: bool = False, log=print,
-                   **params: Any) -> list[VllmBenchRow]:
+                   seed: int = 0, engine_kwargs: dict | None = None, vase_kwargs: dict | None = None,
+                   skip_errors: bool = False, log=print, **params: Any) -> list[VllmBenchRow]:
     """Run every regime x (``full`` + methods x budgets); returns one row per configuration.
 
     Args:
@@ -263,7 +308,10 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
         dtype: vLLM's dtype (default float32 on CPU, bfloat16 on GPU).
         in_process: engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` if unset).
         engine_kwargs: more ``EngineArgs`` (e.g. ``load_format="dummy", skip_tokenizer_init=True`` for random
-            weights from a config-only folder).
+            weights from a config-only folder), for every engine.
+        vase_kwargs: more ``EngineArgs`` the plugin's engines run with (on a GPU: PIECEWISE CUDA graphs, no async
+            scheduling; the plugin sets them itself unless told otherwise), given to the vase rows and to a second
+            stock row, ``full@vase-settings`` (V1 runner too); the ``full`` baseline keeps vLLM's defaults.
         skip_errors: log a configuration that fails to build or run (e.g. the plugin refusing a platform)
             and go on with the next, instead of raising.
         params: method parameters (``-p``), passed to every method.
@@ -296,15 +344,21 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     plan = ({"custom": pool_requests} if pool_requests is not None
             else {r: max(1.0, REGIMES[r] * n_requests) for r in regimes})  # vLLM needs one whole request
     rows: list[VllmBenchRow] = []
+    user_runner = os.environ.get(_RUNNER_ENV)  # stock vLLM's baseline runs with the user's choice (or vLLM's default)
     for regime, held in plan.items():
         kv = pool_bytes(held, prompt_len, new_tokens, bs, bpt)
-        configs = ([] if regime in EVICTING_ONLY else [("full", None)]) + [(m, b) for m in methods for b in budgets]
+        stock = [] if regime in EVICTING_ONLY else ["full"] + ([STOCK_AT_VASE] if vase_kwargs is not None else [])
+        configs = [(m, None) for m in stock] + [(m, b) for m in methods for b in budgets]
         regime_rows = []
         for m, b in configs:
+            kwargs = dict(engine_kwargs or {})
+            if m != "full":
+                kwargs.update(vase_kwargs or {})
             try:
                 regime_rows.append(_one(path, regime=regime, method=m, budget=b, window=window, params=params,
                                         prompts=prompts, new_tokens=new_tokens, kv_bytes=kv, dtype=dtype,
-                                        block_size=block_size, engine_kwargs=dict(engine_kwargs or {}), log=log))
+                                        block_size=block_size, engine_kwargs=kwargs, log=log,
+                                        runner_env=user_runner if m == "full" else "0"))
             except Exception as e:  # noqa: BLE001 - only with skip_errors
                 if not skip_errors:
                     raise
@@ -346,7 +400,7 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
 
 _COLUMNS = ("regime", "method", "budget", "n_requests", "new_tokens", "pool_blocks", "tokens_per_s", "vs_full_tok_s",
             "seconds", "vs_full_time", "running_peak", "running_mean", "preemptions", "blocks_peak", "blocks_mean",
-            "evictions", "same_as_ample", "first_diff_median")
+            "evictions", "recomputed_tokens", "same_as_ample", "first_diff_median")
 
 
 def _fmt(v: Any) -> str:
@@ -397,7 +451,8 @@ def _plot(rows: Sequence[VllmBenchRow], path: Path) -> None:
     fig, axes = plt.subplots(2, len(regimes), figsize=(6 * len(regimes), 7), squeeze=False)
     for j, regime in enumerate(regimes):
         for r in (x for x in rows if x.regime == regime):
-            label = "full (stock vLLM)" if r.method == "full" else f"{r.method} B={r.budget}"
+            label = {"full": "full (stock vLLM)", STOCK_AT_VASE: "stock vLLM at vase's settings"}.get(
+                r.method, f"{r.method} B={r.budget}")
             ts = [s.t for s in r.timeline]
             axes[0][j].step(ts, [s.running for s in r.timeline], where="post", label=label)
             axes[1][j].step(ts, [s.blocks for s in r.timeline], where="post", label=label)

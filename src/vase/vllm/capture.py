@@ -33,32 +33,38 @@ class CapturePlan:
 
 
 class QueryRing:
-    """Per layer, [slots, q_heads, w, head_dim] rings of the last w queries; one slot per running request."""
+    """Per layer, [slots, q_heads, w, head_dim] rings of the last w queries; one slot per running request.
+
+    Allocated once, for `slots` requests (the runner passes vLLM's `max_num_seqs`), when the model is
+    loaded: before vLLM measures memory and sizes the KV pool from what is left, so the rings are inside
+    its budget; never grown. `store=False` (a policy that reads no queries) keeps the slot bookkeeping and
+    allocates nothing."""
 
     def __init__(self, layer_names: list[str], q_heads: int, head_dim: int, window: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, slots: int = 4, store: bool = True):
+        self.layer_names = list(layer_names)
         self.index = {name: i for i, name in enumerate(layer_names)}
         self.q_heads, self.head_dim, self.window = q_heads, head_dim, window
         self.dtype, self.device = dtype, device
-        self.rings: list[torch.Tensor] = [self._empty(0) for _ in layer_names]
-        self.free: list[int] = []
+        self.slots, self.store = slots, store
+        self.rings: list[torch.Tensor] = [self._empty(slots if store else 0) for _ in layer_names]
+        self.free: list[int] = list(range(slots - 1, -1, -1))
         self.plan: CapturePlan | None = None
 
     def _empty(self, slots: int) -> torch.Tensor:
         return torch.zeros(slots, self.q_heads, self.window, self.head_dim, dtype=self.dtype, device=self.device)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rings hold (all layers)."""
+        return sum(r.numel() * r.element_size() for r in self.rings)
+
     def acquire(self) -> int:
-        """A ring slot for a new request (the rings grow by doubling when full)."""
+        """A ring slot for a request starting its (re)prefill; the rings never grow (vLLM runs at most
+        `max_num_seqs` requests, each holding one slot while it runs)."""
         if not self.free:
-            old = self.rings[0].shape[0]
-            new = max(4, 2 * old)
-            grown = []
-            for ring in self.rings:
-                bigger = self._empty(new)
-                bigger[:old] = ring
-                grown.append(bigger)
-            self.rings = grown
-            self.free = list(range(new - 1, old - 1, -1))
+            raise RuntimeError(f"vase: all {self.slots} query-ring slots are taken (one per running request, sized "
+                               f"for max_num_seqs): the worker ran more requests at once than max_num_seqs")
         return self.free.pop()
 
     def release(self, slot: int) -> None:
@@ -67,7 +73,7 @@ class QueryRing:
     def record(self, layer_name: str, query: torch.Tensor) -> None:
         """Copy this step's planned rows of `query` [num_tokens, q_heads, head_dim] into the layer's ring."""
         plan = self.plan
-        if plan is None or plan.src.numel() == 0:
+        if plan is None or not self.store or plan.src.numel() == 0:
             return
         ring = self.rings[self.index[layer_name]]
         ring[plan.slot, :, plan.pos] = query.index_select(0, plan.src).to(ring.dtype)

@@ -3,9 +3,10 @@
 `VaseGPUWorker` (set through `worker_cls` on a CUDA platform) builds `VaseGPUModelRunner`, vLLM's
 GPU model runner with the same three additions as the CPU worker (`vase.vllm.worker`):
 
-1. after vLLM prepares a step's inputs, each decoding request at an eviction step is evicted in
-   every layer (`paged.evict_paged` on the layer's strided key/value views, `layouts.split_kv`),
-   before the forward writes the step's token;
+1. after vLLM prepares a step's inputs, each request whose step starts on an eviction boundary
+   (decoding, or replaying its history after a preemption) is evicted in every layer
+   (`paged.evict_paged` on the layer's strided key/value views, `layouts.split_kv`), before the
+   forward writes the step's tokens;
 2. RoPE positions stay logical; the metadata fields the GPU backends read for lengths and slots
    are made physical (`offsets`): `seq_lens` (GPU; FlashAttention's `seqused_k`, Triton's
    `seqused_k`, FlashInfer's paged-KV lengths), `optimistic_seq_lens_cpu` (read as
@@ -49,6 +50,7 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
         self.vase_backend: str | None = None
         self.vase_evictions = 0
         self.vase_recomputes = 0
+        self.vase_recomputed_tokens = 0  # tokens those replays prefilled again
 
     # -- setup ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
@@ -76,12 +78,11 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
         starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
         req_ids = list(batch.req_ids[:num_reqs])
         reqs = [self._vase_request(req_id, i, int(computed[i])) for i, req_id in enumerate(req_ids)]
-        plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), np.array([r.prefill_len for r in reqs]),
-                           computed, scheduled, cfg.budget, cfg.window)
+        plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), computed, scheduled, cfg.budget, cfg.window)
         table = batch.block_table[0]
         for i, (req, plan) in enumerate(zip(reqs, plans)):
             self._vase_check_room(req_ids[i], req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size,
-                                  int(computed[i]))
+                                  int(computed[i]), int(scheduled[i]))
         for i, plan in enumerate(plans):
             if plan.evict_from:
                 self._vase_evict(reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))

@@ -15,11 +15,11 @@ import numpy as np
 from .steps import StepPlan, plan_step
 
 
-def plan_batch(req_ids: list[str], origins: np.ndarray, prefill_lens: np.ndarray, computed: np.ndarray,
-               scheduled: np.ndarray, budget: int, window: int) -> list[StepPlan]:
-    """`plan_step` of each of R requests (origins, prefill_lens, computed, scheduled: [R] integers)."""
-    return [plan_step(req_ids[i], int(origins[i]), int(prefill_lens[i]), int(computed[i]), int(scheduled[i]), budget,
-                      window) for i in range(len(req_ids))]
+def plan_batch(req_ids: list[str], origins: np.ndarray, computed: np.ndarray, scheduled: np.ndarray, budget: int,
+               window: int) -> list[StepPlan]:
+    """`plan_step` of each of R requests (origins, computed, scheduled: [R] integers)."""
+    return [plan_step(req_ids[i], int(origins[i]), int(computed[i]), int(scheduled[i]), budget, window)
+            for i in range(len(req_ids))]
 
 
 def capture_rows(query_starts: np.ndarray, computed: np.ndarray, scheduled: np.ndarray, ring_slots: np.ndarray,

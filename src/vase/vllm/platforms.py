@@ -16,11 +16,17 @@ On a CUDA platform:
   one picked automatically is refused when the model loads (`layouts.backend_of`).
 - decode context parallelism: refused (its per-rank lengths would need their own offsets).
 
+On every platform, `select_v1_runner` picks vLLM's V1 model runner (the one vase hooks) when
+the user has not chosen: vLLM 0.32 runs V2 on CUDA by default whenever Triton is present
+(`VllmConfig.use_v2_model_runner`, read from `VLLM_USE_V2_MODEL_RUNNER` in every process).
+
 Duck-typed, no vLLM import at module level: the tests hand in stand-ins for the platform and configs.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from .config import VaseConfigError
@@ -29,6 +35,30 @@ from .layouts import GPU_BACKENDS
 CPU_WORKER_CLS = "vase.vllm.worker.VaseCPUWorker"
 GPU_WORKER_CLS = "vase.vllm.gpu_worker.VaseGPUWorker"
 _DROP = "or drop additional_config['vase']"
+#: The environment variable vLLM 0.32 reads (`vllm.envs`) to choose its model runner in every process.
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+logger = logging.getLogger("vase.vllm")
+
+
+def select_v1_runner(env: Any = None) -> bool:
+    """Before the engine config resolves: set VLLM_USE_V2_MODEL_RUNNER=0 unless the user set it; True when set here.
+
+    vLLM reads that variable lazily (`VllmConfig.use_v2_model_runner`) in this process and in the engine
+    and worker processes it starts later, which inherit it. It is process-wide: later engines in this
+    process run V1 too (set the variable yourself to choose). A user's explicit `1` is left alone and
+    refused, with the reason, once the config is built (`refusals.check_built_config`)."""
+    env = os.environ if env is None else env
+    if env.get(RUNNER_ENV) is not None:
+        return False
+    env[RUNNER_ENV] = "0"
+    if env is os.environ:
+        import vllm.envs as envs
+
+        if envs._is_envs_cache_enabled():  # an engine started earlier froze the variables: read them again
+            envs.__getattr__.cache_clear()
+    logger.warning("vase: selecting vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, process-wide): the plugin "
+                   "hooks V1; set VLLM_USE_V2_MODEL_RUNNER yourself to choose")
+    return True
 
 
 def worker_cls_for(platform: Any) -> str:

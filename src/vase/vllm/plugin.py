@@ -1,11 +1,14 @@
 """The vLLM general plugin: turns `additional_config["vase"]` into vase's scheduler and worker.
 
 vLLM calls `register()` in every process (entry point `vllm.general_plugins`). vLLM has no
-hook that reads `additional_config` before the engine is built, so this module holds the one
-internal hook the plugin needs: it wraps `EngineArgs.create_engine_config` (idempotently) so
-that an engine whose `additional_config` has a "vase" section is checked and configured with
-vLLM's own options (`scheduler_cls`, `worker_cls`, prefix caching off) before it starts.
-Engines without that section are built exactly as before.
+hook that reads `additional_config` before the engine is built, so this module wraps
+`EngineArgs.create_engine_config` (idempotently) so that an engine whose `additional_config`
+has a "vase" section is checked and configured with vLLM's own options (`scheduler_cls`,
+`worker_cls`, prefix caching off, the V1 model runner) before it starts, and wraps the front
+ends that would bypass eviction (streaming input, beam search) to refuse them. Engines without
+that section are built exactly as before. These are some of the vLLM internals the plugin
+relies on; all of them are listed in `vase.vllm.internals` (and docs/vllm.md) and pinned by
+tests/test_vllm_internals.py.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from __future__ import annotations
 import functools
 
 from .config import VaseConfigError, VaseVllmConfig
-from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, worker_cls_for
 from .model_refusals import check_model_layers
-from .refusals import check_built_config
+from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
+from .refusals import BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape
 
 #: The vLLM minor version whose internals the scheduler and worker hooks were written against.
 SUPPORTED_VLLM = "0.32"
@@ -57,6 +60,7 @@ def check_engine_args(args, cfg: VaseVllmConfig) -> None:
         if value not in (default, ours):
             raise VaseConfigError(f"vase brings its own {name}, got {name}={value!r}: drop {name} or "
                                   f"additional_config['vase']")
+    select_v1_runner()  # vLLM 0.32 would run V2 on CUDA by default; vase hooks V1
     args.enable_prefix_caching = False
     args.scheduler_cls = SCHEDULER_CLS
     args.worker_cls = worker_cls
@@ -75,6 +79,7 @@ def check_vllm_config(vllm_config) -> None:
     if vllm_config.speculative_config is not None:
         raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop speculative_config")
     check_built_config(vllm_config)
+    check_runner_shape(vllm_config)
 
 
 def _wrap_create_engine_config(original):
@@ -109,12 +114,46 @@ def _wrap_add_streaming_input(original):
     return add_streaming_input_request
 
 
+def _vase_configured(vllm_config) -> bool:
+    return VaseVllmConfig.from_additional_config(getattr(vllm_config, "additional_config", None)) is not None
+
+
+def _wrap_beam_search_offline(original):
+    @functools.wraps(original)
+    def beam_search(self, *args, **kwargs):
+        if _vase_configured(self.llm_engine.vllm_config):
+            raise VaseConfigError(BEAM_SEARCH_REFUSAL)
+        return original(self, *args, **kwargs)
+
+    beam_search.__vase_wrapped__ = True
+    return beam_search
+
+
+def _wrap_beam_search_online(original):
+    @functools.wraps(original)
+    async def beam_search(self, *args, **kwargs):
+        if _vase_configured(self.engine_client.vllm_config):
+            raise VaseConfigError(BEAM_SEARCH_REFUSAL)
+        async for output in original(self, *args, **kwargs):
+            yield output
+
+    beam_search.__vase_wrapped__ = True
+    return beam_search
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point: install the engine-args hook (and the front end's streaming-input
     refusal) once per process."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+
+    for cls, wrap in ((BeamSearchOfflineMixin, _wrap_beam_search_offline), (BeamSearchOnlineMixin,
+                                                                            _wrap_beam_search_online)):
+        if not getattr(cls.beam_search, "__vase_wrapped__", False):
+            cls.beam_search = wrap(cls.beam_search)
     if not getattr(AsyncLLM._add_streaming_input_request, "__vase_wrapped__", False):
         AsyncLLM._add_streaming_input_request = _wrap_add_streaming_input(AsyncLLM._add_streaming_input_request)
     if getattr(EngineArgs.create_engine_config, "__vase_wrapped__", False):

@@ -89,3 +89,37 @@ def check_kv_tensor(name: str, kv_dtype: Any, model_dtype: Any) -> None:
     if kv_dtype != model_dtype:
         raise VaseConfigError(f"attention layer {name} got a {kv_dtype} KV cache for a {model_dtype} model; vase "
                               f"needs it unquantised: use kv_cache_dtype='auto' {_DROP}")
+
+
+# -- the shape of the work: pooling models, heads split finer than the KV heads, K/V of different sizes ------------
+def check_runner_shape(vllm_config: Any) -> None:
+    """Refuse, on the built config, a pooling model and tensor parallelism wider than the model's KV heads."""
+    model = vllm_config.model_config
+    if getattr(model, "runner_type", "generate") == "pooling":
+        raise VaseConfigError(f"{model.model} runs as a pooling model (embeddings, scores: no sampled tokens, so "
+                              f"nothing is decoded and nothing to evict): use a generative model {_DROP}")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    kv_heads = model.get_total_num_kv_heads()
+    if tp > kv_heads:
+        # vLLM then replicates each KV head over tp / kv_heads ranks, each holding only part of the head's
+        # query group: query-scored kept sets would differ between the copies and from TP = 1
+        raise VaseConfigError(f"{model.model} has {kv_heads} KV head(s), fewer than tensor_parallel_size={tp} (vLLM "
+                              f"replicates them, and each copy would see only part of its queries, so kept sets "
+                              f"would differ from TP = 1): use tensor_parallel_size <= {kv_heads} {_DROP}")
+
+
+def check_head_sizes(name: str, layer: Any) -> None:
+    """Refuse, at model load, an attention layer whose values are not the keys' size (eviction splits one
+    [.., 2 * head_size] tensor into equal halves)."""
+    head_size = getattr(layer, "head_size", None)
+    head_size_v = getattr(layer, "head_size_v", head_size)
+    if head_size_v != head_size:
+        raise VaseConfigError(f"attention layer {name} has keys of {head_size} and values of {head_size_v} channels; "
+                              f"vase evicts caches whose keys and values have one head size: use a model with equal "
+                              f"key and value head sizes {_DROP}")
+
+
+#: One line for vLLM's beam search (offline `LLM.beam_search` and the server's `use_beam_search`).
+BEAM_SEARCH_REFUSAL = ("vase does not run under vLLM's beam search (it sends one max_tokens=1 request per step, each "
+                       "re-prefilled, so nothing is ever evicted): sample without beam search or drop "
+                       "additional_config['vase']")

@@ -20,18 +20,19 @@ from .capture import QueryRing
 from .config import VaseConfigError, VaseVllmConfig
 from .heads import RankHeads, rank_policy
 from .paged import RequestPolicyState
-from .refusals import check_kv_tensor
+from .refusals import check_head_sizes, check_kv_tensor
 from .steps import StepPlan, VaseStepError
 
 
 class VaseRequest:
     """What a runner keeps per running request: its schedule key, last (re)prefill, ring slot and policy state."""
 
-    def __init__(self, origin: int, prefill_len: int, slot: int, state: RequestPolicyState):
+    def __init__(self, origin: int, prefill_len: int, slot: int | None, state: RequestPolicyState, seed: int = 0):
         self.origin = origin  # P0, the prompt length: the schedule's key for the request's whole life
-        self.prefill_len = prefill_len  # P' of its last (re)prefill (P0 until it is preempted)
-        self.slot = slot
+        self.prefill_len = prefill_len  # tokens of its last (re)prefill (P0 until it is preempted; informational)
+        self.slot = slot  # its query-ring slot while it runs; None while preempted
         self.state = state
+        self.seed = seed  # its generator's seed: a recomputing prefill replays the draws from it
         #: when recording (CPU runner): per layer, the logical position of each stored slot [kv_heads, kept] at
         #: the last eviction, and the logical position where the tokens written since begin
         self.positions: list[torch.Tensor] | None = None
@@ -65,7 +66,15 @@ class VaseRunnerMixin:
         return rank_policy(self.vase_config.policy, heads)
 
     # -- vLLM's hooks ---------------------------------------------------------------------------------
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self._vase_make_ring()
+
     def _update_states(self, scheduler_output):
+        # the blocks the scheduler holds for each scheduled request now (after its trims; `VaseScheduler.schedule`)
+        self.vase_owned = getattr(scheduler_output, "vase_blocks", None)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._vase_preempted(req_id)
         result = super()._update_states(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self._vase_forget(req_id)
@@ -88,11 +97,23 @@ class VaseRunnerMixin:
         for name, layer in self.compilation_config.static_forward_context.items():
             impl = getattr(layer, "impl", None)
             if impl is not None:
+                check_head_sizes(name, layer)  # FlashAttention/Triton take value heads of another size; eviction not
                 yield name, impl
 
+    def _vase_make_ring(self) -> None:
+        """After the model is loaded, before vLLM measures memory and sizes the KV pool: the query ring for
+        `max_num_seqs` running requests, every attention layer (nothing stored for a policy that reads no
+        queries). Never grown afterwards."""
+        layers = sorted((name for name, _ in self._vase_attention_impls()), key=extract_layer_index)
+        first = self.compilation_config.static_forward_context[layers[0]]
+        self.vase_ring = QueryRing(layers, first.num_heads, first.head_size, self.vase_config.window,
+                                   self.model_config.dtype, self.device,
+                                   slots=int(self.vllm_config.scheduler_config.max_num_seqs),
+                                   store=bool(self.vase_policy.needs_queries))
+
     def _vase_attach_layers(self, kv_cache_config):
-        """After vLLM's `initialize_kv_cache`: the attention layers in order (`vase_layers`), one query ring they
-        all record into (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
+        """After vLLM's `initialize_kv_cache`: the attention layers in order (`vase_layers`), attached to the query
+        ring made at load (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
         Returns the first attention layer (its head size and heads are every layer's)."""
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
@@ -101,8 +122,9 @@ class VaseRunnerMixin:
         self.vase_layers = sorted(groups[0].layer_names, key=extract_layer_index)
         ctx = self.compilation_config.static_forward_context
         first = ctx[self.vase_layers[0]]
-        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, self.vase_config.window,
-                                   self.model_config.dtype, self.device)
+        if self.vase_ring is None or sorted(self.vase_ring.layer_names) != sorted(self.vase_layers):
+            raise RuntimeError(f"vase: the KV cache's attention layers {self.vase_layers} are not the ones the query "
+                               f"ring was made for at load ({None if self.vase_ring is None else self.vase_ring.layer_names})")
         for name in self.vase_layers:
             ctx[name].impl.vase_ring = self.vase_ring
             check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
@@ -112,8 +134,16 @@ class VaseRunnerMixin:
     # -- requests -------------------------------------------------------------------------------------
     def _vase_forget(self, req_id: str) -> None:
         req = self.vase_requests.pop(req_id, None)
-        if req is not None and self.vase_ring is not None:
+        if req is not None and req.slot is not None and self.vase_ring is not None:
             self.vase_ring.release(req.slot)
+
+    def _vase_preempted(self, req_id: str) -> None:
+        """A preempted request gives its ring slot back (its recomputing prefill records the window again), so
+        the slots in use never pass the requests running; its policy state and generator stay."""
+        req = self.vase_requests.get(req_id)
+        if req is not None and req.slot is not None and self.vase_ring is not None:
+            self.vase_ring.release(req.slot)
+            req.slot = None
 
     def _vase_request(self, req_id: str, index: int, computed: int) -> VaseRequest:
         """The state of request `req_id` (row `index` of the input batch, `computed` tokens written so far)."""
@@ -121,27 +151,46 @@ class VaseRunnerMixin:
         if computed == 0:  # a new request, or one resumed after preemption: a (re)prefill starts here
             prefill_len = int(self.input_batch.num_tokens_no_spec[index])
             if req is None:
-                seed = self.requests[req_id].sampling_params.seed
-                generator = torch.Generator(device=self.device).manual_seed(
-                    self.vase_config.seed if seed is None else int(seed))
+                params = self.requests[req_id].sampling_params
+                if params is None:  # a pooling request (the config check refuses pooling models first)
+                    raise VaseConfigError(f"vase: request {req_id} has no sampling parameters (a pooling request): "
+                                          f"use a generative model or drop additional_config['vase']")
+                seed = self.vase_config.seed if params.seed is None else int(params.seed)
+                generator = torch.Generator(device=self.device).manual_seed(seed)
                 origin = int(self.requests[req_id].num_prompt_tokens)
-                req = VaseRequest(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator))
+                req = VaseRequest(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator), seed)
                 self.vase_requests[req_id] = req
-            else:  # recomputed: the slot state described slots that are gone (H2O's scores would not fit)
+            else:  # recomputed: the replay evicts again from the start, with fresh state and the same draws
+                if req.slot is None:
+                    req.slot = self.vase_ring.acquire()
                 req.prefill_len = prefill_len
-                req.state = RequestPolicyState(req.state.generator, layer_state=req.state.layer_state,
-                                               evictions=req.state.evictions)
+                req.state = RequestPolicyState(torch.Generator(device=self.device).manual_seed(req.seed))
                 req.positions = None
                 self.vase_recomputes += 1
+                self.vase_recomputed_tokens = getattr(self, "vase_recomputed_tokens", 0) + prefill_len
         if req is None:
             raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
         return req
 
-    def _vase_check_room(self, req_id: str, req: VaseRequest, plan: StepPlan, room: int, computed: int) -> None:
-        """The invariant every write relies on: the request's blocks (`room` slots) hold its physical length,
-        which never passes the schedule's bound. VaseStepError in one line otherwise."""
-        bound = max(req.prefill_len, schedule.first_limit(req.origin, self.vase_config.budget, self.vase_config.window))
-        if plan.physical_end > room or plan.physical_end > bound:
-            raise VaseStepError(f"vase: request {req_id} would store {plan.physical_end} tokens in {room} slots "
-                                f"(prompt {req.origin}, prefill {req.prefill_len}, position {computed}): the scheduler "
-                                f"and the worker disagree on its schedule")
+    def _vase_check_room(self, req_id: str, req: VaseRequest, plan: StepPlan, room: int, computed: int,
+                         scheduled: int = 1) -> None:
+        """The invariant every write relies on, before the forward: the step's slots lie in the blocks the request
+        owns now (the first blocks of its row: `room` slots in the worker's row, which never shrinks, cut to what
+        the scheduler holds after its trims, `vase_owned`), and its physical length is within the schedule's
+        current bound (max(P, B) + w before the first eviction, B + w after it; a recompute replays the same).
+        VaseStepError in one line, naming the first slot outside, otherwise."""
+        cfg = self.vase_config
+        owned = getattr(self, "vase_owned", None)
+        if owned is not None and req_id in owned:
+            room = min(room, int(owned[req_id]) * self.vase_block_size)
+        if computed >= req.origin and schedule.num_evictions(req.origin, cfg.budget, cfg.window,
+                                                             computed + 1 - req.origin) > 0:
+            bound = schedule.steady_limit(cfg.budget, cfg.window)
+        else:
+            bound = schedule.first_limit(req.origin, cfg.budget, cfg.window)
+        limit = min(room, bound)
+        if plan.physical_end > limit:
+            first = max(limit, plan.physical_end - scheduled)
+            raise VaseStepError(f"vase: request {req_id} would write slot {first} outside the {room} slots it owns "
+                                f"(bound {bound}; prompt {req.origin}, prefill {req.prefill_len}, position "
+                                f"{computed}): the scheduler and the worker disagree on its schedule")

@@ -2,14 +2,14 @@
 
 `VaseScheduler` is vLLM's scheduler (set through `scheduler_cls`) with its KV cache manager
 wrapped: a request that is past its first eviction is allocated blocks for its physical length
-(`vase.schedule.physical_length` from the length of its (re)prefill and the tokens written
-since), and after the step of each eviction its blocks above ceil((B + w) / block_size) return
-to the pool. The worker follows the same schedule; nothing is fed back from it.
-
-The schedule is keyed by the request's prompt length for its whole life. A request preempted and
-resumed recomputes its whole history as a new prefill (vLLM's recompute preemption) and holds
-that length until its next step, which brings it back to the uninterrupted schedule's length
-(`vase.vllm.steps`); from then on it holds what it would have held without the preemption.
+(`vase.schedule.physical_length` keyed by its prompt length), and after the step of each
+eviction its blocks above ceil((B + w) / block_size) return to the pool. Multi-token steps end at
+the request's eviction boundaries (`_reserve_prefill_lookahead`), so a request preempted and
+resumed (vLLM recomputes its whole history as a prefill) replays its history in chunks, the
+worker evicting between them exactly as decoding did (`vase.vllm.steps`): it gets its tokens,
+its kept sets and its block count back, and never holds more than the uninterrupted schedule
+plus the chunk in flight. The worker follows the same schedule; the blocks each request holds
+are sent to it in the scheduler output (`vase_blocks`) for its invariant check.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from .. import schedule
 from .config import VaseConfigError, VaseVllmConfig
 from .plugin import STREAMING_REFUSAL
-from .steps import allocation_length
+from .steps import allocation_length, next_boundary
 
 
 class EvictingKVCacheManager:
@@ -29,24 +29,18 @@ class EvictingKVCacheManager:
         self._inner = inner
         self.cfg = cfg
         self.block_size = block_size
-        #: request id -> (prompt length P0, tokens of its last (re)prefill P')
-        self.prefill_len: dict[str, tuple[int, int]] = {}
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def physical_after(self, request_id: str, n_tokens: int) -> int | None:
-        """Physical length once `n_tokens` (logical) are written, or None while it equals the logical length."""
-        known = self.prefill_len.get(request_id)
-        if known is None:
-            return None
-        stored = allocation_length(*known, n_tokens, self.cfg.budget, self.cfg.window)
+    def physical_after(self, request, n_tokens: int) -> int | None:
+        """Physical length once `n_tokens` (logical) are written, or None while it equals the logical length. The
+        uninterrupted schedule's, also while a recomputing prefill replays it (its chunks end at the boundaries)."""
+        stored = allocation_length(request.num_prompt_tokens, n_tokens, self.cfg.budget, self.cfg.window)
         return stored if stored < n_tokens else None
 
     def allocate_slots(self, request, num_new_tokens: int, *args, **kwargs):
-        if request.num_computed_tokens == 0:  # a new request, or one resumed after preemption: a (re)prefill
-            self.prefill_len[request.request_id] = (request.num_prompt_tokens, request.num_tokens)
-        physical = self.physical_after(request.request_id, request.num_computed_tokens + num_new_tokens)
+        physical = self.physical_after(request, request.num_computed_tokens + num_new_tokens)
         if physical is None:
             return self._inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
         inner = self._inner
@@ -61,10 +55,9 @@ class EvictingKVCacheManager:
 
     def trim(self, request) -> int:
         """Return the blocks of an evicting request above ceil((B + w) / block_size) to the pool; how many."""
-        known = self.prefill_len.get(request.request_id)
-        if known is None or request.num_computed_tokens <= known[1]:
-            return 0  # inside a (re)prefill: everything is stored
-        p = known[0]
+        p = request.num_prompt_tokens
+        if request.num_computed_tokens <= p:
+            return 0  # inside the prompt (or its recompute): nothing evicted
         if schedule.num_evictions(p, self.cfg.budget, self.cfg.window, request.num_computed_tokens - p) == 0:
             return 0
         keep = schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size)
@@ -79,9 +72,6 @@ class EvictingKVCacheManager:
             freed += len(tail)
         return freed
 
-    def forget(self, request_id: str) -> None:
-        self.prefill_len.pop(request_id, None)
-
 
 class VaseScheduler(Scheduler):
     """vLLM's scheduler with vase's block accounting (see the module docstring)."""
@@ -93,6 +83,13 @@ class VaseScheduler(Scheduler):
         self.vase_blocks_freed = 0
         self.vase_preemptions = 0
 
+    def schedule(self, *args, **kwargs):
+        """vLLM's schedule, telling the workers the blocks each scheduled request holds now (after this scheduler's
+        trims, which the workers' block-table rows never see): `output.vase_blocks` {request id: blocks}."""
+        output = super().schedule(*args, **kwargs)
+        output.vase_blocks = {request_id: self.blocks_held(request_id) for request_id in output.num_scheduled_tokens}
+        return output
+
     def add_request(self, request) -> None:
         if getattr(request, "resumable", False):  # the front end refuses these first (vase.vllm.plugin)
             raise VaseConfigError(STREAMING_REFUSAL)
@@ -102,17 +99,23 @@ class VaseScheduler(Scheduler):
         self.vase_preemptions += 1
         return super()._preempt_request(request, *args, **kwargs)
 
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """vLLM's per-request cut of a step's tokens (called on the running and the waiting path, before blocks
+        are allocated), then vase's: a multi-token step (a prefill chunk, a recomputing prefill) ends at the
+        request's prompt end or its next eviction boundary, so that the worker can evict between chunks."""
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        end = next_boundary(request.num_prompt_tokens, num_computed_tokens, self.vase_config.budget,
+                            self.vase_config.window)
+        return min(n, end - num_computed_tokens)
+
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         manager: EvictingKVCacheManager = self.kv_cache_manager
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None or request.is_finished():
-                manager.forget(request_id)
-            else:  # the worker compacted during this step: the blocks above the bound are free now
+            if request is not None and not request.is_finished():
+                # the worker compacted during this step: the blocks above the bound are free now
                 self.vase_blocks_freed += manager.trim(request)
-        for request_id in scheduler_output.finished_req_ids:
-            manager.forget(request_id)
         return outputs
 
     def blocks_held(self, request_id: str) -> int:

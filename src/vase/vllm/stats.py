@@ -54,8 +54,8 @@ def request_stats(cfg: VaseVllmConfig, prompt_len: int, n_generated: int, block_
     `kv_bytes_per_token` = 2 * layers * kv_heads * head_dim * dtype bytes (0: bytes not reported).
     Blocks: before the first eviction a request holds ceil(seen / block_size) like stock vLLM;
     from the first eviction on, `max_blocks(cfg, block_size)` (the rest went back to the pool).
-    A preempted request returns to these numbers at its first step after the recomputing prefill
-    (`vase.vllm.steps`); `evictions` counts the schedule's evictions, not that catch-up compaction.
+    A preempted request holds these numbers throughout: its recomputing prefill replays the schedule
+    (`vase.vllm.steps`); `evictions` counts the schedule's evictions once (a replay repeats them).
     """
     s = schedule.sequence_stats(prompt_len, cfg.budget, cfg.window, max(n_generated - 1, 0))
     blocks_full = schedule.cdiv(s.seen, block_size)

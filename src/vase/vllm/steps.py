@@ -1,15 +1,18 @@
 """One request's step in the plugin, as a pure function of the schedule: what to evict and where to write.
 
-The schedule of a request is keyed by its original prompt length P0 (`vase.schedule`), for its
-whole life. vLLM's recompute preemption throws a request's blocks away and later prefills its
-whole logical history again (P' tokens, P' >= P0): during that prefill physical = logical, and
-at the first decode step after it the request is brought back at once to the length the
-uninterrupted schedule holds there (at most B + w - 1), so the memory bound, the block
-accounting and `request_stats` are the same as if it had never been preempted. Only the kept
-set differs (it was chosen from the recomputed history).
+The schedule of a request is keyed by its prompt length P0 (`vase.schedule`) for its whole life,
+and it evicts only at its eviction boundaries: the logical positions max(P0, B) + w + k w, before
+the token there is written. vLLM's recompute preemption throws a request's blocks away and later
+prefills its whole logical history again. The plugin makes that recompute exact: the scheduler
+cuts the recomputing prefill into chunks that end at P0 and at each eviction boundary
+(`next_boundary`, applied in `VaseScheduler`), and the worker evicts before a chunk that starts
+on a boundary, with the request's policy state started afresh and its generator re-seeded, so
+the replay rebuilds the cache decoding had built, holding (and allocated) exactly what the
+uninterrupted schedule holds. A step may therefore write several tokens past the prompt, as long
+as it crosses no boundary.
 
-Both sides use this: the worker (`VaseCPUModelRunner`) to evict and map slots, the scheduler
-(`EvictingKVCacheManager`) to allocate blocks; nothing is fed back between them.
+Both sides use this: the worker (`VaseCPUModelRunner`, `VaseGPUModelRunner`) to evict and map
+slots, the scheduler (`EvictingKVCacheManager`) to cut chunks and allocate blocks.
 No vLLM or torch import.
 """
 
@@ -40,41 +43,46 @@ class StepPlan:
     physical_end: int
 
 
-def stored_before(origin: int, prefill_len: int, computed: int, budget: int, window: int) -> int:
-    """Tokens a request stores once `computed` tokens (logical) are written, P0 = `origin`, last prefill `prefill_len`.
+def next_boundary(origin: int, computed: int, budget: int, window: int) -> int:
+    """The first logical position after `computed` where a request with prompt `origin` (P0) stops a multi-token
+    step: its prompt end P0, then max(P0, B) + w + k w (the positions evicted before)."""
+    if computed < origin:
+        return origin
+    first = schedule.first_limit(origin, budget, window)
+    if computed < first:
+        return first
+    return first + ((computed - first) // window + 1) * window
 
-    Inside or right at the end of a (re)prefill everything is stored; after that, the schedule's length."""
-    if computed <= prefill_len:
+
+def stored_before(origin: int, computed: int, budget: int, window: int) -> int:
+    """Tokens a request stores once `computed` tokens (logical) are written, prompt `origin` (P0)."""
+    if computed <= origin:
         return computed
     return schedule.physical_length(origin, budget, window, computed - origin)
 
 
-def plan_step(req_id: str, origin: int, prefill_len: int, computed: int, scheduled: int, budget: int,
-              window: int) -> StepPlan:
-    """The step of request `req_id` that writes `scheduled` tokens after `computed` (both logical).
+def plan_step(req_id: str, origin: int, computed: int, scheduled: int, budget: int, window: int) -> StepPlan:
+    """The step of request `req_id` that writes `scheduled` tokens after `computed` (both logical), prompt `origin`.
 
-    origin: its prompt length P0 (the schedule's key); prefill_len: the length of its last
-    (re)prefill P'. Raises VaseStepError for a step that writes more than one token past the
-    prefill (a streaming-input chunk): the schedule evicts one token at a time.
-    """
+    A prefill chunk (new or recomputing), or a decode step: evicts first when it starts on an
+    eviction boundary. Raises VaseStepError for a step that crosses a boundary or the prompt end
+    (the scheduler cuts chunks there; a streaming-input chunk would)."""
     c, n = computed, scheduled
-    if c + n <= prefill_len:  # (part of) a prefill: nothing evicted yet, physical = logical
+    if c + n <= origin:  # (part of) the prompt: nothing evicted yet, physical = logical
         return StepPlan(0, 0, 0, c + n)
-    if c < prefill_len or n != 1:
-        raise VaseStepError(f"vase: request {req_id} writes {n} tokens at position {c} after its {prefill_len}-token "
-                            f"prefill; the plugin writes one token per step past the prefill (no streaming input "
-                            f"or multi-token steps): drop additional_config['vase'] for such requests")
-    before = stored_before(origin, prefill_len, c, budget, window)
-    after = schedule.physical_length(origin, budget, window, c + 1 - origin)
-    if before + 1 > after:  # a scheduled eviction, or the catch-up after a recomputing prefill
-        return StepPlan(before, after - 1, c + 1 - after, after)
-    return StepPlan(0, 0, c + 1 - after, after)
+    end = next_boundary(origin, c, budget, window)
+    if c + n > end:
+        raise VaseStepError(f"vase: request {req_id} writes {n} tokens at position {c}, past its eviction boundary "
+                            f"{end} (prompt {origin}); the plugin's scheduler cuts steps there (no streaming input "
+                            f"or other schedulers): drop additional_config['vase'] for such requests")
+    before = stored_before(origin, c, budget, window)
+    after = stored_before(origin, c + n, budget, window)
+    if before + n > after:  # the step starts on an eviction boundary: evict to B first
+        return StepPlan(before, after - n, c + n - after, after)
+    return StepPlan(0, 0, c + n - after, after)
 
 
-def allocation_length(origin: int, prefill_len: int, n_tokens: int, budget: int, window: int) -> int:
-    """Tokens a request must have room for once `n_tokens` (logical) are written (the scheduler's view).
-
-    Inside a (re)prefill the logical length; past it the schedule's physical length."""
-    if n_tokens <= prefill_len:
-        return n_tokens
-    return schedule.physical_length(origin, budget, window, n_tokens - origin)
+def allocation_length(origin: int, n_tokens: int, budget: int, window: int) -> int:
+    """Tokens a request must have room for once `n_tokens` (logical) are written (the scheduler's view): the
+    uninterrupted schedule's length, also while a recomputing prefill replays it."""
+    return stored_before(origin, n_tokens, budget, window)

@@ -2,14 +2,14 @@
 
 `VaseCPUWorker` (set through `worker_cls`) runs `VaseCPUModelRunner`, vLLM's CPU model runner
 with three additions, all driven by `vase.vllm.steps.plan_step` from each request's prompt
-length P0, the length of its last (re)prefill and its logical length (nothing is fed back to
-the scheduler):
+length P0 and its logical length (the scheduler sends only the blocks each request holds, for
+the invariant check):
 
-1. after vLLM prepares a step's inputs: a decoding request at an eviction step (or at its first
-   step after a recomputing prefill, when it had evicted before) is evicted in every layer
-   (`vase.vllm.paged.evict_paged`, the same `policy.select` as the transformers path), before
-   the forward writes the new token; a step that would not fit the request's blocks stops with
-   one line (`VaseStepError`);
+1. after vLLM prepares a step's inputs: a request whose step starts on an eviction boundary (a
+   decode step, or a chunk of the recomputing prefill that replays a preempted request's
+   history) is evicted in every layer (`vase.vllm.paged.evict_paged`, the same `policy.select`
+   as the transformers path), before the forward writes the step's tokens; a step that would
+   write outside the request's blocks stops with one line (`VaseStepError`);
 2. RoPE positions stay logical; the slot mapping and sequence lengths use the physical length
    (logical minus the tokens evicted so far);
 3. each attention layer records the last w post-RoPE queries of each request.
@@ -84,7 +84,8 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         self.vase_ring: QueryRing | None = None
         self.vase_layers: list[str] = []
         self.vase_evictions = 0  # eviction events (all layers of one request at one step count once)
-        self.vase_recomputes = 0  # prefills of preempted requests (their policy state starts over)
+        self.vase_recomputes = 0  # replays of preempted requests (their policy state starts over, re-seeded)
+        self.vase_recomputed_tokens = 0  # tokens those replays prefilled again
         #: set to a dict to record, per request id, its evictions and the slots its first eviction kept per layer
         self.vase_record: dict | None = None
 
@@ -115,6 +116,34 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         nb, h, bs, _ = kv.shape
         return kv.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
 
+    # -- sampling: a discarded sample draws nothing from its request's seeded generator ------------------------
+    def _sample(self, *args, **kwargs):
+        """A request whose sample this step is discarded (a prefill chunk that is not its last, e.g. a
+        recomputing prefill cut at its eviction boundaries) samples without its seeded generator: vLLM would
+        draw from it and then rewind it (`set_offset`), which CPU generators cannot do ("CPU Generator does not
+        use offset"); not drawing leaves it exactly where the rewind would have. Put back after bookkeeping."""
+        self._vase_restore_generators()  # in case a step sampled without bookkeeping
+        gens = self.input_batch.generators
+        discard = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
+        self.vase_held_generators = {int(i): gens.pop(int(i)) for i in discard if int(i) in gens}
+        try:
+            return super()._sample(*args, **kwargs)
+        except BaseException:
+            self._vase_restore_generators()
+            raise
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            self._vase_restore_generators()
+
+    def _vase_restore_generators(self) -> None:
+        held = getattr(self, "vase_held_generators", None)
+        if held:
+            self.input_batch.generators.update(held)
+        self.vase_held_generators = {}
+
     # -- the step (after vLLM's `_prepare_inputs`, through the mixin) ----------------------------------
     def _vase_step(self, scheduled: np.ndarray) -> None:
         cfg, batch = self.vase_config, self.input_batch
@@ -128,8 +157,8 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             c, n = int(computed[i]), int(scheduled[i])
             req = self._vase_request(req_id, i, c)
-            plan = plan_step(req_id, req.origin, req.prefill_len, c, n, B, w)
-            self._vase_check_room(req_id, req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size, c)
+            plan = plan_step(req_id, req.origin, c, n, B, w)
+            self._vase_check_room(req_id, req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size, c, n)
             if plan.evict_from:
                 self._vase_evict(req_id, req, i, plan.evict_from, plan.evict_to, seen=c)
             offsets[i], ring_slots[i] = plan.offset, req.slot
@@ -147,7 +176,7 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
             batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
     def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
-        """Bring request `index` from `length` stored tokens to `keep` (B, or more right after a recompute) in
+        """Bring request `index` from `length` stored tokens to `keep` (B) in
         every layer, in place. `seen`: logical tokens written so far."""
         cfg = self.vase_config
         table = self.input_batch.block_table[0]

@@ -1,0 +1,137 @@
+"""Every vLLM-internal symbol the plugin relies on, with what it expects of it (pinned by tests/test_vllm_internals.py).
+
+vLLM 0.32 has no public extension point for what the plugin does (read `additional_config`
+before the engine is built, allocate blocks by a physical length, change a step's slots and
+lengths after its inputs are prepared, record queries inside attention), so the plugin
+subclasses, wraps or reads the internals below. Each entry names the symbol, the parameters
+(for a callable) or the attributes (for a class: instance attributes its source sets, fields,
+properties) the plugin's code depends on, and which plugin code uses it. The test resolves
+each symbol in the installed vLLM and fails, naming the entry, when one is gone or changed;
+docs/vllm.md lists the same symbols. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One vLLM symbol: `params` (callable: its parameter names, in order, as the plugin calls or overrides it),
+    `attrs` (class: names its source defines, `self.<name> =`, a field or a property), `source_only` (resolved
+    by reading the module's file, for modules that do not import on a CPU build), `used_by` (plugin code)."""
+
+    symbol: str
+    used_by: str
+    params: tuple[str, ...] | None = None
+    attrs: tuple[str, ...] = ()
+    source_only: bool = False
+
+
+_SCHED = "vllm.v1.core.sched.scheduler.Scheduler"
+_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+_IMPL_FORWARD = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
+
+VLLM_INTERNALS: tuple[Internal, ...] = (
+    # -- the engine front end (plugin.py) ----------------------------------------------------------------
+    Internal("vllm.engine.arg_utils.EngineArgs.create_engine_config", "plugin: wrapped to check and configure "
+             "engines with a vase section", params=("self", "usage_context", "headless"),
+             attrs=("additional_config", "speculative_config", "kv_cache_dtype", "kv_transfer_config",
+                    "enable_prefix_caching", "scheduler_cls", "worker_cls", "async_scheduling",
+                    "attention_backend", "enforce_eager", "compilation_config")),
+    Internal("vllm.v1.engine.async_llm.AsyncLLM._add_streaming_input_request", "plugin: wrapped to refuse "
+             "streaming input", params=("self", "request_id", "input_stream", "sampling_params")),
+    Internal("vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin.beam_search", "plugin: wrapped "
+             "to refuse beam search (LLM.beam_search)", params=("self", "prompts", "params")),
+    Internal("vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin.beam_search", "plugin: wrapped to "
+             "refuse beam search (the server's use_beam_search)", params=("self", "prompt", "request_id", "params")),
+    Internal("vllm.config.vllm.VllmConfig.use_v2_model_runner", "platforms.select_v1_runner, refusals: the runner "
+             "vLLM picks, from VLLM_USE_V2_MODEL_RUNNER"),
+    Internal("vllm.envs._is_envs_cache_enabled", "platforms.select_v1_runner: re-read vLLM's environment after "
+             "setting VLLM_USE_V2_MODEL_RUNNER", params=()),
+    # -- the scheduler (scheduler.py) ---------------------------------------------------------------------
+    Internal(f"{_SCHED}.__init__", "VaseScheduler (scheduler_cls)",
+             params=("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size"),
+             attrs=("kv_cache_manager", "requests", "block_size")),
+    Internal(f"{_SCHED}.schedule", "VaseScheduler.schedule: adds vase_blocks to the output", params=("self",
+                                                                                                     "throttle_prefills")),
+    Internal(f"{_SCHED}.add_request", "VaseScheduler.add_request: refuses resumable requests",
+             params=("self", "request")),
+    Internal(f"{_SCHED}._reserve_prefill_lookahead", "VaseScheduler: cuts multi-token steps at eviction boundaries "
+             "(called per request on the running and waiting paths before allocation)",
+             params=("self", "request", "num_computed_tokens", "num_new_tokens")),
+    Internal(f"{_SCHED}._preempt_request", "VaseScheduler._preempt_request: counts preemptions",
+             params=("self", "request", "timestamp")),
+    Internal(f"{_SCHED}.update_from_output", "VaseScheduler.update_from_output: trims blocks above the bound",
+             params=("self", "scheduler_output", "model_runner_output")),
+    Internal("vllm.v1.core.sched.output.SchedulerOutput", "scheduler and workers: the step's requests",
+             attrs=("num_scheduled_tokens", "finished_req_ids", "preempted_req_ids")),
+    Internal("vllm.v1.request.Request", "EvictingKVCacheManager, VaseScheduler",
+             attrs=("request_id", "num_computed_tokens", "num_prompt_tokens", "num_tokens", "resumable",
+                    "is_finished")),
+    Internal("vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots", "EvictingKVCacheManager.allocate_slots "
+             "(wraps it)", params=("self", "request", "num_new_tokens")),
+    Internal("vllm.v1.core.kv_cache_manager.KVCacheManager", "EvictingKVCacheManager",
+             attrs=("coordinator", "block_pool", "empty_kv_cache_blocks", "create_kv_cache_blocks")),
+    Internal("vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.allocate_new_blocks", "EvictingKVCacheManager: "
+             "blocks for the physical length", params=("self", "request_id", "num_tokens", "num_tokens_main_model")),
+    Internal("vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator", "EvictingKVCacheManager",
+             attrs=("single_type_managers",)),
+    Internal("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager", "EvictingKVCacheManager.trim, "
+             "VaseScheduler.blocks_held", attrs=("req_to_blocks", "block_pool")),
+    Internal("vllm.v1.core.block_pool.BlockPool.free_blocks", "EvictingKVCacheManager.trim",
+             params=("self", "ordered_blocks")),
+    Internal("vllm.v1.core.block_pool.BlockPool.get_num_free_blocks", "EvictingKVCacheManager.allocate_slots",
+             params=("self",)),
+    # -- the model runners (requests.py, worker.py, gpu_worker.py) ------------------------------------------
+    Internal(f"{_RUNNER}._update_states", "VaseRunnerMixin: requests finished, preempted, blocks owned",
+             params=("self", "scheduler_output")),
+    Internal(f"{_RUNNER}._prepare_inputs", "VaseRunnerMixin: the step hook runs after it",
+             params=("self", "scheduler_output", "num_scheduled_tokens")),
+    Internal(f"{_RUNNER}.execute_model", "VaseRunnerMixin: clears the capture plan",
+             params=("self", "scheduler_output", "intermediate_tensors")),
+    Internal(f"{_RUNNER}.load_model", "VaseRunnerMixin, both runners: query ring, attention class swap",
+             params=("self", "load_dummy_weights")),
+    Internal(f"{_RUNNER}.initialize_kv_cache", "both runners: attach layers to the ring",
+             params=("self", "kv_cache_config")),
+    Internal(_RUNNER, "both runners: the step's prepared inputs, made physical",
+             attrs=("input_batch", "requests", "query_start_loc", "seq_lens", "optimistic_seq_lens_cpu",
+                    "positions", "compilation_config", "model_config", "vllm_config", "device",
+                    "discard_request_mask")),
+    Internal(f"{_RUNNER}._sample", "VaseCPUModelRunner._sample: discarded rows sample without their generator",
+             params=("self", "logits", "spec_decode_metadata")),
+    Internal(f"{_RUNNER}._bookkeeping_sync", "VaseCPUModelRunner: generators put back after vLLM's rewind loop",
+             params=("self",)),
+    Internal("vllm.v1.worker.gpu_input_batch.InputBatch", "both runners",
+             attrs=("num_reqs", "req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "block_table",
+                    "generators")),
+    Internal("vllm.v1.worker.gpu_input_batch.CachedRequestState", "VaseRunnerMixin._vase_request",
+             attrs=("sampling_params", "num_prompt_tokens")),
+    Internal("vllm.v1.worker.block_table.BlockTable", "both runners: a request's blocks",
+             attrs=("num_blocks_per_row", "block_table")),
+    Internal("vllm.v1.worker.block_table.MultiGroupBlockTable.compute_slot_mapping", "both runners: slots from "
+             "physical positions", params=("self", "num_reqs", "query_start_loc", "positions")),
+    Internal("vllm.model_executor.layers.attention.attention.Attention", "both runners: the layers in "
+             "static_forward_context", attrs=("kv_cache", "impl", "num_heads", "head_size", "head_size_v",
+                                               "layer_name")),
+    Internal("vllm.model_executor.models.utils.extract_layer_index", "VaseRunnerMixin: layer order",
+             params=("layer_name", "num_attn_module")),
+    Internal("vllm.v1.worker.cpu_model_runner.CPUModelRunner", "VaseCPUModelRunner (subclass)"),
+    Internal("vllm.v1.worker.cpu_worker.CPUWorker.init_device", "VaseCPUWorker: builds vase's runner",
+             params=("self",)),
+    Internal("vllm.v1.worker.gpu_worker.Worker._make_model_runner", "VaseGPUWorker: builds vase's runner",
+             params=("self",)),
+    Internal("vllm._custom_ops.cpu_attn_reshape_and_cache", "worker.cpu_kernel_layout: reads the CPU block layout",
+             params=("key", "value", "key_cache", "value_cache", "slot_mapping", "isa", "k_scale", "v_scale",
+                     "kv_cache_dtype")),
+    Internal("vllm.v1.attention.backends.cpu_attn._get_attn_isa", "worker.cpu_kernel_layout",
+             params=("dtype", "block_size", "head_size", "kv_cache_dtype")),
+    Internal("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward", "capture: records queries, "
+             "then attends", params=_IMPL_FORWARD),
+    Internal("vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward", "capture (GPU)",
+             params=_IMPL_FORWARD),
+    Internal("vllm.v1.attention.backends.triton_attn.TritonAttentionImpl.forward", "capture (GPU)",
+             params=_IMPL_FORWARD),
+    Internal("vllm.v1.attention.backends.flashinfer.FlashInferImpl.forward", "capture (GPU)", params=_IMPL_FORWARD,
+             source_only=True),
+)
