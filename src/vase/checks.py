@@ -10,7 +10,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_int", "check_method", "check_budget_window", "check_prompts", "check_sampling", "check_seed"]
+__all__ = ["check_int", "check_method", "check_budget_window", "check_prompts", "check_sampling", "check_seed",
+           "check_flags"]
 
 
 def _shown(value: Any) -> str:
@@ -87,3 +88,10 @@ def check_sampling(*, max_new_tokens: Any, temperature: Any, top_p: Any, top_k: 
         check_int("top_k", top_k)
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1 (or None for no top-k), got {top_k}")
+
+
+def check_flags(**flags: Any) -> None:
+    """Switches must be True or False: ``ignore_eos="no"`` is a truthy string that would turn EOS stopping off."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {_shown(value)}")

@@ -42,9 +42,9 @@ import torch
 
 from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
-from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, check_format, dequantize, packed_bytes,  # noqa: F401
+from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, bits_problem, check_format, dequantize, packed_bytes,  # noqa: F401
                     quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: kept importable from here
-from .schedule import physical_length
+from .schedule import physical_length, placeholder_budget
 from .storage import Rows
 
 SELECT = ("value", "random")
@@ -117,13 +117,14 @@ def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_g
     """
     if kv_bits == 16:
         if quant_guard is not None or quant_select != "value" or key_scale:
-            raise ValueError("quant_guard/quant_select only apply to a quantized cache: pass kv_bits=8, 4 or 2")
+            raise ValueError("quant_guard/quant_select/quant_key_scale only apply to a quantized cache: pass kv_bits=8, "
+                             "4 or 2 (--kv-bits)")
         return None
     if policy.selects:
         raise ValueError(f"{policy.name} selects from a full cache at every step; kv_bits applies to the owned "
                          "cache of an eviction method or 'full'")
     if kv_bits not in BITS:
-        raise ValueError(f"kv_bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {kv_bits}")
+        raise ValueError(bits_problem(kv_bits))
     if quant_select not in SELECT:
         raise ValueError(f"quant_select must be one of {', '.join(SELECT)}; got {quant_select!r}")
     if flush_every < 1:
@@ -283,7 +284,7 @@ class QuantBytes:
         spec = QuantSpec.from_options(storage) if isinstance(storage, Mapping) else storage
         if spec is None or int(spec.bits) == 16 or model is None:
             return None
-        cfg = quant_config(policy, budget or max(window + 1, 1), window, int(spec.bits), spec.guard, spec.group,
+        cfg = quant_config(policy, budget or placeholder_budget(window), window, int(spec.bits), spec.guard, spec.group,
                            spec.select, spec.flush_every, 0, spec.key_scale)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = int(text.num_attention_heads)

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vase.checks import check_budget_window
+from vase.errors import SpecError
 from vase.policies import Policy, UnknownMethodError, get_policy
-from vase.textfiles import decode_utf8
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
+from vase.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
+from vase.textfiles import decode_utf8
 
 __all__ = [
     "ConfigError",
@@ -38,7 +39,6 @@ __all__ = [
     "identity_changes",
     "records_of_run",
     "whole_number",
-    "check_reserves",
     "runtime_identity",
     "RUNTIME_FIELDS",
     "problems_digest",
@@ -95,8 +95,7 @@ _SCALARS: dict[str, type] = {
 
 
 #: Integer settings torch must be able to hold (a larger budget or length overflows a C long deep inside torch).
-_INT_MAX = 2**31 - 1
-_SEED_MAX = 2**63 - 1
+_INT_MAX, _SEED_MAX = INT_MAX, SEED_MAX
 
 
 def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
@@ -111,21 +110,6 @@ def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
     if isinstance(value, int) and abs(value) > maximum:
         raise ConfigError(f"{name} {value} is too large (at most {maximum})")
     return value
-
-
-def check_reserves(label: str, budget: int, policy: Policy,
-                   storage: QuantSpec | Mapping[str, Any] | None = None) -> None:
-    """Slots a method reserves must fit in the budget: ``n_large`` (the value guard) and ``quant_guard``
-    (old tokens kept in full precision). ConfigError naming the parameter, the budget and the fix.
-    ``storage``: a QuantSpec, or the storage keywords (``{"quant_guard": R, ...}``)."""
-    n_large = policy.n_large
-    if policy.evicts and n_large is not None and n_large > budget:
-        raise ConfigError(f"{label}: n_large ({n_large}) is larger than the budget ({budget}): the value guard "
-                          f"reserves slots inside the budget; lower -p n_large or raise the budget")
-    guard = storage.guard if isinstance(storage, QuantSpec) else (storage or {}).get("quant_guard")
-    if isinstance(guard, int) and not isinstance(guard, bool) and guard > budget:
-        raise ConfigError(f"{label}: quant_guard ({guard}) is larger than the budget ({budget}): it counts old "
-                          f"tokens kept in full precision inside the budget; lower --quant-guard")
 
 
 def _parse_scalar(text: str, kind: type) -> Any:
@@ -207,13 +191,6 @@ class EvalConfig:
     def __post_init__(self) -> None:
         self._coerce()
         self._validate()
-        self._check_reserves()
-
-    def _check_reserves(self) -> None:
-        """Every method's reserved slots (n_large, quant_guard) fit in every budget."""
-        for spec in self.method_specs().values():
-            for b in self.budgets:
-                check_reserves(spec.label, b, spec.policy, spec.storage)
 
     # -- normalisation ---------------------------------------------------------------------------
     def _coerce(self) -> None:
@@ -309,11 +286,13 @@ class EvalConfig:
         if evicting:
             need(bool(self.budgets), f"budgets is empty but {evicting[0].label!r} evicts: give --budgets")
         need(len(set(self.budgets)) == len(self.budgets), f"budgets lists a budget twice: {self.budgets}")
-        for b in self.budgets:
+        # The one request check (budget rule, reserves, storage) of every method at every budget (no budget: the
+        # methods that keep every token, at theirs).
+        for b in self.budgets or [None]:
             for s in specs.values():
                 try:
-                    check_budget_window(b, self.window, s.policy)
-                except (TypeError, ValueError) as exc:
+                    RequestSpec(s.policy, b, self.window, storage=s.storage, seed=self.seed).validate(self.engine)
+                except SpecError as exc:
                     raise ConfigError(f"{s.label}: {exc}") from exc
 
     def method_specs(self) -> dict[str, MethodSpec]:
@@ -323,9 +302,8 @@ class EvalConfig:
             params = dict(self.method_params.get(label, {}))
             method = canonical_label(params.pop("method", label))
             # Storage options (kv_bits, quant_guard, ...) go to the cache, not the policy.
-            storage = QuantSpec.from_options(params)
-            for key in QuantSpec.KEYWORDS.values():
-                params.pop(key, None)
+            params, spelled = split_storage(params)
+            storage = QuantSpec.from_options(spelled)
             try:
                 policy = get_policy(method, **params)
             except UnknownMethodError as e:

@@ -427,10 +427,9 @@ class _Runner:
         spec = self.specs[u.label]
         prompts = [build_user_message(self.problems[i]) for i, _ in batch]
         seeds = [sample_seed(c.seed, i, s) for i, s in batch]
-        # The full cache ignores the budget; give it one the cache accepts.
-        budget = u.budget if u.budget is not None else max(c.budgets, default=max(512, c.window + 8))
+        # The full cache has no budget (u.budget None): the request spec gives it the placeholder.
         out = self.engine.generate(
-            prompts, method=spec.method, budget=budget, window=c.window,
+            prompts, method=spec.method, budget=u.budget, window=c.window,
             max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
             greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.cache_params)
         if len(out.texts) != len(batch):
@@ -555,9 +554,8 @@ class _Runner:
             raise RuntimeError(f"fidelity: prompt of {p.id} encodes to {len(prompt_ids)} tokens, but generation "
                                f"saw {ref['prompt_length']}")
         target_t = torch.tensor(targets, dtype=torch.long)
-        full_budget = max(c.budgets, default=max(512, c.window + 8))
         t0 = time.perf_counter()
-        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=full_budget,
+        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=None,
                                                window=c.window, seed=seed0)
         full_seconds = time.perf_counter() - t0
         for u in pending:
