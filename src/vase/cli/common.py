@@ -118,7 +118,6 @@ def checked_params(methods: list[str], items: list[str] | None, *, budgets: list
         if budgets is None:  # the method and its parameters only
             policy = RequestSpec.of(name, **options).build_policy()
         for b in budgets or []:
-            check_range("--budget", b)
             policy = RequestSpec.of(name, b, window if window is not None else 64, **options).validate(engine).policy
         if method_params and not (policy.evicts or policy.selects):
             warn(f"--param {', '.join(sorted(method_params))} is ignored by {policy.name!r}: it keeps every token")
