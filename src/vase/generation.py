@@ -154,12 +154,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
                         f"({type(compile).__name__})")
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function stream(row, text), got {stream!r}")
-    device = next(model.parameters()).device
-    input_ids, attention_mask = encode_prompts(tokenizer, prompt_list, chat_template, device)
-    for i in (attention_mask.sum(-1) == 0).nonzero().flatten().tolist():  # would decode from padding alone
-        raise ValueError(f"prompt {i} ({prompt_list[i]!r}) encodes to no tokens (empty, and no chat template or "
-                         f"BOS to start from): give some text, or use a tokenizer with a chat template")
-    total = check_context(model, attention_mask.sum(-1).tolist(), max_new_tokens)
+    input_ids, attention_mask, total = prepare_prompts(model, tokenizer, prompt_list, chat_template, max_new_tokens)
     seeds = row_seeds(seed, len(prompt_list))
     cache = EvictionCache(model, method, budget, window, seed=seeds, sort_kept=sort_kept,
                           max_length=total, **method_params)
@@ -203,6 +198,20 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
         prefill_seconds=prefill_seconds,
         stats={**_final_stats(cache, compile), "rows": rows},
     )
+
+
+def prepare_prompts(model, tokenizer, prompts: Sequence[str], chat_template: bool, max_new_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """Encode `prompts` on the model's device and check them against the model: (input_ids [b, P], attention_mask
+    [b, P], the length to preallocate from `check_context`). ValueError for a prompt that encodes to no tokens or is
+    longer than the model's context. Every entry point that decodes (`generate`, `vase inspect`) goes through it."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat_template, device)
+    for i in (attention_mask.sum(-1) == 0).nonzero().flatten().tolist():  # would decode from padding alone
+        raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens (empty, and no chat template or "
+                         f"BOS to start from): give some text, or use a tokenizer with a chat template")
+    total = check_context(model, attention_mask.sum(-1).tolist(), max_new_tokens)
+    return input_ids, attention_mask, total
 
 
 def model_context(model) -> int | None:

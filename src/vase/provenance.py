@@ -109,13 +109,11 @@ def finish(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_results(path: str | Path, rows: list[Mapping[str, Any]], record: Mapping[str, Any]) -> Path:
-    """Write `{"provenance": record, "rows": rows}` to `path` atomically (a temp file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"provenance": dict(record), "rows": [dict(r) for r in rows]}, indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    """Write `{"provenance": record, "rows": rows}` to `path` atomically (`vase.atomic.atomic_write_text`)."""
+    from .atomic import atomic_write_text
+
+    return atomic_write_text(path, json.dumps({"provenance": dict(record), "rows": [dict(r) for r in rows]},
+                                              indent=1) + "\n")
 
 
 def read_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vase.engines.registry import ENGINES
 from vase.errors import SpecError
 from vase.policies import Policy, UnknownMethodError, get_policy
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
@@ -51,8 +52,8 @@ FULL = "full"
 
 _DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _ATTN = ("sdpa", "eager", "flash_attention_2")
-#: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.engines.vllm).
-_ENGINES = ("transformers", "vllm")
+#: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.engines.registry).
+_ENGINES = tuple(ENGINES)
 
 
 class ConfigError(ValueError):
@@ -93,6 +94,14 @@ _SCALARS: dict[str, type] = {
     "numeric_fallback": bool, "fidelity": bool,
 }
 
+
+#: Settings that are text, and what each holds (a number or a list there is refused naming the setting).
+_TEXT: dict[str, str] = {
+    "task": "a task name", "data_dir": "a folder path", "task_file": "a file path", "question_field": "a field name",
+    "answer_field": "a field name", "end_marker": "a string", "model": "a model spec (hub id, folder or .gguf)",
+    "dtype": "a dtype name", "device": "a device name", "attn_implementation": "a kernel name",
+    "engine": "an engine name", "output_dir": "a folder path", "name": "a folder name",
+}
 
 #: Integer settings torch must be able to hold (a larger budget or length overflows a C long deep inside torch).
 _INT_MAX, _SEED_MAX = INT_MAX, SEED_MAX
@@ -235,6 +244,10 @@ class EvalConfig:
             v = getattr(self, name)
             if isinstance(v, Path):
                 setattr(self, name, str(v))
+        for name, what in _TEXT.items():  # `output_dir: 5` in a config: one line, not a TypeError deep in pathlib
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{name} must be {what}, got {v!r}: write it as text (in quotes)")
 
     @property
     def task_name(self) -> str:
@@ -271,9 +284,10 @@ class EvalConfig:
              f"run folder inside output_dir")
         need(str(self.dtype) in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         need(self.engine in _ENGINES, f"engine must be one of {', '.join(_ENGINES)}, got {self.engine!r}")
-        need(not (self.fidelity and self.engine != "transformers"),
-             f"fidelity (teacher forcing) runs on the transformers engine only, not on {self.engine!r}: drop "
-             f"--fidelity or use --engine transformers")
+        forcing = [e for e, info in ENGINES.items() if info.forcing]
+        need(not (self.fidelity and not ENGINES[self.engine].forcing),
+             f"fidelity (teacher forcing) runs on the {' or '.join(forcing)} engine only, not on {self.engine!r}: drop "
+             f"--fidelity or use --engine {forcing[0]}")
         need(self.attn_implementation in _ATTN,
              f"attn_implementation must be one of {', '.join(_ATTN)}, got {self.attn_implementation!r}")
         for label in self.method_params:
@@ -481,11 +495,12 @@ def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
         device = resolve_device(config.device)
         sha, dtype, kernel = model_fingerprint(config.model), resolve_dtype(config.dtype, device), \
             config.attn_implementation
-    if getattr(config, "engine", "transformers") != "transformers":  # another engine resolves dtype and kernel itself
+    engine = ENGINES[getattr(config, "engine", "transformers")]
+    if not engine.attn:  # an engine with its own kernels resolves dtype and kernel itself
         dtype, kernel = config.dtype, config.engine
     runtime = {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
                "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
-    if getattr(config, "engine", "transformers") == "vllm":  # its kernels and scheduler produce the tokens
+    if engine.name == "vllm":  # its kernels and scheduler produce the tokens: its version is part of the run
         from vase.engines.vllm import vllm_version
 
         runtime["vllm"] = vllm_version()

@@ -46,6 +46,7 @@ import torch
 
 from vase import schedule
 from vase.engines.base import kv_bytes_per_token  # noqa: F401 - re-exported (tests, callers)
+from vase.engines.registry import ENGINES, engine_class
 from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_changes, identity_hash,
                               run_name, runtime_identity)
 from vase.eval.failures import classify_failure
@@ -378,7 +379,7 @@ class _Runner:
                                             completed=fid_total - fid_todo)
 
             per_batch, rows = max(1, c.batch_size // c.samples), c.batch_size
-            if self.engine.name == "vllm":  # vLLM schedules: every pending sample of a method in one call
+            if ENGINES[self.engine.name].internal_batching:  # vLLM schedules: every pending sample of a method in one call
                 per_batch, rows = max(1, len(mine)), max(1, len(mine) * c.samples)
             for g in range(0, len(mine), per_batch):
                 group = mine[g:g + per_batch]
@@ -637,10 +638,8 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
         TaskError: the task cannot be loaded.
     """
     engine = None
-    if config.engine == "vllm" and generate_fn is None:
-        from vase.engines.vllm import VllmEngine
-
-        engine = VllmEngine(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+    if config.engine != "transformers" and generate_fn is None:  # the default engine wraps generate_fn below
+        engine = engine_class(config.engine)(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
     if generate_fn is None:
         from vase.generation import generate as generate_fn
     if forced_fn is None:
