@@ -42,6 +42,12 @@ def serve(
     extra = list(ctx.args)
     if model is not None and model.startswith("-"):  # no MODEL given: the first vLLM option landed there
         model, extra = None, [model, *extra]
+    from ..engines.registry import refuse_unsupported
+
+    # vase's own flags of other commands would reach vLLM as unknown options after its start-up: refuse them here
+    asked = {flag.split("=")[0] for flag in extra}
+    refuse_unsupported("vllm", storage=bool(asked & {"--kv-bits", "--quant-guard"}), compile="--compile" in asked,
+                       attn="--attn" in asked)
     argv = serve_argv(model, method=method, budget=budget, window=window, params=params, host=host,
                       port=port, extra=extra)
     err_console.print(f"vase serve: {' '.join(argv[1:])}", highlight=False, soft_wrap=True)
