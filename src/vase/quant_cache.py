@@ -43,7 +43,7 @@ import torch
 from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
 from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, bits_problem, check_format, dequantize,  # noqa: F401
-                    packed_bytes, quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: kept importable from here
+                    packed_bytes, quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: importable here
 from .schedule import physical_length, placeholder_budget
 from .storage import Rows
 

@@ -379,7 +379,7 @@ class _Runner:
                                             completed=fid_total - fid_todo)
 
             per_batch, rows = max(1, c.batch_size // c.samples), c.batch_size
-            if ENGINES[self.engine.name].internal_batching:  # vLLM schedules: every pending sample of a method in one call
+            if ENGINES[self.engine.name].internal_batching:  # vLLM: every pending sample of a method in one call
                 per_batch, rows = max(1, len(mine)), max(1, len(mine) * c.samples)
             for g in range(0, len(mine), per_batch):
                 group = mine[g:g + per_batch]

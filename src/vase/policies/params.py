@@ -21,7 +21,7 @@ __all__ = ["ParameterError", "check_parameter_types"]
 
 
 class ParameterError(SpecError):
-    """A method parameter of the wrong type (a SpecError: a TypeError, and a ValueError for callers that catch those)."""
+    """A method parameter of the wrong type (a SpecError: a TypeError, and a ValueError for callers catching those)."""
 
 
 _WHAT = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
