@@ -31,12 +31,12 @@ from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLa
 # cache sets it in `update`, the attention function calls `attention_mask_for` on that layer.
 from .attention import PENDING_LAYER, install
 from .masks import and_selection, causal_padding_mask, real_slots
-from .checks import check_budget_window, check_method
+from .errors import SpecError
 from .hybrid import FULL, LINEAR, is_hybrid, text_config
-from .policies import Policy, get_policy
-from .quant import CACHE_STORAGE_OPTIONS
+from .policies import Policy
 from .quant_cache import QuantConfig, QuantSpec, QuantStorage
 from .schedule import first_limit, must_evict, room, steady_limit
+from .spec import RequestSpec
 from .storage import DenseStorage, KVStorage, flat_slots
 
 
@@ -424,7 +424,8 @@ class EvictionCache(Cache):
         model.generate(**inputs, cache=cache, max_new_tokens=2048)   # past_key_values=cache before 5.24
 
     method:      a registered method name (see `vase.policies`) or a Policy instance.
-    budget:      B, KV pairs kept per layer and KV head after an eviction.
+    budget:      B, KV pairs kept per layer and KV head after an eviction (None for a method that keeps every
+                 token, e.g. `full`: it gets `vase.spec.placeholder_budget`).
     window:      w, recent tokens never evicted; also the eviction interval and query window.
     seed:        one seed, or one per batch row; row r of an int seed uses seed + r.
     sort_kept:   store kept tokens in position order instead of the policy's order.
@@ -441,20 +442,14 @@ class EvictionCache(Cache):
     Building it installs vase's attention function on `model` (see `vase.attention.install`).
     """
 
-    def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int = 512, window: int = 64, *,
+    def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int | None = 512, window: int = 64, *,
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
                  num_layers: int | None = None, storage: QuantSpec | None = None, **method_params):
-        spelled = {k: method_params.pop(k) for k in CACHE_STORAGE_OPTIONS if k in method_params}
-        if spelled:
-            if storage is not None:
-                raise TypeError(f"pass the storage once: storage={storage!r} or {', '.join(spelled)}, not both")
-            storage = QuantSpec.from_options(spelled)
-        if storage is not None and not isinstance(storage, QuantSpec):
-            raise TypeError(f"storage must be None (full precision) or a vase.quant_cache.QuantSpec, got {storage!r}")
-        check_method(method)  # TypeError/ValueError naming the argument, before anything is built
-        check_budget_window(budget, window)  # types and ranges first, before the policy is built
-        policy = get_policy(method, **method_params)
-        check_budget_window(budget, window, policy)
+        # The one request check of every door (types, method, budget rule, reserves, storage): vase.spec.
+        req = RequestSpec.of(method, budget, window, seed=seed, storage=storage, **method_params).validate()
+        policy, budget = req.policy, req.budget
+        if not isinstance(sort_kept, bool):
+            raise SpecError(f"sort_kept must be True or False, got {sort_kept!r} ({type(sort_kept).__name__})")
         if model is not None:
             install(model)  # the cache needs vase's attention function to mask and score
             num_layers = model.config.get_text_config().num_hidden_layers
@@ -471,7 +466,7 @@ class EvictionCache(Cache):
         self.generators: list[torch.Generator] | None = None
         self._mask_memo: tuple | None = None
         #: the quantized storage's validated configuration; None: full precision (`DenseStorage`)
-        self.quant: QuantConfig | None = None if storage is None else storage.resolve(policy, budget, window, seed)
+        self.quant: QuantConfig | None = req.quant
         super().__init__(layers=[self._new_layer(i) for i in range(num_layers)])
 
     def _new_layer(self, i: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin:

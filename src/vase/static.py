@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils import is_torch_greater_or_equal
 
-from .attention import KERNELS, STATIC_PREFIX, _stock_kernel, base_kernel
+from .attention import KERNELS, STATIC_PREFIX, stock_kernel, base_kernel
 from .cache import EvictionCache, EvictionLayer
 from .quant_cache import QuantStorage
 from .static_storage import StaticDense, StaticQuant, front_index
@@ -461,7 +461,7 @@ def _make_static_attention(kernel: str):
         # the math kernel, so the stock kernel (its copy, then a fused kernel) stays.
         if kernel == "sdpa" and _SDPA_GQA and query.device.type == "cpu" and kwargs.get("position_bias") is None:
             return _sdpa_grouped(module, query, key, value, mask, **kwargs)
-        return _stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
+        return stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
 
     vase_static_attention.__name__ = f"{STATIC_PREFIX}{kernel}"
     return vase_static_attention

@@ -255,8 +255,8 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
             cache = _dynamic_cache(model)
         else:
             params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
-            cache = EvictionCache(model, method, budget if budget is not None else prompt_length + new_tokens,
-                                  window, seed=seed, max_length=prompt_length + new_tokens, **params)
+            cache = EvictionCache(model, method, budget, window, seed=seed, max_length=prompt_length + new_tokens,
+                                  **params)  # budget None (full): the request spec's placeholder
             timer = _EvictTimer(cache, device)  # eager evictions only (the compiled ones run inside the step)
         run_decode = decode
         if compiled:

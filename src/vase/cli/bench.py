@@ -55,19 +55,26 @@ def bench(
                                            "compiles, untimed).")] = False,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
+    from ..engines.registry import engine_info, engine_names, refuse_unsupported
+
     method_list, budget_list = split_list(methods, str, "--methods"), split_list(budgets, int, "--budgets")
-    if engine == "vllm":
+    if engine not in engine_names():
+        raise UserError(f"--engine must be {' or '.join(engine_names())}, got {engine!r}")
+    # Flags the engine would ignore are refused, not dropped: --kv-bits, --compile and --attn on vLLM.
+    refuse_unsupported(engine, storage=kv_bits != 16, compile=compile_, attn=given(ctx, "attn"))
+    if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
         from ..bench.vllm_bench import cli_bench
 
+        baseline = [m for m in method_list if m != "full"]  # stock vLLM is the reference, never a vase config
+        params = checked_params(baseline or method_list, param, budgets=budget_list if baseline else None,
+                                window=window, engine=engine)
         paths = cli_bench(model.model, method_list, budget_list, split_list(lengths or "2048", int, "--lengths"),
                           requests=requests, prompt_len=prompt_length, window=window,
                           regimes=split_list(regimes, str, "--regimes"), pool_requests=pool_requests,
                           block_size=block_size, dtype=None if model.dtype == "auto" else model.dtype,
-                          params=checked_params(method_list, param), out=out, log=console.print)
+                          params=params, out=out, log=console.print)
         console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
         return
-    if engine != "transformers":
-        raise UserError(f"--engine must be transformers or vllm, got {engine!r}")
     ignored = [f"--{n.replace('_', '-')}" for n in ("requests", "regimes", "pool_requests", "block_size")
                if given(ctx, n)]
     if ignored:
@@ -97,7 +104,14 @@ def random_model(spec: str, model: ModelArgs):
     from ..bench.shapes import build_random_model, shape_names
     from ..models import resolve_device, resolve_dtype
 
+    from ..models.errors import ModelLoadError
+    from ..models.options import check_attn_implementation
+
     dev = resolve_device(model.device)
+    try:  # an --attn problem names --attn, not --random-init
+        check_attn_implementation(model.attn, dev)
+    except ModelLoadError as e:
+        raise UserError(f"--attn {model.attn}: {e}") from None
     quiet_loading()
     try:
         return build_random_model(spec, resolve_dtype(model.dtype, dev), dev, model.attn)

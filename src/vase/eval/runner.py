@@ -46,6 +46,7 @@ import torch
 
 from vase import schedule
 from vase.engines.base import kv_bytes_per_token  # noqa: F401 - re-exported (tests, callers)
+from vase.engines.registry import ENGINES, engine_class
 from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_changes, identity_hash,
                               run_name, runtime_identity)
 from vase.eval.failures import classify_failure
@@ -378,7 +379,7 @@ class _Runner:
                                             completed=fid_total - fid_todo)
 
             per_batch, rows = max(1, c.batch_size // c.samples), c.batch_size
-            if self.engine.name == "vllm":  # vLLM schedules: every pending sample of a method in one call
+            if ENGINES[self.engine.name].internal_batching:  # vLLM: every pending sample of a method in one call
                 per_batch, rows = max(1, len(mine)), max(1, len(mine) * c.samples)
             for g in range(0, len(mine), per_batch):
                 group = mine[g:g + per_batch]
@@ -427,10 +428,9 @@ class _Runner:
         spec = self.specs[u.label]
         prompts = [build_user_message(self.problems[i]) for i, _ in batch]
         seeds = [sample_seed(c.seed, i, s) for i, s in batch]
-        # The full cache ignores the budget; give it one the cache accepts.
-        budget = u.budget if u.budget is not None else max(c.budgets, default=max(512, c.window + 8))
+        # The full cache has no budget (u.budget None): the request spec gives it the placeholder.
         out = self.engine.generate(
-            prompts, method=spec.method, budget=budget, window=c.window,
+            prompts, method=spec.method, budget=u.budget, window=c.window,
             max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
             greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.cache_params)
         if len(out.texts) != len(batch):
@@ -569,9 +569,8 @@ class _Runner:
             raise RuntimeError(f"fidelity: prompt of {p.id} encodes to {len(prompt_ids)} tokens, but generation "
                                f"saw {ref['prompt_length']}")
         target_t = torch.tensor(targets, dtype=torch.long)
-        full_budget = max(c.budgets, default=max(512, c.window + 8))
         t0 = time.perf_counter()
-        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=full_budget,
+        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=None,
                                                window=c.window, seed=seed0)
         full_seconds = time.perf_counter() - t0
         for u in pending:
@@ -653,10 +652,8 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
         TaskError: the task cannot be loaded.
     """
     engine = None
-    if config.engine == "vllm" and generate_fn is None:
-        from vase.engines.vllm import VllmEngine
-
-        engine = VllmEngine(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+    if config.engine != "transformers" and generate_fn is None:  # the default engine wraps generate_fn below
+        engine = engine_class(config.engine)(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
     if generate_fn is None:
         from vase.generation import generate as generate_fn
     if forced_fn is None:
