@@ -72,9 +72,9 @@ from pathlib import Path
 import torch
 
 from ..cache import EvictionCache
-from ..quant_cache import QuantBytes
 from ..generation import PAPER_SAMPLING, Sampler, decode
 from ..policies import get_policy
+from ..quant_cache import QuantBytes
 from ..schedule import num_evictions
 from .paired import alternating, paired_ratio
 from .traffic import ModelBytes, StepTraffic, decode_traffic, gain_share
