@@ -18,7 +18,8 @@ the same seed), the same random prompt, the same hand-written greedy decode loop
   decoding steps each layer is compressed back to B tokens;
 - vase: `EvictionCache(model, "knorm" | "snapkv", B, w)`: evicts to B every w tokens.
 
-Reported per side: decode tok/s (prefill excluded), the process's peak resident memory during the
+Reported per side: decode tok/s (prefill excluded; also per CPU second of the process, which on a
+loaded shared machine leaves out the time other processes took), the process's peak resident memory during the
 run (VmHWM reset before the prefill; weights included) and its rise over the RSS before it, and
 the K/V bytes and tokens held at the end.
 """
@@ -97,13 +98,13 @@ def worker(args: argparse.Namespace) -> None:
                     position_ids=torch.arange(P)[None], use_cache=True, logits_to_keep=1, **{kwarg: cache})
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         generated = [int(token)]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for i in range(N - 1):  # N tokens: the first came from the prefill
             out = model(input_ids=token, position_ids=torch.tensor([[P + i]]), use_cache=True, logits_to_keep=1,
                         **{kwarg: cache})
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             generated.append(int(token))
-        decode_s = time.perf_counter() - start
+        decode_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     peak = _status("VmHWM")
     if args.worker == "kvpress":
         layers = cache.layers
@@ -116,6 +117,7 @@ def worker(args: argparse.Namespace) -> None:
 
     print("RESULT " + json.dumps({
         "library": args.worker, "tokens": len(generated), "decode_s": decode_s, "tok_s": (N - 1) / decode_s,
+        "decode_cpu_s": cpu_s, "cpu_tok_s": (N - 1) / cpu_s,
         "peak_rss_bytes": peak, "rss_before_bytes": rss_before, "peak_rss_delta_bytes": max(0, peak - rss_before),
         "kv_bytes": kv, "stored_length": stored, "transformers": transformers.__version__,
         "torch": torch.__version__}), flush=True)
@@ -193,10 +195,12 @@ def main() -> None:
             for rnd, library in alternating(["kvpress", "vase"], args.rounds):
                 r = run_worker(kv_python if library == "kvpress" else sys.executable, library, length, args, config)
                 runs[library].append(r)
-                print(f"{length} tokens, round {rnd}: {library:7s} {r['tok_s']:7.2f} tok/s, peak RSS "
+                print(f"{length} tokens, round {rnd}: {library:7s} {r['tok_s']:7.2f} tok/s ({r['cpu_tok_s']:.2f} per CPU "
+                      f"second), peak RSS "
                       f"{r['peak_rss_bytes'] / 2**20:7.1f} MiB (+{r['peak_rss_delta_bytes'] / 2**20:.1f}), KV "
                       f"{r['kv_bytes'] / 2**20:.2f} MiB ({r['stored_length']} tokens)", flush=True)
             ratio = paired_ratio([r["tok_s"] for r in runs["vase"]], [r["tok_s"] for r in runs["kvpress"]])
+            cpu_ratio = paired_ratio([r["cpu_tok_s"] for r in runs["vase"]], [r["cpu_tok_s"] for r in runs["kvpress"]])
             for library in ("kvpress", "vase"):
                 rs = runs[library]
                 rows.append({
@@ -206,15 +210,20 @@ def main() -> None:
                     "new_tokens": length, "budget": args.budget, "window": args.window, "threads": args.threads,
                     "rounds": args.rounds, "tok_s": statistics.median(r["tok_s"] for r in rs),
                     "tok_s_runs": ";".join(repr(r["tok_s"]) for r in rs),
+                    "cpu_tok_s": statistics.median(r["cpu_tok_s"] for r in rs),
                     "peak_rss_bytes": int(statistics.median(r["peak_rss_bytes"] for r in rs)),
                     "peak_rss_delta_bytes": int(statistics.median(r["peak_rss_delta_bytes"] for r in rs)),
                     "kv_bytes": rs[-1]["kv_bytes"], "stored_length": rs[-1]["stored_length"],
                     "vase_vs_kvpress": ratio[0] if library == "vase" else None,
                     "vase_vs_kvpress_lo": ratio[1] if library == "vase" else None,
                     "vase_vs_kvpress_hi": ratio[2] if library == "vase" else None,
+                    "vase_vs_kvpress_cpu": cpu_ratio[0] if library == "vase" else None,
+                    "vase_vs_kvpress_cpu_lo": cpu_ratio[1] if library == "vase" else None,
+                    "vase_vs_kvpress_cpu_hi": cpu_ratio[2] if library == "vase" else None,
                 })
             print(f"{length} tokens: vase / kvpress tok/s, median of {args.rounds} paired rounds: {ratio[0]:.3f} "
-                  f"(range {ratio[1]:.3f}..{ratio[2]:.3f})", flush=True)
+                  f"(range {ratio[1]:.3f}..{ratio[2]:.3f}); by CPU time {cpu_ratio[0]:.3f} ({cpu_ratio[1]:.3f}.."
+                  f"{cpu_ratio[2]:.3f})", flush=True)
     finally:
         config.unlink(missing_ok=True)
     if args.results:

@@ -240,3 +240,28 @@ def test_cli_writes_results_with_provenance_and_flat_rows(tmp_path, capsys):
     assert row["vs_full_lo"] <= row["vs_full"] <= row["vs_full_hi"] and row["ceiling_vs_full"] > 1
     assert 0 < row["evict_share"] < 1
     assert "ceiling" in out and "bandwidth 2.0 GB/s" in out
+
+
+def test_cpu_clock_times_steps_and_evictions_and_needs_one_thread(tiny, monkeypatch):
+    fake = FakeClock()
+
+    def wall():
+        raise AssertionError("the wall clock was read under clock='cpu'")
+
+    monkeypatch.setattr(runner_mod, "_now", wall)
+    monkeypatch.setattr(runner_mod, "_cpu_now", fake)
+    handle = tiny.register_forward_pre_hook(lambda *_: setattr(fake, "now", fake.now + 0.02))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        rows = run_bench(tiny, ["vase-attnv"], [24], [40], [1], prompt_length=8, window=8, warmup=0, repeats=1,
+                         include_dynamic=False, bandwidth=None, clock="cpu")
+        assert {r["clock"] for r in rows} == {"cpu"}
+        assert all(r["tok_s"] == pytest.approx(1 / 0.02) for r in rows)
+        torch.set_num_threads(2)
+        with pytest.raises(ValueError, match="one torch thread"):
+            run_bench(tiny, ["vase-attnv"], [24], [40], [1], prompt_length=8, window=8, warmup=0, repeats=1,
+                      include_dynamic=False, bandwidth=None, clock="cpu")
+    finally:
+        torch.set_num_threads(threads)
+        handle.remove()

@@ -23,7 +23,7 @@ CSV_COLUMNS = [
     "expected_evictions", "eviction_fired", "evict_ms", "evict_step_ms", "evict_share", "kv_bytes", "kv_bytes_alloc",
     "kv_bytes_full", "kv_vs_full", "stored_length", "peak_mem_bytes", "peak_mem_delta_bytes", "mem_method", "flag",
     # the ceiling (docs/bench.md) and the paired repeats
-    "tok_s_runs", "vs_full_lo", "vs_full_hi", "vs_dynamic_lo", "vs_dynamic_hi", "bytes_step", "bytes_weights", "bytes_kv",
+    "clock", "tok_s_runs", "vs_full_lo", "vs_full_hi", "vs_dynamic_lo", "vs_dynamic_hi", "bytes_step", "bytes_weights", "bytes_kv",
     "bandwidth_gbs", "roofline_tok_s", "roofline_share", "ceiling_vs_full", "gain_vs_full", "ceiling_vs_dynamic",
     "gain_vs_dynamic",
 ]

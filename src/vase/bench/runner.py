@@ -95,6 +95,16 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def _cpu_now() -> float:
+    """CPU seconds of this process: with one torch thread, the time the decode itself ran, without the time a
+    loaded machine gave to other processes (`clock="cpu"`)."""
+    return time.process_time()
+
+
+#: run_bench's `clock` choices: wall time, or this process's CPU time (meaningful with one torch thread)
+CLOCKS = ("wall", "cpu")
+
+
 # -- memory ----------------------------------------------------------------------------------------
 def _status_kb(field: str) -> int | None:
     try:
@@ -212,8 +222,9 @@ def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window:
 class _EvictTimer:
     """Wraps `evict` of every layer of an EvictionCache (instance attributes; the class is untouched)."""
 
-    def __init__(self, cache: EvictionCache, device: torch.device):
+    def __init__(self, cache: EvictionCache, device: torch.device, clock: Callable[[], float] | None = None):
         self.cuda = device.type == "cuda"
+        self.clock = clock
         self.seconds = 0.0
         self.events: list[tuple] = []
         for layer in cache.layers:
@@ -228,9 +239,10 @@ class _EvictTimer:
                 end.record()
                 self.events.append((start, end))
             else:
-                t = _now()
+                now = self.clock or _now
+                t = now()
                 evict(due)
-                self.seconds += _now() - t
+                self.seconds += now() - t
 
         return timed
 
@@ -242,6 +254,10 @@ class _EvictTimer:
 
 
 # -- one run -------------------------------------------------------------------------------------
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _random_prompt(vocab: int, batch: int, length: int, seed: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
@@ -256,13 +272,21 @@ def _set_attention(model, method: str) -> None:
 
 def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int, prompt_length: int = 128,
             window: int = 64, segments: int = 4, seed: int = 0, compile: bool = False, cache_tokens: int | None = None,
-            **method_params) -> dict:
+            clock: str = "wall", **method_params) -> dict:
     """Decode `new_tokens` tokens once and return the raw measurements of that run.
 
     compile: decode with `vase.compiled.decode_compiled` (`full`: transformers' StaticCache, the step
     compiled; evicting methods: the static cache's compiled steps); `dynamic` stays eager.
     cache_tokens: size the full caches for this many new tokens instead of `new_tokens` (a warm-up
-    run compiles the StaticCache step for the shapes of the timed run)."""
+    run compiles the StaticCache step for the shapes of the timed run).
+    clock: "wall" (perf_counter), or "cpu": this process's CPU time (`time.process_time`) for the
+    step stamps and the eviction timer, on a CPU with one torch thread (a shared machine's other load
+    then does not count; memory contention still does)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and (device_of(model).type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='cpu' times one CPU thread: run on the CPU with one torch thread (--threads 1)")
+    now = _cpu_now if clock == "cpu" else None
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
     input_ids = _random_prompt(vocab, batch, prompt_length, seed, device)
@@ -280,7 +304,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
             params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
             cache = EvictionCache(model, method, budget if budget is not None else prompt_length + new_tokens,
                                   window, seed=seed, max_length=prompt_length + new_tokens, **params)
-            timer = _EvictTimer(cache, device)  # eager evictions only (the compiled ones run inside the step)
+            timer = _EvictTimer(cache, device, now)  # eager evictions only (the compiled ones run inside the step)
         run_decode = decode
         if compiled:
             from ..compiled import compile_cache, decode_compiled
@@ -307,7 +331,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
             if calls % batch == 0:  # the first row of a step: every row's token of this step is known
                 if cuda:
                     torch.cuda.synchronize(device)
-                stamps.append(_now())
+                stamps.append((now or _now)())
                 evict_marks.append(evictions_now())
             calls += 1
 
@@ -388,7 +412,7 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
               repeats: int = 3, segments: int = 4, include_dynamic: bool = True, seed: int = 0,
               include_full: bool = True, warmup_tokens: int | None = None,
               progress: Callable[[dict], None] | None = None, compile: bool | str = False,
-              bandwidth: float | str | None = "probe", **method_params) -> list[dict]:
+              bandwidth: float | str | None = "probe", clock: str = "wall", **method_params) -> list[dict]:
     """Benchmark decode throughput and memory; one row per (batch, method, budget, output length).
 
     `methods` are eviction methods (run at every budget); `full` (owned cache, no eviction) and,
@@ -411,6 +435,7 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     the ratio the traffic model allows (`ceiling_vs_full`, ...) and the share of that gain reached.
     Repeats are paired: round r runs every configuration once (A, B, A, B, ...), and each ratio is
     the median over rounds of that round's ratio, with its range (`vs_full_lo` .. `vs_full_hi`).
+    `clock`: "wall", or "cpu" (`run_one`: CPU time of one thread, for a loaded shared machine).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -460,18 +485,19 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
                     if warm_key not in warmed:
                         for _ in range(max(warmup, 1 if comp else 0)):  # compiling is never timed
                             run_one(model, method, budget, warmup_tokens or length, batch, prompt_length, window,
-                                    segments, seed, compile=comp, cache_tokens=length, **method_params)
+                                    segments, seed, compile=comp, cache_tokens=length, clock=clock, **method_params)
                         warmed.add(warm_key)
                 runs: dict[tuple, list[dict]] = {cfg: [] for cfg in configs}
                 # paired rounds (A, B, A, B, ...), so drifting machine load hits every method alike
                 for rep, (method, budget, comp) in alternating(configs, repeats):
                     runs[(method, budget, comp)].append(run_one(model, method, budget, length, batch,
                                                                 prompt_length, window, segments, seed,
-                                                                compile=comp, **method_params))
+                                                                compile=comp, clock=clock, **method_params))
                     if rep == repeats - 1:  # this configuration is done: report it now
                         row = _summarise(runs[(method, budget, comp)], model, device, dtype, method, budget,
                                          length, batch, prompt_length, window, repeats, comp)
                         _add_traffic(row, model, sizes, bandwidth, method_params)
+                        row["clock"] = clock
                         rows.append(row)
                         if progress is not None:
                             progress(dict(row))

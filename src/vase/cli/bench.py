@@ -57,6 +57,9 @@ def bench(
                                                        "measured once at the start by a matrix-vector probe; 0: no "
                                                        "roofline). The ceilings beside the ratios need no bandwidth.",
                                                        min=0)] = None,
+    clock: Annotated[str, typer.Option(help="wall, or cpu: time the steps by this process's CPU time (with "
+                                       "--threads 1 on a CPU; a loaded shared machine's other work then does "
+                                       "not count).")] = "wall",
     results: Annotated[Optional[Path], typer.Option(help="Results file (JSON: the rows with the date, commit, "
                                                     "machine, versions and command; default OUT/bench.json).")]
     = None,
@@ -82,13 +85,17 @@ def bench(
              f"(they size vLLM's pool): add --engine vllm, or drop {'it' if len(ignored) == 1 else 'them'}")
     length_list = split_list(lengths or "1024,4096", int, "--lengths")
     batch_list = split_list(batch_sizes, int, "--batch-sizes")
+    if clock not in ("wall", "cpu"):
+        raise UserError(f"--clock must be wall or cpu, got {clock!r}")
+    import torch
+
+    if clock == "cpu" and torch.get_num_threads() != 1:
+        raise UserError("--clock cpu times one thread: add --threads 1 before the command (vase --threads 1 bench ...)")
     quant = quant_options(kv_bits, None)
     params = {**checked_params(method_list, param, budgets=budget_list, window=window, storage=quant), **quant}
     from ..bench.report import write_report, write_results_file
     from ..bench.runner import run_bench
     from ..provenance import finish, provenance
-
-    import torch
 
     record = provenance(threads=torch.get_num_threads())  # before the measurement: its load average too
     if random_init:
@@ -99,7 +106,7 @@ def bench(
                      window=window, warmup=warmup, warmup_tokens=warmup_tokens, repeats=repeats,
                      include_dynamic=not no_dynamic,
                      compile="both" if compile_ else False,
-                     bandwidth="probe" if bandwidth is None else (bandwidth * 1e9 or None), **params)
+                     bandwidth="probe" if bandwidth is None else (bandwidth * 1e9 or None), clock=clock, **params)
     paths = write_report(rows, out, console=console)
     paths["results"] = write_results_file(rows, results or out / "bench.json", finish(record))
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
