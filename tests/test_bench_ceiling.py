@@ -265,3 +265,23 @@ def test_cpu_clock_times_steps_and_evictions_and_needs_one_thread(tiny, monkeypa
     finally:
         torch.set_num_threads(threads)
         handle.remove()
+
+
+def test_add_ratios_puts_the_ceiling_and_gain_share_beside_the_paired_ratio():
+    from vase.bench import add_ratios
+
+    def row(method, bytes_step, runs):
+        return {"method": method, "batch": 1, "new_tokens": 64, "compiled": False, "eviction_fired": True if method
+                == "snapkv" else None, "tok_s": sorted(runs)[len(runs) // 2], "tok_s_runs": ";".join(map(str, runs)),
+                "bytes_step": bytes_step, "kv_bytes": 10}
+
+    full, dyn = row("full", 200.0, [1.0, 2.0, 1.0]), row("dynamic", 300.0, [1.0, 1.0, 1.0])
+    mine = row("snapkv", 100.0, [1.5, 2.4, 1.2])  # rounds over full: 1.5, 1.2, 1.2
+    add_ratios([full, dyn, mine])
+    assert (mine["vs_full"], mine["vs_full_lo"], mine["vs_full_hi"]) == pytest.approx((1.2, 1.2, 1.5))
+    assert mine["ceiling_vs_full"] == 2.0 and mine["gain_vs_full"] == pytest.approx(0.2)
+    assert mine["ceiling_vs_dynamic"] == 3.0 and mine["gain_vs_dynamic"] == pytest.approx((1.5 - 1) / 2)
+    # One round each (or unequal counts): the ratio of the rates, as before pairing.
+    one = row("snapkv", 100.0, [3.0])
+    add_ratios([row("full", 200.0, [2.0]), one])
+    assert one["vs_full"] == 1.5 and one["gain_vs_full"] == pytest.approx(0.5)
