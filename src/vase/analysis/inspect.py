@@ -46,7 +46,7 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
 
     # Values of the whole sequence as the full cache holds them (the eviction run's are partly gone).
     full = DynamicCache(config=model.config)
-    sequence = torch.cat([ids, torch.tensor([tokens], device=device, dtype=ids.dtype)], dim=1)
+    sequence = torch.cat([ids, torch.tensor([tokens], device=ids.device, dtype=ids.dtype)], dim=1)
     model(input_ids=sequence, **cache_kwargs(full), use_cache=True, logits_to_keep=1)
     values = [layer.values for layer in full.layers]
     report = {

@@ -28,7 +28,9 @@ def bench(
     warmup_tokens: Annotated[Optional[int], typer.Option(help="New tokens of each untimed run (default: the first "
                                                         "of --lengths; a few dozen suffice for eager runs).",
                                                         min=2)] = None,
-    repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed rounds: each runs every configuration once (A, B, A, B, ...); "
+                                         "rates are medians, each ratio the median of the rounds' ratios with "
+                                         "its range.")] = 1,
     no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
     random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
                                                        "qwen3-4b, qwen3-14b, smollm2-135m, the hybrid qwen3.5-0.8b, "
@@ -53,6 +55,16 @@ def bench(
     compile_: Annotated[bool, typer.Option("--compile", help="Also run each configuration with its decode step "
                                            "torch.compile'd (full: transformers' StaticCache; the first run of each "
                                            "compiles, untimed).")] = False,
+    bandwidth: Annotated[Optional[float], typer.Option(help="Memory bandwidth in GB/s for the roofline (default: "
+                                                       "measured once at the start by a matrix-vector probe; 0: no "
+                                                       "roofline). The ceilings beside the ratios need no bandwidth.",
+                                                       min=0)] = None,
+    clock: Annotated[str, typer.Option(help="wall, or cpu: time the steps by this process's CPU time (with "
+                                       "--threads 1 on a CPU; a loaded shared machine's other work then does "
+                                       "not count).")] = "wall",
+    results: Annotated[Optional[Path], typer.Option(help="Results file (JSON: the rows with the date, commit, "
+                                                    "machine, versions and command; default OUT/bench.json).")]
+    = None,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
     from ..engines.registry import engine_info, engine_names, refuse_unsupported
@@ -82,11 +94,19 @@ def bench(
              f"(they size vLLM's pool): add --engine vllm, or drop {'it' if len(ignored) == 1 else 'them'}")
     length_list = split_list(lengths or "1024,4096", int, "--lengths")
     batch_list = split_list(batch_sizes, int, "--batch-sizes")
+    if clock not in ("wall", "cpu"):
+        raise UserError(f"--clock must be wall or cpu, got {clock!r}")
+    import torch
+
+    if clock == "cpu" and torch.get_num_threads() != 1:
+        raise UserError("--clock cpu times one thread: add --threads 1 before the command (vase --threads 1 bench ...)")
     quant = quant_options(kv_bits, None)
     params = {**checked_params(method_list, param, budgets=budget_list, window=window, storage=quant), **quant}
-    from ..bench.report import write_report
+    from ..bench.report import write_report, write_results_file
     from ..bench.runner import run_bench
+    from ..provenance import finish, provenance
 
+    record = provenance(threads=torch.get_num_threads())  # before the measurement: its load average too
     if random_init:
         mdl = random_model(random_init, model)
     else:
@@ -94,8 +114,10 @@ def bench(
     rows = run_bench(mdl, method_list, budget_list, length_list, batch_list, prompt_length=prompt_length,
                      window=window, warmup=warmup, warmup_tokens=warmup_tokens, repeats=repeats,
                      include_dynamic=not no_dynamic,
-                     compile="both" if compile_ else False, **params)
+                     compile="both" if compile_ else False,
+                     bandwidth="probe" if bandwidth is None else (bandwidth * 1e9 or None), clock=clock, **params)
     paths = write_report(rows, out, console=console)
+    paths["results"] = write_results_file(rows, results or out / "bench.json", finish(record))
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
