@@ -91,6 +91,10 @@ class EvictionLayer(CacheLayerMixin):
         # per row: bytes held just before its first eviction, at its peak stored length (quantized storage
         # holds those tokens as codes and exact entries, so the peak is not the peak length x dense bytes)
         self.row_peak_bytes: list[int] = []
+        # [b] long, quantized storage only: bytes held after each write after the prompt (a decode step writes
+        # one token), summed on the device (no sync per step). Which exact entries survive an eviction is the
+        # policy's choice, so the eval's time-averaged bytes of an evicting quantized cache come from here.
+        self.step_bytes: torch.Tensor | None = None
         self.row_pad0: list[int] = []  # per row: padding of the prompt (seen - pad0 = real tokens seen)
         self.awaiting_attention = False
 
@@ -187,6 +191,8 @@ class EvictionLayer(CacheLayerMixin):
         PENDING_LAYER.set(self)
         if self.pad is not None:  # the new slots' positions are final (the prompt's wait for its padding)
             self.storage.commit(self.positions, self.row_pad0, prompt=False)
+            if self.step_bytes is not None:
+                self.step_bytes += self.storage.row_bytes()
         return self.storage.read(end)
 
     def held_bytes(self, row: int | None = None) -> int:
@@ -226,6 +232,8 @@ class EvictionLayer(CacheLayerMixin):
         self.row_evictions = [0] * b
         self.row_peak = [0] * b
         self.row_peak_bytes = [0] * b
+        self.step_bytes = torch.zeros(b, dtype=torch.long, device=self.device) \
+            if hasattr(self.storage, "row_bytes") else None
         self.row_pad0 = list(self.pad)
         self.state_ready = [False] * b
         self._reschedule()
@@ -409,6 +417,8 @@ class EvictionLayer(CacheLayerMixin):
         self.positions = self.positions[rows]
         self.slot_state = {k: v[rows] for k, v in self.slot_state.items()}
         self.layer_state = {k: v[rows] for k, v in self.layer_state.items()}
+        if self.step_bytes is not None:
+            self.step_bytes = self.step_bytes[rows]
         if self.queries is not None:
             self.queries = self.queries[rows]
         if self.pad is not None:
@@ -597,7 +607,7 @@ class EvictionCache(Cache):
                 # the peak stored length is reached just before the first eviction (else it is now)
                 peak += l.row_peak_bytes[r] if l.row_evictions[r] else held
                 full += (l.seen - l.row_pad0[r]) * per_token
-                own = getattr(l.storage, "step_bytes", None)  # quantized storage: bytes summed over decode steps
+                own = l.step_bytes  # quantized storage: bytes summed over the decode steps
                 steps = None if own is None or steps is None else steps + int(own[r])
             bounded = sum(kept_layer_bytes(k, r, layers[0].seen - layers[0].row_pad0[r]) for k in self.kept_layers)
             row = {"evictions": layers[0].row_evictions[r], "kv_bytes": now + bounded,

@@ -328,10 +328,6 @@ class QuantStorage:
         self.view: tuple | None = None  # a chunk's exact copies of tokens it quantized partway (`_ingest`)
         self.unflushed = 0
         self.rank_gen: torch.Generator | None = None
-        # [b] long: bytes held after each write after the prompt, summed (a decode step writes one token).
-        # Kept on the device (no sync per step): which exact entries survive an eviction is the policy's
-        # choice, so the eval's time-averaged bytes of an evicting quantized cache come from here.
-        self.step_bytes: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -352,7 +348,6 @@ class QuantStorage:
         self.fslot = torch.full((b, h, n_fp), -1, dtype=slot_dtype(cap), device=self.device)
         self.frank = torch.zeros(b, h, n_fp, dtype=torch.float32, device=self.device)
         self.fn = torch.zeros(b, h, dtype=torch.long, device=self.device)
-        self.step_bytes = torch.zeros(b, dtype=torch.long, device=self.device)
         self._alloc_quantized(cap)
         self.rank_gen = torch.Generator(device=self.device).manual_seed(
             self.qcfg.seed * 1_000_003 + 7919 * self.layer_idx + 1)
@@ -399,8 +394,6 @@ class QuantStorage:
     def commit(self, positions: torch.Tensor, pad0: list[int], prompt: bool) -> None:
         if self.pending is not None:  # the prompt: quantize all but the window and the reserve at once
             self._ingest(positions, pad0, flush=prompt)
-            if not prompt:
-                self.step_bytes += self.row_bytes()
 
     def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.materialize(end)
@@ -452,7 +445,7 @@ class QuantStorage:
         _, h, cap, d = self.keys.shape
         self.keys = self.keys[:1].expand(b, h, cap, d)
         self.values = self.values[:1].expand(b, h, cap, self.values.shape[-1])
-        for name in ("fk", "fv", "fslot", "frank", "fn", "qslot", "qn", "kscale", "step_bytes"):
+        for name in ("fk", "fv", "fslot", "frank", "fn", "qslot", "qn", "kscale"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[rows])
         for p in (self.qk, self.qv):
