@@ -420,8 +420,8 @@ def test_eval_kv_bytes_over_time_are_the_quantized_caches_own(tmp_path, method, 
     if method == "full":  # nothing is evicted: the schedule's count of exact and quantized entries is the cache's
         assert rec["kv_bytes_time_mean"] == pytest.approx(own, rel=1e-12)
         assert rec["kv_bytes"] == held_steps[-1]
-    else:  # evictions can drop full-precision entries the schedule still counts (QuantBytes): an upper bound
-        assert own <= rec["kv_bytes_time_mean"] <= 1.05 * own
+    else:  # the eval's cache keeps other exact entries than this one fed other tokens: close, not equal
+        assert 0.95 * own <= rec["kv_bytes_time_mean"] <= 1.05 * own  # (exact: tests/test_eval_kv_columns.py)
         dense = kv_schedule(P, P + n, budget=24, window=8, evicts=True)["time_mean"] * kv_bytes_per_token(model)
         assert rec["kv_bytes_time_mean"] < 0.6 * dense  # 4-bit codes: what the dense accounting missed
     dense_mean = full["kv_bytes_time_mean"] if method == "full" else None

@@ -645,6 +645,12 @@ class QuantStorage:
             (self.kscale.shape[0] if row is None else 1)
         return int(qn.sum()) * quant + int(fn.sum()) * full + scales
 
+    def row_bytes(self) -> torch.Tensor:
+        """`held_bytes` of every batch row at once, on the device: [b] long."""
+        quant, full = self._entry_bytes()
+        scales = 0 if self.kscale is None else self.kscale[0].numel() * self.kscale.element_size()
+        return self.qn.sum(-1) * quant + self.fn.sum(-1) * full + scales
+
     def capacity_bytes(self) -> int:
         """Bytes allocated: every tensor of `held_tensors` (stores, tags, ranks, counters, key scales)."""
         return sum(t.numel() * t.element_size() for t in self.held_tensors())

@@ -239,6 +239,15 @@ class StaticQuant:
             scales = self.kscale[0].numel() * self.kscale.element_size() * (self.kscale.shape[0] if row is None else 1)
         return int(qn.sum()) * quant + int(fn.sum()) * full + scales
 
+    def row_bytes(self) -> torch.Tensor:
+        """`held_bytes` of every row at once, on the device (no sync): [b] long."""
+        quant, full = entry_bytes(self.keys.shape[-1], self.values.shape[-1], self.bits, self.group,
+                                  self.fk.element_size(), self.qslot.shape[2] - 1)
+        out = self.qn.sum(-1) * quant + self.fn.sum(-1) * full
+        if self.key_scale:
+            out = out + self.kscale_set.long() * (self.kscale[0].numel() * self.kscale.element_size())
+        return out
+
     def capacity_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
