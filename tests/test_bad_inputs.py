@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import vase
-from tests.conftest import tiny_model, tiny_tokenizer
+from tests.conftest import run_main, tiny_model, tiny_tokenizer
 from tests.helpers_tiny import tiny_model_and_tokenizer
 from vase.cache import EvictedStateError
 from vase.cli import main
@@ -782,14 +782,7 @@ def run_cli(argv: list[str], ctx: dict, stdin: bytes | None = None) -> tuple[int
     capsys, monkeypatch = ctx["capsys"], ctx["monkeypatch"]
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
-    capsys.readouterr()
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_main(argv, capsys)
 
 
 def test_the_table_has_every_case():

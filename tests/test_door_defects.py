@@ -14,9 +14,8 @@ import pytest
 
 import vase
 import vase.vllm
-from tests.conftest import tiny_model, tiny_tokenizer
+from tests.conftest import run_main, tiny_model, tiny_tokenizer
 from vase.cache import EvictionCache
-from vase.cli import main
 
 MISSING = "/nonexistent/model"
 
@@ -31,13 +30,8 @@ def _raise_reached(*args, **kwargs):
 
 def cli(argv: list[str], capsys) -> tuple[int, list[str]]:
     """Exit code and stderr's lines (warnings and vase serve's progress lines left out)."""
-    capsys.readouterr()
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    err = capsys.readouterr().err.strip().splitlines()
+    code, _, err = run_main(argv, capsys)
+    err = err.strip().splitlines()
     return code, [ln for ln in err if not ln.startswith(("vase: warning", "vase serve: "))]
 
 
