@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import (ModelArgs, ParamOpt, UserError, WindowOpt, checked_params, console, given, model_options,
+from .common import (ModelArgs, invocation, ParamOpt, UserError, WindowOpt, checked_params, console, given, model_options,
                      quant_options, quiet_loading, split_list, warn)
 
 __all__ = ["bench", "random_model"]
@@ -106,7 +106,7 @@ def bench(
     from ..bench.runner import run_bench
     from ..provenance import finish, provenance
 
-    record = provenance(threads=torch.get_num_threads())  # before the measurement: its load average too
+    record = provenance(invocation(), threads=torch.get_num_threads())  # before the measurement: its load average too
     if random_init:
         mdl = random_model(random_init, model)
     else:

@@ -52,6 +52,21 @@ def given(ctx: typer.Context | None, name: str) -> bool:
 #: Integers torch must be able to hold (a larger budget overflows a C long deep inside torch).
 INT_MAX = 2**31 - 1
 
+#: the command line as the user gave it (`vase` and its arguments), set by `vase.cli.main.main`: a results file
+#: records it (sys.argv is the caller's, e.g. pytest's, when `main` runs in-process)
+_invocation: list[str] = ["vase"]
+
+
+def set_invocation(args: list[str]) -> None:
+    """Remember the arguments `main` was called with, for `invocation()`."""
+    global _invocation
+    _invocation = ["vase", *args]
+
+
+def invocation() -> list[str]:
+    """The vase command line being run, e.g. ["vase", "--threads", "1", "bench", ...]."""
+    return list(_invocation)
+
 
 def check_range(flag: str, value: int | None, maximum: int = INT_MAX, minimum: int | None = None) -> None:
     """A flag's integer within what torch can hold: one line naming the flag instead of torch's overflow."""

@@ -15,7 +15,7 @@ from typer.exceptions import TyperException
 
 from .analyze import analyze_app, inspect
 from .bench import bench
-from .common import UserError
+from .common import UserError, set_invocation
 from .evaluate import evaluate, report, summarize
 from .generate import generate
 from .methods import methods
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("VASE_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
+    set_invocation(args)  # what a results file records as its command
     with warnings.catch_warnings():  # vase's own warnings as one line each; restored afterwards
         warnings.showwarning = _one_line_warning(warnings.showwarning)
         _run(args, debug)
