@@ -34,8 +34,8 @@ def model_refusal(model_config: Any) -> str | None:
         return (f"{name} ({kind}) has linear-attention (recurrent) layers beside full attention, which vase's vLLM "
                 f"plugin does not evict in yet: {_INSTEAD}")
     if (model_config.get_sliding_window() is not None or SLIDING in types) and FULL not in types:
-        return (f"{name} ({kind}) slides its window in every layer: its cache is already bounded and there is no "
-                f"full-attention layer to evict in")
+        return (f"{name} ({kind}) has sliding-window attention in every layer: its cache is already bounded and "
+                f"there is no full-attention layer to evict in; use a model with full-attention layers")
     # sliding-window layers beside full attention (Gemma 3, gpt-oss): the plugin evicts the full-attention
     # KV cache group and leaves the sliding-window groups to vLLM (vase.vllm.groups)
     return None
