@@ -213,8 +213,8 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
             table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
     def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
-        """Bring request `index` from `length` stored tokens to `keep` (B) in
-        every layer, in place. `seen`: logical tokens written so far."""
+        """Bring request `index` from `length` stored tokens to `keep` (B) in every layer of the full-attention
+        group, in place (sliding-window groups are vLLM's). `seen`: logical tokens written so far."""
         cfg = self.vase_config
         table = self.input_batch.block_table[self.vase_group]
         block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
