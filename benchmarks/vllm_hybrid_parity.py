@@ -28,9 +28,10 @@ def main(out: str) -> None:
     for family in ("gpt-oss", "gemma3"):
         path = save_tiny_hybrid(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
         llm = start_llm(dict(model=path, max_model_len=512, kv_cache_memory_bytes=2**22, block_size=BLOCK,
-                             enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8),
+                             enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8, enable_chunked_prefill=True,
+                             max_num_batched_tokens=64),
                         additional_config("snapkv", B, W))
-        for method in ("snapkv", "h2o"):
+        for method in ("snapkv", "h2o", "vase-attnv"):
             prompts = [prompt_ids(20, 40), prompt_ids(60, 42), prompt_ids(7, 41)]
             ours, seen = _vllm_run(llm, method, prompts, N_NEW)
             for run, ids in zip(ours, prompts):

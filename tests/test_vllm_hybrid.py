@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 import torch  # noqa: E402
 
-from tests.test_vllm_exact import TOL, _compare, prompt_ids  # noqa: E402
+from tests.test_vllm_exact import B_PRE, W_PRE, _compare, _exact_under_preemption, prompt_ids  # noqa: E402
 from tests.vllm_tiny import core, greedy, runner, start_llm  # noqa: E402
 from vase import schedule  # noqa: E402
 from vase.policies import get_policy  # noqa: E402
@@ -120,9 +120,8 @@ def _vllm_run(llm, method: str, prompts: list[list[int]], n_new: int) -> tuple[l
                 if req.is_finished() or rid not in managers[r.vase_group].req_to_blocks:
                     continue
                 n_full = len(managers[r.vase_group].req_to_blocks[rid])
-                evicted = schedule.num_evictions(req.num_prompt_tokens, B, W,
-                                                 req.num_computed_tokens - req.num_prompt_tokens) > 0
-                if evicted and req.num_computed_tokens > req.num_prompt_tokens:
+                past = req.num_computed_tokens - req.num_prompt_tokens  # negative inside a chunked prefill
+                if past > 0 and schedule.num_evictions(req.num_prompt_tokens, B, W, past) > 0:
                     assert n_full <= bound, (rid, n_full, bound)
                 seen["max_full"] = max(seen["max_full"], n_full)
                 for g, manager in enumerate(managers):
@@ -146,7 +145,8 @@ def hybrid(request, tmp_path_factory):
     family = request.param
     path = save_tiny_hybrid(family, str(tmp_path_factory.mktemp(f"tiny-{family}")))
     llm = start_llm(dict(model=path, max_model_len=512, kv_cache_memory_bytes=2**22, block_size=BLOCK,
-                         enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8),
+                         enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8, enable_chunked_prefill=True,
+                         max_num_batched_tokens=64),
                     additional_config("snapkv", B, W))
     yield family, path, llm
     # the next family's engine in this process builds vLLM's parallel groups afresh (gpt-oss needs its EP group)
@@ -156,7 +156,7 @@ def hybrid(request, tmp_path_factory):
     cleanup_dist_env_and_memory()
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "vase-attnv"])
 def test_hybrid_model_matches_transformers_through_evictions(hybrid, method):
     """Three requests (prompts of 20, 60 and 7 tokens) in one batch, 150 greedy tokens, B = 48, w = 16: each
     reference evicts at least 5 times; tokens, log-probs and kept sets equal the transformers engine's up to
@@ -178,3 +178,16 @@ def test_hybrid_model_matches_transformers_through_evictions(hybrid, method):
               f"{kept_same} of {len(ref['kept'])} evictions")
         compared.append(got["evictions"])
     assert max(compared) >= 5, compared
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_hybrid_request_preempted_after_it_evicted_keeps_its_tokens_and_kept_sets(hybrid, method):
+    """tests/test_vllm_exact.py's preemption check on a hybrid model: three requests (prompts of 10, 30, 70 tokens,
+    150 new tokens) each preempted twice after it evicted: the same tokens, the same kept sets in every
+    full-attention layer and KV head at every eviction (the first pass's and the replays'), and the full-attention
+    group's uninterrupted block count at every step of the replay."""
+    assert (B_PRE, W_PRE) == (B, W)
+    prompts = [prompt_ids(n, n) for n in (10, 30, 70)]
+    res = _exact_under_preemption(hybrid[2], method, prompts, 150, every=23)
+    assert sorted(res["forced"].values()) == [2, 2, 2]
+    assert res["checked"] > 300 and res["replayed"] > 0
