@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -93,6 +92,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     args = ap.parse_args()
 
+    from vase.bench.paired import alternating, paired_ratio
     from vase.models import model_dir
     from vase.vllm import additional_config
 
@@ -105,18 +105,19 @@ def main() -> None:
     evicting = make(path, additional_config("vase-attnv", args.evict_budget, args.window), args.block_size, pool,
                     max_len)
     tok_s(evicting, 1, 8)
-    ample, evict = [], []
-    for r in range(args.rounds):
-        a = tok_s(stock, args.batch, args.tokens)
-        b = tok_s(plugin, args.batch, args.tokens)
-        c = tok_s(evicting, args.batch, args.tokens)
-        ample.append(b / a)
-        evict.append(c / a)
+    rates: dict[str, list[float]] = {"stock": [], "plugin": [], "evicting": []}
+    engines = {"stock": stock, "plugin": plugin, "evicting": evicting}
+    for r, name in alternating(list(engines), args.rounds):  # stock, plugin, evicting, stock, ...
+        rates[name].append(tok_s(engines[name], args.batch, args.tokens))
+        if name != "evicting":
+            continue
+        a, b, c = rates["stock"][r], rates["plugin"][r], rates["evicting"][r]
         print(f"round {r}: stock {a:.2f} tok/s, plugin (a) no eviction {b:.2f} ({b / a:.3f}), "
               f"(b) vase-attnv B={args.evict_budget} w={args.window} {c:.2f} ({c / a:.3f})", flush=True)
-    for name, ratios in (("(a) no eviction", ample), (f"(b) B={args.evict_budget} evicting", evict)):
-        print(f"{name}: median plugin/stock tok/s {statistics.median(ratios):.3f}, spread {min(ratios):.3f}.."
-              f"{max(ratios):.3f} (batch {args.batch}, {args.tokens} new tokens, {args.rounds} rounds)")
+    for name, mine in (("(a) no eviction", rates["plugin"]), (f"(b) B={args.evict_budget} evicting", rates["evicting"])):
+        med, lo, hi = paired_ratio(mine, rates["stock"])  # within each round, then median and spread
+        print(f"{name}: median plugin/stock tok/s {med:.3f}, spread {lo:.3f}..{hi:.3f} (batch {args.batch}, "
+              f"{args.tokens} new tokens, {args.rounds} rounds)")
     # The ratio above is at the mercy of machine load; time the hooks themselves within one run too.
     spent = hook_seconds(plugin)
     t = time.perf_counter()

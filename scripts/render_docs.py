@@ -100,7 +100,8 @@ def _select(rows: Sequence[Mapping[str, Any]], where: Mapping[str, Any], what: s
 
 def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
     # Each row names a figure in another results file: one cell ("cell"), the median and range of a column over
-    # the matching rows ("median": paired repeats), or the ratio of one column between two rows ("ratio").
+    # the matching rows ("median": paired repeats), a bench row's median and range ("paired": the column and its
+    # _lo/_hi, as `vase bench --repeats` writes them), or the ratio of one column between two rows ("ratio").
     lines = ["| figure | value | spread | measured | results |", "|---|---:|---|---|---|"]
     for r in rows:
         data = json.loads((root / r["file"]).read_text())
@@ -112,6 +113,11 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
             med = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
             value, spread = format(med, fmt) + r.get("unit", ""), (
                 f"median of {len(vals)} paired repeats, range {vals[0]:{fmt}}..{vals[-1]:{fmt}}")
+        elif "paired" in r:  # `vase bench --repeats`: one row holds the median of round ratios and its range
+            row, col = _select(src, r.get("where", {}), r["file"])[0], r["paired"]
+            value = format(_number(row[col]), fmt) + r.get("unit", "")
+            spread = (f"median of {row['repeats']} paired rounds, range "
+                      f"{_number(row[col + '_lo']):{fmt}}..{_number(row[col + '_hi']):{fmt}}")
         elif "ratio" in r:
             num = _number(_select(src, r["ratio"]["of"], r["file"])[0][r["ratio"]["column"]])
             den = _number(_select(src, r["ratio"]["to"], r["file"])[0][r["ratio"]["column"]])

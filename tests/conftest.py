@@ -75,3 +75,17 @@ def model_dir(tmp_path_factory) -> str:
     tiny_model().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Run the `vase` CLI in-process: (exit code, stdout, stderr), SystemExit turned into its code."""
+    from vase.cli import main
+
+    capsys.readouterr()
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import vase
-from tests.conftest import tiny_model, tiny_tokenizer
+from tests.conftest import run_main, tiny_model, tiny_tokenizer
 from tests.helpers_tiny import tiny_model_and_tokenizer
 from vase.cache import EvictedStateError
 from vase.cli import main
@@ -612,7 +612,7 @@ CASES: list[Case] = [
     # -- silent before (issue 16): each now one line, or one warning when the value is legal but ignored ------------
     cli("eval-param-config-methods", r"method 'snapkv': bad parameters .*sample must be true or false", *E, "-c",
         "{root}/snapkv.yaml", "-p", "sample=maybe", "--model", "/nonexistent/model"),
-    cli("eval-param-default-method", r"vase-attnv: n_large \(1000\) is larger than the budget \(128\)", *E,
+    cli("eval-param-default-method", r"vase-attnv: n_large \(1000\) is larger than the budget leaves for old tokens \(B - w = 128 - 64 = 64\)", *E,
         "--budgets", "128", "-p", "n_large=1000", "--model", "/nonexistent/model"),
     cli("eval-param-no-method-takes", r"--param rank: no method of this run takes it \(snapkv\)", *E, "--methods",
         "snapkv", "--budgets", "128", "-p", "rank=3"),
@@ -625,7 +625,7 @@ CASES: list[Case] = [
     cli("config-budget-float", r"budgets must be a whole number, got 32.5", *E, "-c", "{root}/budget-float.yaml"),
     cli("config-samples-bool", r"samples must be an integer, got True", *E, "-c", "{root}/samples-bool.yaml"),
     cli("config-window-float", r"window must be a whole number, got 8.9", *E, "-c", "{root}/window-float.yaml"),
-    cli("config-n-large-budget", r"snapkv: n_large \(1000\) is larger than the budget \(128\)", *E, "-c",
+    cli("config-n-large-budget", r"snapkv: n_large \(1000\) is larger than the budget leaves for old tokens \(B - w = 128 - 64 = 64\)", *E, "-c",
         "{root}/n-large.yaml"),
     cli("summarize-foreign-records", None, "summarize", "{tmp}/run", code=0, setup=_setup_foreign_records,
         check=_check_foreign_dropped, warn=r"left out 3 samples record\(s\) that are not part of this run"),
@@ -633,7 +633,7 @@ CASES: list[Case] = [
         "--task-file", "{root}/null-question.jsonl", "--budgets", "128"),
     cli("eval-task-and-task-file", r"give --task or --task-file, not both", *E, "--task", "gsm8k", "--task-file",
         "{root}/good.jsonl"),
-    cli("generate-n-large-budget", r"n_large \(1000\) is larger than the budget \(100\)", *G, "--budget", "100",
+    cli("generate-n-large-budget", r"n_large \(1000\) is larger than the budget leaves for old tokens \(B - w = 100 - 64 = 36\)", *G, "--budget", "100",
         "-p", "n_large=1000"),
     cli("generate-quant-guard-budget", r"quant_guard \(1000\) is larger than the budget \(100\)", *G, "--budget",
         "100", "--kv-bits", "4", "--quant-guard", "1000"),
@@ -662,10 +662,10 @@ CASES: list[Case] = [
         "{tmp}/run", setup=_setup_bad_length, check=lambda c: not (c["tmp"] / "run" / "summary.csv").exists()),
     api("run-param-changed", r"\(methods.snapkv.params.sinks: 4 -> 2\)\. It is never overwritten", _changed_param,
         ConfigError),
-    cli("budget-huge", r"--budget 99999999999999999999 is too large \(at most 2147483647\)", *G, "--budget",
+    cli("budget-huge", r"budget 99999999999999999999 is too large \(at most 2147483647\)", *G, "--budget",
         "99999999999999999999"),
     cli("seed-huge", r"--seed 99999999999999999999 is too large", *G, "--seed", "99999999999999999999"),
-    cli("eval-budget-huge", r"budgets 99999999999999999999 is too large", *E, "--budgets", "99999999999999999999"),
+    cli("eval-budget-huge", r"budget 99999999999999999999 is too large", *E, "--budgets", "99999999999999999999"),
     api("max-new-tokens-huge", None, lambda c: _check_context(c, 5, 99999999999), (),
         warn=r"max_new_tokens \(99999999999\) passes the model's context .*lower --max-new-tokens to 2043"),
     cli("world-size-abc", r"WORLD_SIZE='abc' is not an integer: unset it", *E, "--budgets", "128",
@@ -675,7 +675,8 @@ CASES: list[Case] = [
     cli("model-empty", r"--model is empty \(''\)", *G, "-m", ""),
     cli("eval-model-empty", r"--model is empty", *E, "-m", " "),
     api("api-model-empty", r"the model is empty \(''\)", lambda c: load_model(""), ModelLoadError),
-    cli("vllm-kv-bits", r"drop them, or use --engine transformers", *G, "--engine", "vllm", "--kv-bits", "4"),
+    cli("vllm-kv-bits", r"quantized K/V storage \(kv_bits\) runs on the transformers engine only, not on vllm: drop "
+        r"--kv-bits", *G, "--engine", "vllm", "--kv-bits", "4"),
     cli("task-file-folder", r"task file .*no-config is a folder, not a JSONL file", *E, "--task-file",
         "{root}/no-config", "--budgets", "128"),
     cli("config-folder", r"config file .*no-config is a folder", *E, "-c", "{root}/no-config"),
@@ -781,14 +782,7 @@ def run_cli(argv: list[str], ctx: dict, stdin: bytes | None = None) -> tuple[int
     capsys, monkeypatch = ctx["capsys"], ctx["monkeypatch"]
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
-    capsys.readouterr()
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_main(argv, capsys)
 
 
 def test_the_table_has_every_case():

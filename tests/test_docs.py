@@ -106,3 +106,12 @@ def test_summary_rows_compute_the_median_and_range_of_paired_repeats(tmp_path):
     lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "median": "ratio", "format": ".3f"}],
                               root)
     assert "| f | 1.000 | median of 3 paired repeats, range 0.900..1.200 |" in lines[2]
+
+
+def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):
+    root = _site(tmp_path, "", rows=[{"method": "full", "vs_full": 1.0, "vs_full_lo": 1.0, "vs_full_hi": 1.0, "repeats": 3},
+                                     {"method": "snapkv", "vs_full": 1.03, "vs_full_lo": 0.99, "vs_full_hi": 1.081,
+                                      "repeats": 3}])
+    lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "where": {"method": "snapkv"},
+                                "paired": "vs_full", "unit": "x"}], root)
+    assert "| f | 1.03x | median of 3 paired rounds, range 0.99..1.08 |" in lines[2]

@@ -142,3 +142,50 @@ def test_the_package_has_no_import_cycle_but_the_known_ones():
     found = cycles(graph)
     new = found - KNOWN_CYCLES
     assert not new, "import cycle: " + "; ".join(" -> ".join(find_cycle({m: graph[m] & c for m in c})) for c in new)
+
+
+#: The harness: it imports the core, never the other way (issue 28).
+HARNESS = ("vase.eval", "vase.bench", "vase.analysis", "vase.cli")
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def core_imports_of_the_harness(graph: dict[str, set[str]]) -> list[str]:
+    """Every `core -> harness` edge, as "importer -> imported" (the core: `vase` minus HARNESS)."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if not _in(m, HARNESS)
+                  for t in targets if _in(t, HARNESS))
+
+
+def test_the_core_imports_nothing_from_the_harness():
+    graph = import_graph()
+    assert "vase.spec" in graph["vase.cache"]  # the walk sees the core's edges ...
+    assert core_imports_of_the_harness({"vase.batched": {"vase.eval.paired"}}) == ["vase.batched -> vase.eval.paired"]
+    assert core_imports_of_the_harness(graph) == []  # ... and none of them points up
+
+
+def private_imports() -> list[str]:
+    """Every `from vase.x import _name` (a module reaching into another's private names), as "module: name"."""
+    out = []
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == PACKAGE):
+                out += [f"{module_name(path)}: {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports() == []
+
+
+def test_test_oracles_live_under_tests():
+    assert not (SRC / PACKAGE / "vllm" / "reference.py").exists()  # the paged-attention oracle is tests/vllm_reference.py
+
+
+def test_one_atomic_file_writer():
+    """Files are replaced in one place (`vase.atomic`); the model store's folder renames are another operation."""
+    writers = sorted(module_name(p) for p in (SRC / PACKAGE).rglob("*.py")
+                     if "os.replace(" in p.read_text() or ".replace(path)" in p.read_text())
+    assert writers == ["vase.atomic"]

@@ -183,8 +183,10 @@ def test_everything_guarded_is_identical_to_the_unquantized_cache(method):
     torch.manual_seed(4)
     prompt, target = torch.randint(0, 90, (30,)), torch.randint(0, 90, (150,))
     ref = forced_log_probs(model, prompt, target, method=method, budget=48, window=16, seed=3)
+    # B: every old token an evicting cache holds (the reserve rule refuses more); full holds all 180
+    guard = 10_000 if method == "full" else 48
     got = forced_log_probs(model, prompt, target, method=method, budget=48, window=16, seed=3, kv_bits=2,
-                           quant_guard=10_000)
+                           quant_guard=guard)
     assert float((ref - got).abs().max()) <= 1e-6  # float32 log-probs of float64 results
 
 
@@ -194,7 +196,7 @@ def test_generate_with_padding_everything_guarded_matches_and_quantized_stays_cl
     kw = dict(method="vase-attnv", budget=40, window=16, max_new_tokens=80, greedy=True, ignore_eos=True,
               chat_template=False)
     ref = vase.generate(model, tok, prompts, **kw)
-    same = vase.generate(model, tok, prompts, kv_bits=4, quant_guard=10_000, **kw)
+    same = vase.generate(model, tok, prompts, kv_bits=4, quant_guard=40, **kw)  # B: every old token
     assert same.token_ids == ref.token_ids
     assert same.stats["evictions"] == ref.stats["evictions"] > 0
     q8 = vase.generate(model, tok, prompts, kv_bits=8, **kw)
@@ -418,8 +420,8 @@ def test_eval_kv_bytes_over_time_are_the_quantized_caches_own(tmp_path, method, 
     if method == "full":  # nothing is evicted: the schedule's count of exact and quantized entries is the cache's
         assert rec["kv_bytes_time_mean"] == pytest.approx(own, rel=1e-12)
         assert rec["kv_bytes"] == held_steps[-1]
-    else:  # evictions can drop full-precision entries the schedule still counts (QuantBytes): an upper bound
-        assert own <= rec["kv_bytes_time_mean"] <= 1.05 * own
+    else:  # the eval's cache keeps other exact entries than this one fed other tokens: close, not equal
+        assert 0.95 * own <= rec["kv_bytes_time_mean"] <= 1.05 * own  # (exact: tests/test_eval_kv_columns.py)
         dense = kv_schedule(P, P + n, budget=24, window=8, evicts=True)["time_mean"] * kv_bytes_per_token(model)
         assert rec["kv_bytes_time_mean"] < 0.6 * dense  # 4-bit codes: what the dense accounting missed
     dense_mean = full["kv_bytes_time_mean"] if method == "full" else None

@@ -19,7 +19,7 @@ def test_additional_config_round_trips_and_keeps_method_params():
     ({"method": "snapkvv", "budget": 128}, "unknown method 'snapkvv'"),
     ({"method": "snapkv", "budget": 128, "bogus": 1}, "no parameter 'bogus'"),
     ({"method": "vase-attnv", "budget": 36, "window": 32}, "budget (36) must be larger than window + protected sinks"),
-    ({"method": "snapkv", "budget": "128"}, '["budget"] must be an integer'),
+    ({"method": "snapkv", "budget": "128"}, "vase config: budget must be an integer, got '128' (str)"),
     ({"method": "snapkv", "budget": 128, "window": 0}, "window must be a positive"),
     ({"method": "full", "budget": 128}, "does not evict"),
     ({"budget": 128}, 'needs "method" and "budget"'),

@@ -3,7 +3,7 @@
 Each step is prepared as the GPU worker prepares it (`vase.vllm.offsets`: per-request plans,
 physical positions for the slot mapping, physical sequence lengths; `capture`: the query window
 ring), written with `reshape_and_cache` semantics and attended by the pure-PyTorch paged
-attention (`vase.vllm.reference`) reading the same metadata fields the GPU kernels read. The
+attention (`tests/vllm_reference.py`) reading the same metadata fields the GPU kernels read. The
 kept tokens come from the dense `EvictionCache` run on the same post-RoPE keys and queries, so
 this checks compaction, slot mapping, sequence lengths, RoPE positions and capture together.
 Three requests: one prefilled in two chunks, one arriving while the others decode.
@@ -19,7 +19,7 @@ from vase.vllm.capture import CapturePlan, QueryRing
 from vase.vllm.layouts import split_kv
 from vase.vllm.offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
 from vase.vllm.paged import RequestPolicyState, evict_paged
-from vase.vllm.reference import dense_attention, paged_attention, rope, write_slots
+from tests.vllm_reference import dense_attention, paged_attention, rope, write_slots
 
 from .test_vllm_gpu_layouts import LAYOUTS, vllm_layer_caches
 from .test_vllm_paged import EVICTING, _dense_run

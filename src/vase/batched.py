@@ -15,9 +15,20 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .eval.paired import first_divergence
+__all__ = ["Started", "Finished", "Divergence", "generate_batches", "divergence", "first_divergence"]
 
-__all__ = ["Started", "Finished", "Divergence", "generate_batches", "divergence"]
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first generated token where two sequences differ; None if they are identical.
+
+    When one is a strict prefix of the other (one stopped earlier), the divergence is at the
+    shorter length: that is where one produced EOS and the other a token.
+    """
+    n = min(len(a), len(b))
+    for i in range(n):
+        if int(a[i]) != int(b[i]):
+            return i
+    return None if len(a) == len(b) else n
+
 
 #: Tokens before the first difference that :class:`Divergence` decodes, to show where it happened.
 CONTEXT_TOKENS = 8

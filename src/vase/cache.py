@@ -31,12 +31,12 @@ from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLa
 # cache sets it in `update`, the attention function calls `attention_mask_for` on that layer.
 from .attention import PENDING_LAYER, install
 from .masks import and_selection, causal_padding_mask, real_slots
-from .checks import check_budget_window, check_method
+from .errors import SpecError
 from .hybrid import FULL, LINEAR, is_hybrid, text_config
-from .policies import Policy, get_policy
-from .quant import CACHE_STORAGE_OPTIONS
+from .policies import Policy
 from .quant_cache import QuantConfig, QuantSpec, QuantStorage
 from .schedule import first_limit, must_evict, room, steady_limit
+from .spec import RequestSpec
 from .storage import DenseStorage, KVStorage, flat_slots
 
 
@@ -88,6 +88,13 @@ class EvictionLayer(CacheLayerMixin):
         self.tokens_evicted = 0
         self.row_evictions: list[int] = []  # per row, for per-sequence stats
         self.row_peak: list[int] = []  # per row: most real tokens ever stored
+        # per row: bytes held just before its first eviction, at its peak stored length (quantized storage
+        # holds those tokens as codes and exact entries, so the peak is not the peak length x dense bytes)
+        self.row_peak_bytes: list[int] = []
+        # [b] long, quantized storage only: bytes held after each write after the prompt (a decode step writes
+        # one token), summed on the device (no sync per step). Which exact entries survive an eviction is the
+        # policy's choice, so the eval's time-averaged bytes of an evicting quantized cache come from here.
+        self.step_bytes: torch.Tensor | None = None
         self.row_pad0: list[int] = []  # per row: padding of the prompt (seen - pad0 = real tokens seen)
         self.awaiting_attention = False
 
@@ -184,6 +191,8 @@ class EvictionLayer(CacheLayerMixin):
         PENDING_LAYER.set(self)
         if self.pad is not None:  # the new slots' positions are final (the prompt's wait for its padding)
             self.storage.commit(self.positions, self.row_pad0, prompt=False)
+            if self.step_bytes is not None:
+                self.step_bytes += self.storage.row_bytes()
         return self.storage.read(end)
 
     def held_bytes(self, row: int | None = None) -> int:
@@ -222,6 +231,9 @@ class EvictionLayer(CacheLayerMixin):
         self.limit = [first_limit(n, B, w) for n in self.real_lengths()]
         self.row_evictions = [0] * b
         self.row_peak = [0] * b
+        self.row_peak_bytes = [0] * b
+        self.step_bytes = torch.zeros(b, dtype=torch.long, device=self.device) \
+            if hasattr(self.storage, "row_bytes") else None
         self.row_pad0 = list(self.pad)
         self.state_ready = [False] * b
         self._reschedule()
@@ -312,6 +324,9 @@ class EvictionLayer(CacheLayerMixin):
             if cfg.sort_kept:
                 kept = kept.sort(-1).values
             index[rows, :, new_len - B:] = torch.cat([kept, recent.expand(len(rows), h, w)], dim=-1)
+        for r in due:
+            if self.row_evictions[r] == 0:  # the first eviction runs at the row's peak stored length
+                self.row_peak_bytes[r] = self.held_bytes(r)
         self.pad = [new_len - n for n in new_reals]
         self._compact(index, self.pad)
         for r in due:
@@ -402,11 +417,13 @@ class EvictionLayer(CacheLayerMixin):
         self.positions = self.positions[rows]
         self.slot_state = {k: v[rows] for k, v in self.slot_state.items()}
         self.layer_state = {k: v[rows] for k, v in self.layer_state.items()}
+        if self.step_bytes is not None:
+            self.step_bytes = self.step_bytes[rows]
         if self.queries is not None:
             self.queries = self.queries[rows]
         if self.pad is not None:
             self.pad = [self.pad[r] for r in rows]
-            for name in ("limit", "row_evictions", "row_peak", "row_pad0", "state_ready"):
+            for name in ("limit", "row_evictions", "row_peak", "row_peak_bytes", "row_pad0", "state_ready"):
                 setattr(self, name, [getattr(self, name)[r] for r in rows])
             shift = min(self.pad)
             if shift:  # the longest row left: drop the padding columns every remaining row has
@@ -424,7 +441,8 @@ class EvictionCache(Cache):
         model.generate(**inputs, cache=cache, max_new_tokens=2048)   # past_key_values=cache before 5.24
 
     method:      a registered method name (see `vase.policies`) or a Policy instance.
-    budget:      B, KV pairs kept per layer and KV head after an eviction.
+    budget:      B, KV pairs kept per layer and KV head after an eviction (None for a method that keeps every
+                 token, e.g. `full`: it gets `vase.spec.placeholder_budget`).
     window:      w, recent tokens never evicted; also the eviction interval and query window.
     seed:        one seed, or one per batch row; row r of an int seed uses seed + r.
     sort_kept:   store kept tokens in position order instead of the policy's order.
@@ -441,20 +459,14 @@ class EvictionCache(Cache):
     Building it installs vase's attention function on `model` (see `vase.attention.install`).
     """
 
-    def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int = 512, window: int = 64, *,
+    def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int | None = 512, window: int = 64, *,
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
                  num_layers: int | None = None, storage: QuantSpec | None = None, **method_params):
-        spelled = {k: method_params.pop(k) for k in CACHE_STORAGE_OPTIONS if k in method_params}
-        if spelled:
-            if storage is not None:
-                raise TypeError(f"pass the storage once: storage={storage!r} or {', '.join(spelled)}, not both")
-            storage = QuantSpec.from_options(spelled)
-        if storage is not None and not isinstance(storage, QuantSpec):
-            raise TypeError(f"storage must be None (full precision) or a vase.quant_cache.QuantSpec, got {storage!r}")
-        check_method(method)  # TypeError/ValueError naming the argument, before anything is built
-        check_budget_window(budget, window)  # types and ranges first, before the policy is built
-        policy = get_policy(method, **method_params)
-        check_budget_window(budget, window, policy)
+        # The one request check of every door (types, method, budget rule, reserves, storage): vase.spec.
+        req = RequestSpec.of(method, budget, window, seed=seed, storage=storage, **method_params).validate()
+        policy, budget = req.policy, req.budget
+        if not isinstance(sort_kept, bool):
+            raise SpecError(f"sort_kept must be True or False, got {sort_kept!r} ({type(sort_kept).__name__})")
         if model is not None:
             install(model)  # the cache needs vase's attention function to mask and score
             num_layers = model.config.get_text_config().num_hidden_layers
@@ -471,7 +483,7 @@ class EvictionCache(Cache):
         self.generators: list[torch.Generator] | None = None
         self._mask_memo: tuple | None = None
         #: the quantized storage's validated configuration; None: full precision (`DenseStorage`)
-        self.quant: QuantConfig | None = None if storage is None else storage.resolve(policy, budget, window, seed)
+        self.quant: QuantConfig | None = req.quant
         super().__init__(layers=[self._new_layer(i) for i in range(num_layers)])
 
     def _new_layer(self, i: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin:
@@ -570,6 +582,10 @@ class EvictionCache(Cache):
     def row_stats(self) -> list[dict]:
         """Per batch row (current rows): evictions and the K/V bytes it holds now, at its peak, and in full.
 
+        The peak is the bytes held at the row's peak stored length (just before its first eviction, else now).
+        With quantized storage a row also has ``kv_byte_steps``: the evicting layers' bytes held after each
+        write after the prompt (one per decode step), summed (the eval's time-averaged K/V).
+
         Every layer counts: an evicting layer its stored real tokens, a sliding layer the real tokens of its
         window, a linear-attention layer its state (the same in a full cache: only the evicting layers differ)."""
         layers = [l for l in self.evicting_layers if l.is_initialized and l.pad is not None]
@@ -578,16 +594,22 @@ class EvictionCache(Cache):
         rows = []
         for r in range(len(layers[0].pad)):
             now = peak = full = 0
+            steps: int | None = 0
             for l in layers:
                 per_token = 2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
-                real = l.length - l.pad[r]
                 held = l.held_bytes(r)
                 now += held
-                peak += held + max(0, l.row_peak[r] - real) * per_token  # the tokens above B were the window's
+                # the peak stored length is reached just before the first eviction (else it is now)
+                peak += l.row_peak_bytes[r] if l.row_evictions[r] else held
                 full += (l.seen - l.row_pad0[r]) * per_token
+                own = l.step_bytes  # quantized storage: bytes summed over the decode steps
+                steps = None if own is None or steps is None else steps + int(own[r])
             bounded = sum(kept_layer_bytes(k, r, layers[0].seen - layers[0].row_pad0[r]) for k in self.kept_layers)
-            rows.append({"evictions": layers[0].row_evictions[r], "kv_bytes": now + bounded,
-                         "kv_bytes_peak": peak + bounded, "kv_bytes_full": full + bounded})
+            row = {"evictions": layers[0].row_evictions[r], "kv_bytes": now + bounded,
+                   "kv_bytes_peak": peak + bounded, "kv_bytes_full": full + bounded}
+            if steps is not None:  # the evicting layers' own (a schedule cannot tell which exact entries survived)
+                row["kv_byte_steps"] = steps
+            rows.append(row)
         return rows
 
     def stats(self) -> dict:

@@ -1,4 +1,5 @@
-"""Argument checks at the doors of the Python API (EvictionCache, generate) and the CLI.
+"""Argument checks at the doors of the Python API (generate, inspect) and the CLI: prompts, sampling, seeds and
+switches. The request itself (method, parameters, budget, window, storage) is `vase.spec`'s.
 
 Each check raises a TypeError (wrong type) or ValueError (wrong value) whose one-line message
 names the argument, the value given and what is accepted, before any tensor work or model load.
@@ -10,7 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_int", "check_method", "check_budget_window", "check_prompts", "check_sampling", "check_seed"]
+__all__ = ["check_int", "check_budget_window", "check_prompts", "check_sampling", "check_seed",
+           "check_flags"]
 
 
 def _shown(value: Any) -> str:
@@ -26,22 +28,12 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     return value
 
 
-def check_method(method: Any) -> None:
-    """``method`` must be a registered name (str) or a Policy instance."""
-    from .policies import Policy
-
-    if not isinstance(method, (str, Policy)):
-        raise TypeError(f"method must be a method name such as 'vase-attnv' (see `vase methods`) or a Policy, "
-                        f"got {_shown(method)}")
-
-
 def check_budget_window(budget: Any, window: Any, policy: Any = None) -> None:
-    """Budget B and window w: integers >= 1, then ``policy.check(B, w)`` (the budget rule, owned by the policy)."""
-    for name, value in (("budget", budget), ("window", window)):
-        if check_int(name, value) < 1:
-            raise ValueError(f"{name} must be a positive number of tokens, got {value}")
-    if policy is not None:
-        policy.check(budget, window)
+    """Budget B and window w (and, given a policy, the budget rule): the request spec's checks of these alone
+    (`vase.spec.RequestSpec.validate`, which owns them; kept for callers of this name)."""
+    from .spec import RequestSpec
+
+    RequestSpec(policy if policy is not None else "full", budget, window).validate()
 
 
 def check_prompts(prompts: Any) -> list[str]:
@@ -87,3 +79,10 @@ def check_sampling(*, max_new_tokens: Any, temperature: Any, top_p: Any, top_k: 
         check_int("top_k", top_k)
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1 (or None for no top-k), got {top_k}")
+
+
+def check_flags(**flags: Any) -> None:
+    """Switches must be True or False: ``ignore_eos="no"`` is a truthy string that would turn EOS stopping off."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {_shown(value)}")

@@ -27,7 +27,14 @@ CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
 
 
 def cache_kwargs(cache) -> dict:
-    """`{CACHE_KWARG: cache}`: pass to a model call or `generate` as `**cache_kwargs(cache)`."""
+    """`{CACHE_KWARG: cache}`: pass to a model call or `generate` as `**cache_kwargs(cache)`.
+
+    TypeError for anything but a transformers `Cache` (a model would otherwise ignore it, or fail deep inside)."""
+    from transformers.cache_utils import Cache
+
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache_kwargs takes a cache (vase.EvictionCache, vase.CompiledEvictionCache or another "
+                        f"transformers Cache), got {cache!r} ({type(cache).__name__})")
     return {CACHE_KWARG: cache}
 
 

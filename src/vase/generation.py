@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import EvictionCache
-from .checks import check_prompts, check_sampling, check_seed
+from .checks import check_flags, check_prompts, check_sampling, check_seed
 from .compat import cache_kwargs
 from .decoding import Sampler, prefill, sampler_generators  # noqa: F401  (re-exported: vase.generation.Sampler)
 from .policies import Policy
@@ -139,7 +139,7 @@ def _save_row_stats(cache, active: list[int], row_stats: list[dict] | None) -> N
 
 
 def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Policy = "vase-attnv",
-             budget: int = 512, window: int = 64, max_new_tokens: int = 2048, temperature: float = 0.6,
+             budget: int | None = 512, window: int = 64, max_new_tokens: int = 2048, temperature: float = 0.6,
              top_p: float = 0.95, top_k: int | None = None, greedy: bool = False,
              seed: int | Sequence[int] = 0, chat_template: bool = True, ignore_eos: bool = False,
              sort_kept: bool = False, stream: Callable[[int, str], None] | None = None, compile: bool | str = False,
@@ -157,12 +157,13 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
     prompt_list = check_prompts(prompts)  # types and ranges at the door, one line naming the argument
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     check_seed(seed, len(prompt_list))
-    device = next(model.parameters()).device
-    input_ids, attention_mask = encode_prompts(tokenizer, prompt_list, chat_template, device)
-    for i in (attention_mask.sum(-1) == 0).nonzero().flatten().tolist():  # would decode from padding alone
-        raise ValueError(f"prompt {i} ({prompt_list[i]!r}) encodes to no tokens (empty, and no chat template or "
-                         f"BOS to start from): give some text, or use a tokenizer with a chat template")
-    total = check_context(model, attention_mask.sum(-1).tolist(), max_new_tokens)
+    check_flags(chat_template=chat_template, ignore_eos=ignore_eos, sort_kept=sort_kept)
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile.strip())):
+        raise TypeError(f"compile must be True, False or a torch.compile backend name, got {compile!r} "
+                        f"({type(compile).__name__})")
+    if stream is not None and not callable(stream):
+        raise TypeError(f"stream must be a function stream(row, text), got {stream!r}")
+    input_ids, attention_mask, total = prepare_prompts(model, tokenizer, prompt_list, chat_template, max_new_tokens)
     seeds = row_seeds(seed, len(prompt_list))
     cache = EvictionCache(model, method, budget, window, seed=seeds, sort_kept=sort_kept,
                           max_length=total, **method_params)
@@ -206,6 +207,20 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
         prefill_seconds=prefill_seconds,
         stats={**_final_stats(cache, compile), "rows": rows},
     )
+
+
+def prepare_prompts(model, tokenizer, prompts: Sequence[str], chat_template: bool, max_new_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """Encode `prompts` on the model's device and check them against the model: (input_ids [b, P], attention_mask
+    [b, P], the length to preallocate from `check_context`). ValueError for a prompt that encodes to no tokens or is
+    longer than the model's context. Every entry point that decodes (`generate`, `vase inspect`) goes through it."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat_template, device)
+    for i in (attention_mask.sum(-1) == 0).nonzero().flatten().tolist():  # would decode from padding alone
+        raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens (empty, and no chat template or "
+                         f"BOS to start from): give some text, or use a tokenizer with a chat template")
+    total = check_context(model, attention_mask.sum(-1).tolist(), max_new_tokens)
+    return input_ids, attention_mask, total
 
 
 def model_context(model) -> int | None:
@@ -273,7 +288,7 @@ ChunkObserver = Callable[[EvictionCache, int, int], AbstractContextManager]
 
 @torch.inference_mode()
 def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
-                     method: str | Policy = "full", budget: int = 512, window: int = 64, seed: int = 0,
+                     method: str | Policy = "full", budget: int | None = 512, window: int = 64, seed: int = 0,
                      max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
                      **method_params) -> torch.Tensor:
     """Teacher-force `target_ids` after `prompt_ids` through a cache evicted by `method`.

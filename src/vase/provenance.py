@@ -110,20 +110,17 @@ def finish(record: dict[str, Any]) -> dict[str, Any]:
 
 def write_results(path: str | Path, rows: list[Mapping[str, Any]], record: Mapping[str, Any],
                   table: Mapping[str, Any] | None = None) -> Path:
-    """Write `{"provenance": record, "rows": rows}` to `path` atomically (a temp file, then rename).
+    """Write `{"provenance": record, "rows": rows}` to `path` atomically (`vase.atomic.atomic_write_text`).
 
     `table` (optional) says how `scripts/render_docs.py` draws the rows in the docs: `columns`, `align`
     (one letter l / r per column), `formats` (a format spec per numeric column), or `{"render": "eval"}`.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    from .atomic import atomic_write_text
+
     data: dict[str, Any] = {"provenance": dict(record), "rows": [dict(r) for r in rows]}
     if table:
         data["table"] = dict(table)
-    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic_write_text(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
 
 
 def read_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -28,10 +28,15 @@ CACHE_STORAGE_OPTIONS = ("kv_bits", "quant_guard", "quant_group", "quant_select"
 SCALE_DTYPE = torch.float16
 
 
+def bits_problem(bits) -> str:
+    """The one message for a kv_bits vase cannot store (the request spec, the quantizer and the CLI say it alike)."""
+    return f"kv_bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {bits}"
+
+
 def check_format(bits: int, group: int, dim: int) -> None:
     """Raise a one-line ValueError unless `bits`/`group` can quantize vectors of `dim` elements."""
     if bits not in BITS:
-        raise ValueError(f"kv_bits must be one of 16 (no quantization), {', '.join(map(str, BITS))}; got {bits}")
+        raise ValueError(bits_problem(bits))
     if group < 1 or dim % group:
         raise ValueError(f"quant_group ({group}) must divide head_dim ({dim}): use e.g. {dim} or a divisor of it")
     if group % (8 // bits):
@@ -119,13 +124,8 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def quant_kwargs(kv_bits: int, quant_guard: int | None = None) -> dict:
-    """EvictionCache keywords for `kv_bits` / `quant_guard`, checked before any model is loaded."""
-    if kv_bits != 16 and kv_bits not in BITS:
-        raise ValueError(f"--kv-bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {kv_bits}")
-    if quant_guard is not None and quant_guard < 0:
-        raise ValueError(f"--quant-guard is a number of tokens per KV head (0 = none), got {quant_guard}")
-    if kv_bits == 16 and quant_guard is not None:
-        raise ValueError("--quant-guard applies to a quantized cache: add --kv-bits 8, 4 or 2")
+    """EvictionCache keywords for `kv_bits` / `quant_guard` (the CLI's --kv-bits / --quant-guard). Not checked
+    here: the request spec (`vase.spec.RequestSpec.validate`) checks them once, for every door."""
     out: dict = {"kv_bits": kv_bits}
     if quant_guard is not None:
         out["quant_guard"] = quant_guard

@@ -43,9 +43,9 @@ import torch
 from .hybrid import full_attention_layers
 from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
-from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, check_format, dequantize, packed_bytes,  # noqa: F401
-                    quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: kept importable from here
-from .schedule import physical_length
+from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, bits_problem, check_format, dequantize,  # noqa: F401
+                    packed_bytes, quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: importable here
+from .schedule import physical_length, placeholder_budget
 from .storage import Rows
 
 SELECT = ("value", "random")
@@ -118,13 +118,14 @@ def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_g
     """
     if kv_bits == 16:
         if quant_guard is not None or quant_select != "value" or key_scale:
-            raise ValueError("quant_guard/quant_select only apply to a quantized cache: pass kv_bits=8, 4 or 2")
+            raise ValueError("quant_guard/quant_select/quant_key_scale only apply to a quantized cache: pass "
+                             "kv_bits=8, 4 or 2 (--kv-bits)")
         return None
     if policy.selects:
         raise ValueError(f"{policy.name} selects from a full cache at every step; kv_bits applies to the owned "
                          "cache of an eviction method or 'full'")
     if kv_bits not in BITS:
-        raise ValueError(f"kv_bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {kv_bits}")
+        raise ValueError(bits_problem(kv_bits))
     if quant_select not in SELECT:
         raise ValueError(f"quant_select must be one of {', '.join(SELECT)}; got {quant_select!r}")
     if flush_every < 1:
@@ -143,14 +144,14 @@ def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_g
 
 
 
-def _gather(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def gather_entries(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """t [b, h, n, ...] reordered along n by order [b, h, m] -> [b, h, m, ...]."""
     if t.dim() == 3:
         return t.gather(2, order)
     return t.gather(2, order[..., None].expand(*order.shape, t.shape[-1]))
 
 
-def _left_pack(mask: torch.Tensor, m: int) -> torch.Tensor:
+def left_pack(mask: torch.Tensor, m: int) -> torch.Tensor:
     """Indices [b, h, m] of the entries of mask [b, h, n] that are True, first, in their order."""
     return torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :m]
 
@@ -284,7 +285,7 @@ class QuantBytes:
         spec = QuantSpec.from_options(storage) if isinstance(storage, Mapping) else storage
         if spec is None or int(spec.bits) == 16 or model is None:
             return None
-        cfg = quant_config(policy, budget or max(window + 1, 1), window, int(spec.bits), spec.guard, spec.group,
+        cfg = quant_config(policy, budget or placeholder_budget(window), window, int(spec.bits), spec.guard, spec.group,
                            spec.select, spec.flush_every, 0, spec.key_scale)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = int(text.num_attention_heads)
@@ -540,25 +541,25 @@ class QuantStorage:
         if n_keep > n_fp:
             raise RuntimeError(f"full-precision store overflow ({n_keep} > {n_fp}): the window holds more tokens "
                                "than expected")
-        order = _left_pack(keep, n_fp)
+        order = left_pack(keep, n_fp)
         kept = keep.gather(-1, order)
-        self.fk, self.fv = _gather(ck, order), _gather(cv, order)
-        self.fslot = _gather(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
-        self.frank = _gather(cr, order)
+        self.fk, self.fv = gather_entries(ck, order), gather_entries(cv, order)
+        self.fslot = gather_entries(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
+        self.frank = gather_entries(cr, order)
         self.fn = fn
         # Quantize the rest into the packed store, after each head's live entries.
         m = quant.sum(-1)
         n_q = int(m.max())
         if n_q == 0:
             return None
-        order = _left_pack(quant, n_q)
+        order = left_pack(quant, n_q)
         chosen = quant.gather(-1, order)
         trash = self.qslot.shape[2] - 1
         dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=self.device), trash)
         if int((self.qn + m).max()) > trash:
             raise RuntimeError("quantized store overflow: more old tokens than the cache capacity")
-        keys, values = _gather(ck, order), _gather(cv, order)
-        qslots = _gather(cs, order).masked_fill(~chosen, -1)
+        keys, values = gather_entries(ck, order), gather_entries(cv, order)
+        qslots = gather_entries(cs, order).masked_fill(~chosen, -1)
         exact = (qslots, keys, values) if keep_exact else None
         if self.qcfg.key_scale:
             if self.kscale is None:  # fixed at the first flush (the prompt): codes never need rescaling
@@ -612,21 +613,21 @@ class QuantStorage:
 
         fslot = renumber(self.fslot, table)
         live = fslot >= 0
-        order = _left_pack(live, fslot.shape[2])
-        self.fk, self.fv, self.frank = _gather(self.fk, order), _gather(self.fv, order), _gather(self.frank, order)
-        self.fslot, self.fn = _gather(fslot, order).to(self.fslot.dtype), live.sum(-1)
+        order = left_pack(live, fslot.shape[2])
+        self.fk, self.fv, self.frank = gather_entries(self.fk, order), gather_entries(self.fv, order), gather_entries(self.frank, order)
+        self.fslot, self.fn = gather_entries(fslot, order).to(self.fslot.dtype), live.sum(-1)
 
         trash = self.qslot.shape[2] - 1
         qslot = renumber(self.qslot[:, :, :trash], table)
         live = qslot >= 0
         self.qn = live.sum(-1)
         self.q_hi = int(self.qn.max())
-        order = _left_pack(live, trash)
-        self.qslot[:, :, :trash] = _gather(qslot, order)  # (cast to the narrow tag type)
+        order = left_pack(live, trash)
+        self.qslot[:, :, :trash] = gather_entries(qslot, order)  # (cast to the narrow tag type)
         for p in (self.qk, self.qv):
             for name in ("codes", "scale", "zero"):
                 buf = getattr(p, name)
-                buf[:, :, :trash] = _gather(buf[:, :, :trash], order)
+                buf[:, :, :trash] = gather_entries(buf[:, :, :trash], order)
 
     # -- bytes -----------------------------------------------------------------------------------------
     def _entry_bytes(self) -> tuple[int, int]:
@@ -643,6 +644,12 @@ class QuantStorage:
         scales = 0 if self.kscale is None else self.kscale[0].numel() * self.kscale.element_size() * \
             (self.kscale.shape[0] if row is None else 1)
         return int(qn.sum()) * quant + int(fn.sum()) * full + scales
+
+    def row_bytes(self) -> torch.Tensor:
+        """`held_bytes` of every batch row at once, on the device: [b] long."""
+        quant, full = self._entry_bytes()
+        scales = 0 if self.kscale is None else self.kscale[0].numel() * self.kscale.element_size()
+        return self.qn.sum(-1) * quant + self.fn.sum(-1) * full + scales
 
     def capacity_bytes(self) -> int:
         """Bytes allocated: every tensor of `held_tensors` (stores, tags, ranks, counters, key scales)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 __all__ = [
     "SequenceStats", "cdiv", "eviction_steps", "first_eviction_step", "first_limit", "is_eviction_step",
     "max_blocks", "must_evict", "num_evictions", "peak_length", "physical_length", "room", "sequence_stats",
-    "steady_limit", "stored_length_sum",
+    "placeholder_budget", "steady_limit", "stored_length_sum",
 ]
 
 
@@ -150,3 +150,10 @@ def cdiv(a: int, b: int) -> int:
 def max_blocks(budget: int, window: int, block_size: int) -> int:
     """Paged-cache blocks a sequence needs once it has evicted: ceil((B + w) / block_size)."""
     return cdiv(steady_limit(budget, window), block_size)
+
+
+def placeholder_budget(window: int) -> int:
+    """The budget given to a method that keeps every token (`full`) when none is asked for: it never evicts, so B
+    only has to pass the budget rule, which `full` passes at any B >= 1. One value for every door (the cache, the
+    eval, the bench, the byte model), so no two compute it differently."""
+    return window + 1

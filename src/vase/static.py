@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils import is_torch_greater_or_equal
 
-from .attention import KERNELS, STATIC_PREFIX, _stock_kernel, base_kernel
+from .attention import KERNELS, STATIC_PREFIX, stock_kernel, base_kernel
 from .cache import EvictionCache, EvictionLayer
 from .quant_cache import QuantStorage
 from .static_storage import StaticDense, StaticQuant, front_index
@@ -160,6 +160,9 @@ class StaticLayer(CacheLayerMixin):
         self.tokens_evicted = src.tokens_evicted
         self.row_evictions = list(src.row_evictions)
         self.row_peak = list(src.row_peak)
+        self.row_peak_bytes = list(src.row_peak_bytes)  # as `EvictionLayer.row_peak_bytes`
+        # as `EvictionLayer.step_bytes` (quantized storage only): bytes after each decode step, summed
+        self.step_bytes = src.step_bytes.clone() if src.step_bytes is not None else None
         self.row_pad0 = list(src.row_pad0)
 
     # transformers' layer protocol reads `keys` / `values` [b, kv_heads, B + w, d]: the store's (the buffers
@@ -257,6 +260,9 @@ class StaticLayer(CacheLayerMixin):
 
     def prepare(self, due: list[int]) -> None:
         """Before an evicting step: draw fresh rows' per-layer state, then the policy's noise, per row generator."""
+        for r in due:
+            if self.row_evictions[r] == 0:  # the first eviction runs at the row's peak stored length
+                self.row_peak_bytes[r] = self.store.held_bytes(self.host_length[r], r)
         gens = self.cache.generators
         policy = self.cfg.policy
         fresh = [r for r in due if not self.state_ready[r]]
@@ -283,6 +289,8 @@ class StaticLayer(CacheLayerMixin):
             self.evictions += 1
         self.host_length = [n + 1 for n in self.host_length]
         self.host_seen += 1
+        if self.step_bytes is not None:
+            self.step_bytes += self.store.row_bytes()
 
     # -- transformers' layer interface ------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:  # built initialised
@@ -410,14 +418,19 @@ class StaticEvictionCache(Cache):
         first = self.layers[0]
         for r in range(len(first.host_length)):
             now = peak = full = 0
+            steps: int | None = 0
             for l in self.layers:
                 per_token = 2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
                 held = l.store.held_bytes(l.host_length[r], r)
                 now += held
-                peak += held + max(0, l.row_peak[r] - l.host_length[r]) * per_token  # above B: the window's
+                peak += l.row_peak_bytes[r] if l.row_evictions[r] else held  # as `EvictionCache.row_stats`
                 full += (l.host_seen - l.row_pad0[r]) * per_token
-            rows.append({"evictions": first.row_evictions[r], "kv_bytes": now, "kv_bytes_peak": peak,
-                         "kv_bytes_full": full})
+                steps = None if l.step_bytes is None or steps is None else steps + int(l.step_bytes[r])
+            row = {"evictions": first.row_evictions[r], "kv_bytes": now, "kv_bytes_peak": peak,
+                   "kv_bytes_full": full}
+            if steps is not None:
+                row["kv_byte_steps"] = steps
+            rows.append(row)
         return rows
 
     def batch_select_indices(self, indices) -> None:
@@ -461,7 +474,7 @@ def _make_static_attention(kernel: str):
         # the math kernel, so the stock kernel (its copy, then a fused kernel) stays.
         if kernel == "sdpa" and _SDPA_GQA and query.device.type == "cpu" and kwargs.get("position_bias") is None:
             return _sdpa_grouped(module, query, key, value, mask, **kwargs)
-        return _stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
+        return stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)
 
     vase_static_attention.__name__ = f"{STATIC_PREFIX}{kernel}"
     return vase_static_attention

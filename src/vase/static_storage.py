@@ -20,7 +20,8 @@ import torch
 
 from .policies import value_magnitude
 from .quant import Packed, dequantize, quantize
-from .quant_cache import QuantStorage, _gather, _left_pack, entry_bytes, flush_split, place, renumber, slot_dtype, slot_map
+from .quant_cache import (QuantStorage, entry_bytes, flush_split, gather_entries, left_pack, place, renumber,
+                          slot_dtype, slot_map)
 from .storage import flat_slots
 
 
@@ -153,21 +154,21 @@ class StaticQuant:
         ck, cv = torch.cat([self.fk, key_states], 2), torch.cat([self.fv, value_states], 2)
         cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
         keep, quant = flush_split(cs, cr, (slot + 1 - self.window).view(b, 1, 1), self.guard)
-        order = _left_pack(keep, n_fp)
+        order = left_pack(keep, n_fp)
         kept = keep.gather(-1, order)
-        fl_slot = _gather(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
-        self.fk.copy_(torch.where(flush, _gather(ck, order), app_k))
-        self.fv.copy_(torch.where(flush, _gather(cv, order), app_v))
+        fl_slot = gather_entries(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
+        self.fk.copy_(torch.where(flush, gather_entries(ck, order), app_k))
+        self.fv.copy_(torch.where(flush, gather_entries(cv, order), app_v))
         self.fslot.copy_(torch.where(flush, fl_slot, app_slot))
-        self.frank.copy_(torch.where(flush, _gather(cr, order), app_rank))
+        self.frank.copy_(torch.where(flush, gather_entries(cr, order), app_rank))
         self.fn.copy_(torch.where(flush, keep.sum(-1), self.fn + 1))
         # quantize the old tokens that left (every entry at its upper bound; non-chosen ones go to the trash)
         n_q = cs.shape[2]
-        order = _left_pack(quant, n_q)
+        order = left_pack(quant, n_q)
         chosen = quant.gather(-1, order) & flush
         trash = self.qslot.shape[2] - 1
         dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=cs.device), trash)
-        keys, values = _gather(ck, order), _gather(cv, order)
+        keys, values = gather_entries(ck, order), gather_entries(cv, order)
         if self.key_scale:  # fixed at the first flush that quantizes anything, as the eager storage
             live = ck.float().abs().masked_fill((cs < 0)[..., None], 0)
             first = flush & ~self.kscale_set & quant.any()
@@ -180,7 +181,7 @@ class StaticQuant:
             for name in ("codes", "scale", "zero"):
                 buf = getattr(store, name)
                 buf.scatter_(2, dest[..., None].expand(b, h, n_q, buf.shape[-1]), getattr(p, name))
-        self.qslot.scatter_(2, dest, _gather(cs, order).masked_fill(~chosen, -1).to(self.qslot.dtype))
+        self.qslot.scatter_(2, dest, gather_entries(cs, order).masked_fill(~chosen, -1).to(self.qslot.dtype))
         self.qslot[:, :, trash] = -1
         self.qn.add_(torch.where(flush, quant.sum(-1), 0))
         self.unflushed.copy_(torch.where(flush, 0, self.unflushed + 1))
@@ -210,21 +211,21 @@ class StaticQuant:
         table = slot_map(index, torch.arange(cap, device=index.device) < kept.view(-1, 1, 1), cap)
         fslot = renumber(self.fslot, table)
         live = fslot >= 0
-        order = _left_pack(live, fslot.shape[2])
+        order = left_pack(live, fslot.shape[2])
         for buf in (self.fk, self.fv, self.frank):
-            buf.copy_(_gather(buf, order))
-        self.fslot.copy_(_gather(fslot, order))
+            buf.copy_(gather_entries(buf, order))
+        self.fslot.copy_(gather_entries(fslot, order))
         self.fn.copy_(live.sum(-1))
         trash = self.qslot.shape[2] - 1
         qslot = renumber(self.qslot[:, :, :trash], table)
         live = qslot >= 0
         self.qn.copy_(live.sum(-1))
-        order = _left_pack(live, trash)
-        self.qslot[:, :, :trash] = _gather(qslot, order)
+        order = left_pack(live, trash)
+        self.qslot[:, :, :trash] = gather_entries(qslot, order)
         for p in (self.qk, self.qv):
             for name in ("codes", "scale", "zero"):
                 buf = getattr(p, name)
-                buf[:, :, :trash] = _gather(buf[:, :, :trash], order)
+                buf[:, :, :trash] = gather_entries(buf[:, :, :trash], order)
 
     # -- bytes (host side, outside the step) ------------------------------------------------------
     def held_bytes(self, slots: int, row: int | None) -> int:
@@ -237,6 +238,15 @@ class StaticQuant:
         if self.key_scale and bool(self.kscale_set):
             scales = self.kscale[0].numel() * self.kscale.element_size() * (self.kscale.shape[0] if row is None else 1)
         return int(qn.sum()) * quant + int(fn.sum()) * full + scales
+
+    def row_bytes(self) -> torch.Tensor:
+        """`held_bytes` of every row at once, on the device (no sync): [b] long."""
+        quant, full = entry_bytes(self.keys.shape[-1], self.values.shape[-1], self.bits, self.group,
+                                  self.fk.element_size(), self.qslot.shape[2] - 1)
+        out = self.qn.sum(-1) * quant + self.fn.sum(-1) * full
+        if self.key_scale:
+            out = out + self.kscale_set.long() * (self.kscale[0].numel() * self.kscale.element_size())
+        return out
 
     def capacity_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

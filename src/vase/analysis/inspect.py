@@ -10,7 +10,8 @@ from transformers import DynamicCache
 
 from ..cache import EvictionCache
 from ..compat import cache_kwargs
-from ..generation import Sampler, decode, encode_prompts, eos_ids
+from ..checks import check_flags, check_prompts, check_sampling, check_seed
+from ..generation import Sampler, decode, eos_ids, prepare_prompts
 from .kept import kept_map, plot_kept_map
 from .loops import loop_onset
 from .values import value_statistics
@@ -26,12 +27,16 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
     Returns the report: the text, cache stats, the loop onset (token index or None), the share
     of positions each layer kept, and the value statistics of the full sequence's values.
     """
+    # generate's checks, in generate's order: the prompt, the sampling and length, the seed, the switches, then
+    # the prompt against the model's context and the request spec (in the cache), all before the folder is made
+    [prompt] = check_prompts(prompt) if isinstance(prompt, str) else check_prompts([prompt])
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=None, greedy=greedy)
+    check_seed(seed, 1)
+    check_flags(greedy=greedy, chat_template=chat_template)
+    ids, mask, total = prepare_prompts(model, tokenizer, [prompt], chat_template, max_new_tokens)
+    cache = EvictionCache(model, method, budget, window, seed=[seed], max_length=total, **method_params)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = next(model.parameters()).device
-    ids, mask = encode_prompts(tokenizer, [prompt], chat_template, device)
-    cache = EvictionCache(model, method, budget, window, seed=[seed], max_length=ids.shape[1] + max_new_tokens,
-                          **method_params)
     generated, _, _ = decode(model, ids, mask, cache, max_new_tokens=max_new_tokens, seeds=[seed],
                              sampler=Sampler(greedy=greedy, temperature=temperature, top_p=top_p),
                              eos_token_ids=eos_ids(model, tokenizer))
@@ -41,7 +46,7 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
 
     # Values of the whole sequence as the full cache holds them (the eviction run's are partly gone).
     full = DynamicCache(config=model.config)
-    sequence = torch.cat([ids, torch.tensor([tokens], device=device, dtype=ids.dtype)], dim=1)
+    sequence = torch.cat([ids, torch.tensor([tokens], device=ids.device, dtype=ids.dtype)], dim=1)
     model(input_ids=sequence, **cache_kwargs(full), use_cache=True, logits_to_keep=1)
     values = [layer.values for layer in full.layers]
     report = {

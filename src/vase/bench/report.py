@@ -13,14 +13,19 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CSV_COLUMNS", "label", "plot", "print_table", "read_csv", "to_markdown", "write_csv", "write_report"]
+__all__ = ["CSV_COLUMNS", "label", "plot", "print_table", "read_csv", "to_markdown", "write_csv", "write_report",
+           "write_results_file"]
 
 #: every column of the CSV, in order (see `vase.bench.runner` for their meaning)
 CSV_COLUMNS = [
     "model", "device", "dtype", "attn", "batch", "method", "compiled", "budget", "window", "prompt_length",
     "new_tokens", "repeats", "tok_s", "vs_full", "vs_dynamic", "seg_tok_s", "seg_ratio", "step_ms", "decode_s", "prefill_s", "evictions",
-    "expected_evictions", "eviction_fired", "evict_ms", "evict_step_ms", "kv_bytes", "kv_bytes_alloc",
+    "expected_evictions", "eviction_fired", "evict_ms", "evict_step_ms", "evict_share", "kv_bytes", "kv_bytes_alloc",
     "kv_bytes_full", "kv_vs_full", "stored_length", "peak_mem_bytes", "peak_mem_delta_bytes", "mem_method", "flag",
+    # the ceiling (docs/bench.md) and the paired repeats
+    "clock", "tok_s_runs", "vs_full_lo", "vs_full_hi", "vs_dynamic_lo", "vs_dynamic_hi", "bytes_step", "bytes_weights", "bytes_kv",
+    "bandwidth_gbs", "roofline_tok_s", "roofline_share", "ceiling_vs_full", "gain_vs_full", "ceiling_vs_dynamic",
+    "gain_vs_dynamic",
 ]
 
 _MIB = 1024 * 1024
@@ -83,13 +88,36 @@ def _table_cells(row: dict) -> list[str]:
     ratio = (lambda v: "n/a" if no_evict else _fmt(v, ".2f", "x"))
     return [
         str(row["batch"]), label(row), str(row["new_tokens"]), _fmt(row["tok_s"]),
-        ratio(row.get("vs_full")), ratio(row.get("vs_dynamic")), _quarters(row), _fmt(row.get("seg_ratio"), ".2f"),
+        ratio(row.get("vs_full")) + _range(row, "vs_full"), _ceiling_cell(row, "full", no_evict),
+        ratio(row.get("vs_dynamic")) + _range(row, "vs_dynamic"), _ceiling_cell(row, "dynamic", no_evict),
+        _pct(row.get("roofline_share")), _quarters(row), _fmt(row.get("seg_ratio"), ".2f"),
         _fmt(row.get("step_ms"), ".2f"),
         "-" if row.get("eviction_fired") is None else str(row.get("evictions")),
-        _fmt(row.get("evict_ms"), ".2f"), _fmt(_mib(row.get("kv_bytes")), ".2f"),
+        _fmt(row.get("evict_ms"), ".2f"), _pct(row.get("evict_share"), ".1f"), _fmt(_mib(row.get("kv_bytes")), ".2f"),
         _fmt(_mib(row.get("peak_mem_delta_bytes")), ".2f"),
         "NO EVICTION (P+N <= B+w)" if no_evict else (row.get("flag") or ""),
     ]
+
+
+def _pct(v, spec: str = ".0f") -> str:
+    return "-" if _missing(v) else f"{100 * float(v):{spec}}%"
+
+
+def _range(row: dict, key: str) -> str:
+    """ ` [lo-hi]` of a paired ratio over more than one round."""
+    lo, hi = row.get(f"{key}_lo"), row.get(f"{key}_hi")
+    if _missing(lo) or _missing(hi) or (row.get("repeats") or 1) < 2:
+        return ""
+    return f" [{float(lo):.2f}-{float(hi):.2f}]"
+
+
+def _ceiling_cell(row: dict, ref: str, no_evict: bool) -> str:
+    """The ceiling the traffic model allows beside a ratio, and the share of its gain reached: `1.45x 80%`."""
+    ceiling = row.get(f"ceiling_vs_{ref}")
+    if no_evict or _missing(ceiling):
+        return "-"
+    gain = row.get(f"gain_vs_{ref}")
+    return f"{float(ceiling):.2f}x" + ("" if _missing(gain) else f" {100 * float(gain):.0f}%")
 
 
 def _quarters(row: dict) -> str:
@@ -100,8 +128,8 @@ def _quarters(row: dict) -> str:
     return " ".join(f"{float(v):.1f}" for v in str(segs).split(";") if v)
 
 
-_HEADERS = ["batch", "method", "new tok", "tok/s", "vs full", "vs dynamic", "tok/s per part", "last/first",
-            "step ms", "evictions", "ms/evict",
+_HEADERS = ["batch", "method", "new tok", "tok/s", "vs full", "ceil gain", "vs dyn", "ceil gain",
+            "roofline", "tok/s per part", "last/first", "step ms", "evicts", "ms/evict", "evict%",
             "KV MiB", "peak +MiB", "flag"]
 
 
@@ -113,7 +141,7 @@ def print_table(rows: Sequence[dict], console=None, title: str | None = None) ->
     if console is None:
         console = Console()
         if not console.is_terminal:
-            console = Console(width=170)  # logs and pipes: one line per row
+            console = Console(width=230)  # logs and pipes: one line per row
     if rows and not title:
         r = rows[0]
         title = (f"decode throughput: {r.get('model')} {r.get('dtype')} {r.get('attn')} on {r.get('device')}, "
@@ -127,7 +155,11 @@ def print_table(rows: Sequence[dict], console=None, title: str | None = None) ->
     console.print(table)
     if rows and rows[0].get("mem_method"):
         console.print(f"peak +MiB: peak memory during the run minus memory before it ({rows[0]['mem_method']}); "
-                      "ms/evict: time of one eviction event, all layers")
+                      "ms/evict: time of one eviction event, all layers; evict%: share of decode time in them")
+    bw = next((r.get("bandwidth_gbs") for r in rows if not _missing(r.get("bandwidth_gbs"))), None)
+    console.print("ceiling: the speed-up the traffic model allows (reference's bytes per step / the row's), gain: "
+                  "share of (ceiling - 1) reached; roofline: tok/s over bandwidth x batch / bytes per step"
+                  + (f" (bandwidth {float(bw):.1f} GB/s, measured)" if bw else "") + "; docs/bench.md")
 
 
 def to_markdown(rows: Sequence[dict]) -> str:
@@ -228,6 +260,15 @@ def plot(rows: Sequence[dict], out_dir: str | Path) -> list[Path]:
     paths.append(out / "segments.png")
     fig.savefig(paths[-1], dpi=110)
     return paths
+
+
+def write_results_file(rows: Sequence[dict], path: str | Path, record: dict) -> Path:
+    """The rows (one flat dict per table row, NaN as null) with their provenance record
+    (`vase.provenance.provenance()`, taken before the run) through `vase.provenance.write_results`."""
+    from ..provenance import write_results
+
+    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()} for row in rows]
+    return write_results(path, clean, record)
 
 
 def write_report(rows: Sequence[dict], out_dir: str | Path, console=None, show: bool = True) -> dict[str, Path]:

@@ -32,6 +32,19 @@ What is measured (per run; a row reports the median over `repeats` runs after `w
   summed over layers, divided by the events; `evict_step_ms`: median over eviction steps of
   (that step's time - median of the non-evicting steps within 8 steps of it): what an eviction
   adds to the step it lands on, Python overhead included.
+- evict_share: the eviction events' time amortised over the run, (sum of the timed `evict`
+  calls) / decode_s, median over runs; eager only (compiled evictions run inside the step).
+- Ceiling (docs/bench.md): `bytes_step` is the traffic model's mean bytes per decode step
+  (`vase.bench.traffic`: weights, K/V read by attention, writes, eviction events amortised;
+  `bytes_weights`, `bytes_kv` two of its parts); `bandwidth_gbs` the probe's bandwidth
+  (`vase.bench.bandwidth`, measured once per `run_bench`); `roofline_tok_s` = bandwidth x
+  batch / bytes_step, the fastest rate the memory allows, and `roofline_share` = tok_s / it.
+  Beside each ratio, `ceiling_vs_full` / `ceiling_vs_dynamic` = the reference's bytes_step /
+  the row's (the largest speed-up the traffic allows) and `gain_vs_full` / `gain_vs_dynamic` =
+  (ratio - 1) / (ceiling - 1), the share of that gain reached.
+- Repeats: round r runs every configuration once (A, B, A, B, ...); `tok_s_runs` holds each
+  round's rate, and `vs_full` / `vs_dynamic` are medians over rounds of the ratio within the round
+  (`vase.bench.paired`), with the range in `vs_full_lo` .. `vs_full_hi`.
 - kv_bytes: K/V bytes held at the end (`stats()["kv_bytes"]`; for DynamicCache the bytes of
   its tensors); kv_bytes_alloc: bytes allocated for K/V (the owned cache preallocates).
 - Peak memory: on CUDA `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`
@@ -61,9 +74,12 @@ import torch
 from ..cache import EvictionCache
 from ..generation import PAPER_SAMPLING, Sampler, decode
 from ..policies import get_policy
+from ..quant_cache import QuantBytes
 from ..schedule import num_evictions
+from .paired import alternating, paired_ratio
+from .traffic import ModelBytes, StepTraffic, decode_traffic, gain_share
 
-__all__ = ["BASELINES", "add_ratios", "expected_evictions", "run_bench", "run_one"]
+__all__ = ["BASELINES", "add_ratios", "expected_evictions", "row_traffic", "run_bench", "run_one"]
 
 #: the two full-cache references every benchmark can include
 BASELINES = ("full", "dynamic")
@@ -72,6 +88,21 @@ BASELINES = ("full", "dynamic")
 #: generator per row), not greedy. Greedy decoding of a random-weight model collapses into a loop of
 #: a few tokens, a cache content users never run.
 BENCH_SAMPLER = Sampler(**PAPER_SAMPLING)
+
+
+def _now() -> float:
+    """The bench's clock (a module function so a test can put a fake clock in its place)."""
+    return time.perf_counter()
+
+
+def _cpu_now() -> float:
+    """CPU seconds of this process: with one torch thread, the time the decode itself ran, without the time a
+    loaded machine gave to other processes (`clock="cpu"`)."""
+    return time.process_time()
+
+
+#: run_bench's `clock` choices: wall time, or this process's CPU time (meaningful with one torch thread)
+CLOCKS = ("wall", "cpu")
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -189,8 +220,9 @@ def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window:
 class _EvictTimer:
     """Wraps `evict` of every layer of an EvictionCache (instance attributes; the class is untouched)."""
 
-    def __init__(self, cache: EvictionCache, device: torch.device):
+    def __init__(self, cache: EvictionCache, device: torch.device, clock: Callable[[], float] | None = None):
         self.cuda = device.type == "cuda"
+        self.clock = clock
         self.seconds = 0.0
         self.events: list[tuple] = []
         for layer in cache.evicting_layers:
@@ -205,9 +237,10 @@ class _EvictTimer:
                 end.record()
                 self.events.append((start, end))
             else:
-                t = time.perf_counter()
+                now = self.clock or _now
+                t = now()
                 evict(due)
-                self.seconds += time.perf_counter() - t
+                self.seconds += now() - t
 
         return timed
 
@@ -219,6 +252,10 @@ class _EvictTimer:
 
 
 # -- one run -------------------------------------------------------------------------------------
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _random_prompt(vocab: int, batch: int, length: int, seed: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
@@ -233,13 +270,21 @@ def _set_attention(model, method: str) -> None:
 
 def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int, prompt_length: int = 128,
             window: int = 64, segments: int = 4, seed: int = 0, compile: bool = False, cache_tokens: int | None = None,
-            **method_params) -> dict:
+            clock: str = "wall", **method_params) -> dict:
     """Decode `new_tokens` tokens once and return the raw measurements of that run.
 
     compile: decode with `vase.compiled.decode_compiled` (`full`: transformers' StaticCache, the step
     compiled; evicting methods: the static cache's compiled steps); `dynamic` stays eager.
     cache_tokens: size the full caches for this many new tokens instead of `new_tokens` (a warm-up
-    run compiles the StaticCache step for the shapes of the timed run)."""
+    run compiles the StaticCache step for the shapes of the timed run).
+    clock: "wall" (perf_counter), or "cpu": this process's CPU time (`time.process_time`) for the
+    step stamps and the eviction timer, on a CPU with one torch thread (a shared machine's other load
+    then does not count; memory contention still does)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and (device_of(model).type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='cpu' times one CPU thread: run on the CPU with one torch thread (--threads 1)")
+    now = _cpu_now if clock == "cpu" else None
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
     input_ids = _random_prompt(vocab, batch, prompt_length, seed, device)
@@ -255,9 +300,9 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
             cache = _dynamic_cache(model)
         else:
             params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
-            cache = EvictionCache(model, method, budget if budget is not None else prompt_length + new_tokens,
-                                  window, seed=seed, max_length=prompt_length + new_tokens, **params)
-            timer = _EvictTimer(cache, device)  # eager evictions only (the compiled ones run inside the step)
+            cache = EvictionCache(model, method, budget, window, seed=seed, max_length=prompt_length + new_tokens,
+                                  **params)  # budget None (full): the request spec's placeholder
+            timer = _EvictTimer(cache, device, now)  # eager evictions only (the compiled ones run inside the step)
         run_decode = decode
         if compiled:
             from ..compiled import compile_cache, decode_compiled
@@ -284,7 +329,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
             if calls % batch == 0:  # the first row of a step: every row's token of this step is known
                 if cuda:
                     torch.cuda.synchronize(device)
-                stamps.append(time.perf_counter())
+                stamps.append((now or _now)())
                 evict_marks.append(evictions_now())
             calls += 1
 
@@ -313,14 +358,16 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
         cache = decode_compiled.last_cache or cache  # the static form the steps ran on
     if timer is not None:
         stats = cache.stats()
+        # Eager evictions are timed call by call; compiled ones run inside the step graph (not separable).
+        evict_s = timer.total_seconds() if not compiled else math.nan
         out.update(evictions=stats["evictions"], kv_bytes=stats["kv_bytes"], kv_bytes_alloc=stats["kv_bytes_capacity"],
                    kv_bytes_full=stats["kv_bytes_full"], stored_length=stats["stored_length"],
-                   evict_ms=1000 * timer.total_seconds() / stats["evictions"]
-                   if stats["evictions"] and not compiled else math.nan)
+                   evict_ms=1000 * evict_s / stats["evictions"] if stats["evictions"] and not compiled else math.nan,
+                   evict_share=evict_s / decode_s if stats["evictions"] and decode_s > 0 else math.nan)
     else:
         kv = _dynamic_kv_bytes(cache)
         out.update(evictions=0, kv_bytes=kv, kv_bytes_alloc=kv, kv_bytes_full=kv,
-                   stored_length=int(cache.get_seq_length()), evict_ms=math.nan)
+                   stored_length=int(cache.get_seq_length()), evict_ms=math.nan, evict_share=math.nan)
     out.update(peak_mem_bytes=memory.peak, peak_mem_delta_bytes=memory.delta, mem_method=memory.method)
     del cache
     return out
@@ -363,7 +410,7 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
               repeats: int = 3, segments: int = 4, include_dynamic: bool = True, seed: int = 0,
               include_full: bool = True, warmup_tokens: int | None = None,
               progress: Callable[[dict], None] | None = None, compile: bool | str = False,
-              **method_params) -> list[dict]:
+              bandwidth: float | str | None = "probe", clock: str = "wall", **method_params) -> list[dict]:
     """Benchmark decode throughput and memory; one row per (batch, method, budget, output length).
 
     `methods` are eviction methods (run at every budget); `full` (owned cache, no eviction) and,
@@ -378,6 +425,15 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     same batch and output length; they are left empty for a row whose eviction never fired.
     `compile`: False (eager), True (compiled steps, `run_one`), or "both": every configuration but
     `dynamic` runs eager and compiled (rows `compiled` False / True; ratios compare like with like).
+
+    The ceiling (docs/bench.md): each row carries the bytes per decode step of the traffic model
+    (`vase.bench.traffic`); `bandwidth` (bytes/s; "probe": measured once here by
+    `vase.bench.bandwidth.probe_bandwidth`; None: not measured) turns them into the fastest rate the
+    memory allows (`roofline_tok_s`) and the share of it reached; `add_ratios` puts beside each ratio
+    the ratio the traffic model allows (`ceiling_vs_full`, ...) and the share of that gain reached.
+    Repeats are paired: round r runs every configuration once (A, B, A, B, ...), and each ratio is
+    the median over rounds of that round's ratio, with its range (`vs_full_lo` .. `vs_full_hi`).
+    `clock`: "wall", or "cpu" (`run_one`: CPU time of one thread, for a loaded shared machine).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -403,6 +459,16 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    if bandwidth == "probe":
+        from .bandwidth import probe_bandwidth
+
+        bandwidth = probe_bandwidth(device)
+    elif isinstance(bandwidth, str):
+        raise ValueError(f"bandwidth must be 'probe', a number of bytes/s or None, got {bandwidth!r}")
+    try:
+        sizes = ModelBytes.from_model(model)
+    except (AttributeError, TypeError, ValueError):  # a shape the traffic model cannot count: rows without ceiling
+        sizes = None
     was_training = model.training
     original_attn = model.config._attn_implementation
     model.eval()
@@ -417,20 +483,22 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
                     if warm_key not in warmed:
                         for _ in range(max(warmup, 1 if comp else 0)):  # compiling is never timed
                             run_one(model, method, budget, warmup_tokens or length, batch, prompt_length, window,
-                                    segments, seed, compile=comp, cache_tokens=length, **method_params)
+                                    segments, seed, compile=comp, cache_tokens=length, clock=clock, **method_params)
                         warmed.add(warm_key)
                 runs: dict[tuple, list[dict]] = {cfg: [] for cfg in configs}
-                for rep in range(repeats):  # round-robin, so drifting machine load hits every method alike
-                    for method, budget, comp in configs:
-                        runs[(method, budget, comp)].append(run_one(model, method, budget, length, batch,
-                                                                    prompt_length, window, segments, seed,
-                                                                    compile=comp, **method_params))
-                        if rep == repeats - 1:  # this configuration is done: report it now
-                            row = _summarise(runs[(method, budget, comp)], model, device, dtype, method, budget,
-                                             length, batch, prompt_length, window, repeats, comp)
-                            rows.append(row)
-                            if progress is not None:
-                                progress(dict(row))
+                # paired rounds (A, B, A, B, ...), so drifting machine load hits every method alike
+                for rep, (method, budget, comp) in alternating(configs, repeats):
+                    runs[(method, budget, comp)].append(run_one(model, method, budget, length, batch,
+                                                                prompt_length, window, segments, seed,
+                                                                compile=comp, clock=clock, **method_params))
+                    if rep == repeats - 1:  # this configuration is done: report it now
+                        row = _summarise(runs[(method, budget, comp)], model, device, dtype, method, budget,
+                                         length, batch, prompt_length, window, repeats, comp)
+                        _add_traffic(row, model, sizes, bandwidth, method_params)
+                        row["clock"] = clock
+                        rows.append(row)
+                        if progress is not None:
+                            progress(dict(row))
     finally:
         if model.config._attn_implementation != original_attn:  # as we found it
             model.set_attn_implementation(original_attn)
@@ -471,6 +539,7 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
         "new_tokens": length,
         "repeats": repeats,
         "tok_s": _median([r["tok_s"] for r in runs]),
+        "tok_s_runs": ";".join(repr(float(r['tok_s'])) for r in runs),  # one per round, in order: the pairs
         "seg_tok_s": ";".join(f"{s:.2f}" for s in segs),
         "seg_ratio": seg_ratio,
         "compiled": compiled,
@@ -482,6 +551,7 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
         "eviction_fired": fired,
         "evict_ms": _median([r["evict_ms"] for r in runs]),
         "evict_step_ms": _median([r["evict_step_ms"] for r in runs]),
+        "evict_share": _median([r["evict_share"] for r in runs]),
         "kv_bytes": runs[0]["kv_bytes"],
         "kv_bytes_alloc": runs[0]["kv_bytes_alloc"],
         "kv_bytes_full": runs[0]["kv_bytes_full"],
@@ -490,7 +560,15 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
         "peak_mem_delta_bytes": int(_median([r["peak_mem_delta_bytes"] for r in runs])),
         "mem_method": runs[0]["mem_method"],
         "vs_full": None,
+        "vs_full_lo": None,
+        "vs_full_hi": None,
         "vs_dynamic": None,
+        "vs_dynamic_lo": None,
+        "vs_dynamic_hi": None,
+        "ceiling_vs_full": None,
+        "gain_vs_full": None,
+        "ceiling_vs_dynamic": None,
+        "gain_vs_dynamic": None,
         "kv_vs_full": None,
         "flag": flag,
     }
@@ -501,8 +579,66 @@ def _base_attention(model) -> str:
     return impl.removeprefix("vase_")
 
 
+def row_traffic(model, method: str, budget: int | None, window: int, prompt_length: int, new_tokens: int,
+                batch: int, compiled: bool = False, sizes: ModelBytes | None = None,
+                **method_params) -> StepTraffic | None:
+    """The traffic model's mean bytes per decode step of one bench configuration; None for selection
+    methods (Quest: the dense kernel reads the full cache, its own traffic is not modelled)."""
+    sizes = sizes or ModelBytes.from_model(model)
+    if method in BASELINES:
+        return decode_traffic(sizes, method, prompt_length, new_tokens, batch, compiled=compiled)
+    policy = get_policy(method)
+    if not policy.evicts:
+        return None
+    quant = QuantBytes.for_model(model, policy, budget, window, method_params)
+    return decode_traffic(sizes, "evicting", prompt_length, new_tokens, batch, budget, window, compiled=compiled,
+                          quant=quant)
+
+
+def _add_traffic(row: dict, model, sizes: ModelBytes | None, bandwidth: float | None, method_params: dict) -> None:
+    """The row's bytes per step and, with a bandwidth, the fastest rate it allows and the share reached."""
+    t = None if sizes is None else row_traffic(
+        model, row["method"], row["budget"], window=row["window"] or 0, prompt_length=row["prompt_length"],
+        new_tokens=row["new_tokens"], batch=row["batch"], compiled=bool(row["compiled"]), sizes=sizes,
+        **method_params)
+    row.update(bytes_step=None, bytes_weights=None, bytes_kv=None, roofline_tok_s=None, roofline_share=None,
+               bandwidth_gbs=bandwidth / 1e9 if bandwidth else None)
+    if t is None:
+        return
+    row.update(bytes_step=t.total, bytes_weights=t.weights, bytes_kv=t.kv)
+    if bandwidth:
+        row["roofline_tok_s"] = bandwidth * row["batch"] / t.total
+        row["roofline_share"] = row["tok_s"] / row["roofline_tok_s"]
+
+
+def _runs(row: dict) -> list[float]:
+    raw = row.get("tok_s_runs")
+    return [float(v) for v in str(raw).split(";") if v] if raw not in (None, "") else []
+
+
+def _ratio(row: dict, ref: dict) -> tuple[float, float, float] | None:
+    """Row over reference: paired per round when both carry one rate per round, else the ratio of the medians."""
+    mine, theirs = _runs(row), _runs(ref)
+    if mine and len(mine) == len(theirs):
+        med, lo, hi = paired_ratio(mine, theirs)
+        return None if math.isnan(med) else (med, lo, hi)
+    if ref["tok_s"] and ref["tok_s"] > 0:
+        r = row["tok_s"] / ref["tok_s"]
+        return r, r, r
+    return None
+
+
+def _ceiling(row: dict, ref: dict) -> float | None:
+    mine, theirs = row.get("bytes_step"), ref.get("bytes_step")
+    return theirs / mine if mine and theirs else None
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Fill `vs_full`, `vs_dynamic` and `kv_vs_full` of `rows` in place (also for partial results); returns rows."""
+    """Fill the ratios of `rows` in place (also for partial results); returns rows.
+
+    `vs_full` / `vs_dynamic` (median over paired rounds, range in `_lo` / `_hi`), `kv_vs_full`, and
+    beside each ratio the ceiling the traffic model allows (the reference's bytes per step over the
+    row's) and the share of the ceiling's gain reached, (ratio - 1) / (ceiling - 1)."""
     refs: dict[tuple, dict] = {}
     for row in rows:
         if row["method"] in BASELINES:
@@ -511,14 +647,17 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         if row["eviction_fired"] is False:
             continue  # never report a configuration that did not evict as a speed-up
         comp = bool(row.get("compiled"))  # compiled rows against the compiled full cache (StaticCache)
-        full = refs.get(("full", row["batch"], row["new_tokens"], comp))
-        dyn = refs.get(("dynamic", row["batch"], row["new_tokens"], False))
-        if full and full["tok_s"] > 0:
-            row["vs_full"] = row["tok_s"] / full["tok_s"]
-            if full["kv_bytes"]:
-                row["kv_vs_full"] = row["kv_bytes"] / full["kv_bytes"]
-        if dyn and dyn["tok_s"] > 0:
-            row["vs_dynamic"] = row["tok_s"] / dyn["tok_s"]
+        for name, ref in (("full", refs.get(("full", row["batch"], row["new_tokens"], comp))),
+                          ("dynamic", refs.get(("dynamic", row["batch"], row["new_tokens"], False)))):
+            ratio = _ratio(row, ref) if ref else None
+            if ratio is None:
+                continue
+            row[f"vs_{name}"], row[f"vs_{name}_lo"], row[f"vs_{name}_hi"] = ratio
+            ceiling = _ceiling(row, ref)
+            row[f"ceiling_vs_{name}"] = ceiling
+            row[f"gain_vs_{name}"] = gain_share(ratio[0], ceiling)
+            if name == "full" and ref["kv_bytes"]:
+                row["kv_vs_full"] = row["kv_bytes"] / ref["kv_bytes"]
     return rows
 
 

@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from ..checks import check_sampling
+
 from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_out_dir, check_range, checked_params,
                      console, err_console, model_options, split_list, warn)
 
@@ -36,6 +38,8 @@ def inspect(
     """Look inside one generation: kept tokens per head, value magnitudes, loop onset."""
     model.check()
     check_range("--seed", seed, 2**63 - 1)
+    check_range("--max-new-tokens", max_new_tokens)  # generate's checks, before the model loads
+    check_sampling(max_new_tokens=max_new_tokens, temperature=0.6, top_p=0.95, top_k=None, greedy=greedy)
     check_out_dir(out, "--out")
     params = checked_params([method], param, budgets=[budget], window=window)
     from ..analysis.inspect import inspect_generation
@@ -62,6 +66,8 @@ def inspect(
 def analysis_prompts(task: str, *, limit: int, data_dir: Path | None, seed: int = 0, flag: str = "--task"
                      ) -> list[str]:
     """The prompts of an analysis task; an unknown task names the flag the analysis really has."""
+    if limit < 1:  # else the study would start and stop at "prompts is empty", naming no flag
+        raise UserError(f"--limit must be >= 1 (problems to study), got {limit}")
     from ..analysis.sweep import task_prompts
     from ..eval.tasks import TaskError
 

@@ -28,7 +28,9 @@ def bench(
     warmup_tokens: Annotated[Optional[int], typer.Option(help="New tokens of each untimed run (default: the first "
                                                         "of --lengths; a few dozen suffice for eager runs).",
                                                         min=2)] = None,
-    repeats: Annotated[int, typer.Option(help="Timed runs; the median is reported.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed rounds: each runs every configuration once (A, B, A, B, ...); "
+                                         "rates are medians, each ratio the median of the rounds' ratios with "
+                                         "its range.")] = 1,
     no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
     random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
                                                        "qwen3-4b, qwen3-14b, smollm2-135m, the hybrid qwen3.5-0.8b, "
@@ -53,21 +55,38 @@ def bench(
     compile_: Annotated[bool, typer.Option("--compile", help="Also run each configuration with its decode step "
                                            "torch.compile'd (full: transformers' StaticCache; the first run of each "
                                            "compiles, untimed).")] = False,
+    bandwidth: Annotated[Optional[float], typer.Option(help="Memory bandwidth in GB/s for the roofline (default: "
+                                                       "measured once at the start by a matrix-vector probe; 0: no "
+                                                       "roofline). The ceilings beside the ratios need no bandwidth.",
+                                                       min=0)] = None,
+    clock: Annotated[str, typer.Option(help="wall, or cpu: time the steps by this process's CPU time (with "
+                                       "--threads 1 on a CPU; a loaded shared machine's other work then does "
+                                       "not count).")] = "wall",
+    results: Annotated[Optional[Path], typer.Option(help="Results file (JSON: the rows with the date, commit, "
+                                                    "machine, versions and command; default OUT/bench.json).")]
+    = None,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
+    from ..engines.registry import engine_info, engine_names, refuse_unsupported
+
     method_list, budget_list = split_list(methods, str, "--methods"), split_list(budgets, int, "--budgets")
-    if engine == "vllm":
+    if engine not in engine_names():
+        raise UserError(f"--engine must be {' or '.join(engine_names())}, got {engine!r}")
+    # Flags the engine would ignore are refused, not dropped: --kv-bits, --compile and --attn on vLLM.
+    refuse_unsupported(engine, storage=kv_bits != 16, compile=compile_, attn=given(ctx, "attn"))
+    if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
         from ..bench.vllm_bench import cli_bench
 
+        baseline = [m for m in method_list if m != "full"]  # stock vLLM is the reference, never a vase config
+        params = checked_params(baseline or method_list, param, budgets=budget_list if baseline else None,
+                                window=window, engine=engine)
         paths = cli_bench(model.model, method_list, budget_list, split_list(lengths or "2048", int, "--lengths"),
                           requests=requests, prompt_len=prompt_length, window=window,
                           regimes=split_list(regimes, str, "--regimes"), pool_requests=pool_requests,
                           block_size=block_size, dtype=None if model.dtype == "auto" else model.dtype,
-                          params=checked_params(method_list, param), out=out, log=console.print)
+                          params=params, out=out, log=console.print)
         console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
         return
-    if engine != "transformers":
-        raise UserError(f"--engine must be transformers or vllm, got {engine!r}")
     ignored = [f"--{n.replace('_', '-')}" for n in ("requests", "regimes", "pool_requests", "block_size")
                if given(ctx, n)]
     if ignored:
@@ -75,11 +94,19 @@ def bench(
              f"(they size vLLM's pool): add --engine vllm, or drop {'it' if len(ignored) == 1 else 'them'}")
     length_list = split_list(lengths or "1024,4096", int, "--lengths")
     batch_list = split_list(batch_sizes, int, "--batch-sizes")
+    if clock not in ("wall", "cpu"):
+        raise UserError(f"--clock must be wall or cpu, got {clock!r}")
+    import torch
+
+    if clock == "cpu" and torch.get_num_threads() != 1:
+        raise UserError("--clock cpu times one thread: add --threads 1 before the command (vase --threads 1 bench ...)")
     quant = quant_options(kv_bits, None)
     params = {**checked_params(method_list, param, budgets=budget_list, window=window, storage=quant), **quant}
-    from ..bench.report import write_report
+    from ..bench.report import write_report, write_results_file
     from ..bench.runner import run_bench
+    from ..provenance import finish, provenance
 
+    record = provenance(threads=torch.get_num_threads())  # before the measurement: its load average too
     if random_init:
         mdl = random_model(random_init, model)
     else:
@@ -87,8 +114,10 @@ def bench(
     rows = run_bench(mdl, method_list, budget_list, length_list, batch_list, prompt_length=prompt_length,
                      window=window, warmup=warmup, warmup_tokens=warmup_tokens, repeats=repeats,
                      include_dynamic=not no_dynamic,
-                     compile="both" if compile_ else False, **params)
+                     compile="both" if compile_ else False,
+                     bandwidth="probe" if bandwidth is None else (bandwidth * 1e9 or None), clock=clock, **params)
     paths = write_report(rows, out, console=console)
+    paths["results"] = write_results_file(rows, results or out / "bench.json", finish(record))
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
@@ -97,7 +126,14 @@ def random_model(spec: str, model: ModelArgs):
     from ..bench.shapes import build_random_model, shape_names
     from ..models import resolve_device, resolve_dtype
 
+    from ..models.errors import ModelLoadError
+    from ..models.options import check_attn_implementation
+
     dev = resolve_device(model.device)
+    try:  # an --attn problem names --attn, not --random-init
+        check_attn_implementation(model.attn, dev)
+    except ModelLoadError as e:
+        raise UserError(f"--attn {model.attn}: {e}") from None
     quiet_loading()
     try:
         return build_random_model(spec, resolve_dtype(model.dtype, dev), dev, model.attn)

@@ -100,23 +100,27 @@ def parse_params(items: list[str] | None) -> dict:
 
 
 def checked_params(methods: list[str], items: list[str] | None, *, budgets: list[int] | None = None,
-                   window: int | None = None, storage: dict | None = None) -> dict:
-    """Parse `--param` items and check every method takes them (types and ranges included) and, when given,
-    that each budget leaves room for the window and the method's sinks, and holds the slots the method
-    reserves (n_large, --quant-guard): all before any slow model load."""
-    from ..checks import check_budget_window
-    from ..eval.config import check_reserves
-    from ..policies import get_policy
+                   window: int | None = None, storage: dict | None = None, engine: str | None = None) -> dict:
+    """Parse `--param` items and check, with the request spec (:class:`vase.spec.RequestSpec`), every method at
+    every budget: the method takes them (types and ranges included), the budget rule, the reserve rule and the
+    storage (--kv-bits, or ``-p kv_bits=``; not both), and what `engine` can run: all before any slow model
+    load. Returns the parsed items (method parameters and storage keywords as given)."""
+    from ..spec import RequestSpec, split_storage
 
     params = parse_params(items)
+    spelled = split_storage(params)[1]
+    if spelled and storage:
+        raise UserError(f"the storage is given twice: --kv-bits/--quant-guard and -p {', '.join(spelled)}: give "
+                        f"it once")
+    options = {**params, **(storage or {})}
+    method_params = split_storage(params)[0]
     for name in methods:
-        policy = get_policy(name, **params)
-        if params and not (policy.evicts or policy.selects):
-            warn(f"--param {', '.join(sorted(params))} is ignored by {policy.name!r}: it keeps every token")
+        if budgets is None:  # the method and its parameters only
+            policy = RequestSpec.of(name, **options).build_policy()
         for b in budgets or []:
-            check_range("--budget", b)
-            check_budget_window(b, window, policy)
-            check_reserves(policy.name, b, policy, storage)
+            policy = RequestSpec.of(name, b, window if window is not None else 64, **options).validate(engine).policy
+        if method_params and not (policy.evicts or policy.selects):
+            warn(f"--param {', '.join(sorted(method_params))} is ignored by {policy.name!r}: it keeps every token")
     return params
 
 

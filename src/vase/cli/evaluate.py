@@ -41,6 +41,9 @@ def evaluate(
     engine: Annotated[Optional[str], typer.Option(help="transformers (default: vase's decode loop) or vllm "
                                                   "(vLLM's LLM.generate with the vase plugin; no --fidelity).")] = None,
     param: ParamOpt = None,
+    kv_bits: Annotated[Optional[int], typer.Option("--kv-bits", help="The methods store old K/V in 8, 4 or 2 bits "
+                                                   "(the same as -p kv_bits=N; full stays in full precision); see "
+                                                   "docs/quantization.md.")] = None,
     output_dir: Annotated[Optional[Path], typer.Option(help="Where run folders go (default: runs).")] = None,
     model: ModelOpt = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
@@ -60,6 +63,10 @@ def evaluate(
                         f"{task_file} as {task!r} (the file's name labels them; name it e.g. {task}-mine.jsonl)")
     check_model_opt(model)
     params = parse_params(param)
+    if kv_bits is not None:  # one storage, one spelling: --kv-bits N is -p kv_bits=N (as on generate and bench)
+        if "kv_bits" in params:
+            raise UserError("the storage is given twice: --kv-bits and -p kv_bits: give it once")
+        params["kv_bits"] = kv_bits
     method_list = split_list(methods, str, "--methods") if methods is not None else None
     overrides = dict(
         task=task, task_file=str(task_file) if task_file else None, question_field=question_field,
@@ -71,6 +78,10 @@ def evaluate(
         attn_implementation=attn, engine=engine,
     )
     cfg = load_config(config, overrides)
+    if attn is not None:  # a flag the engine would ignore is refused, not dropped
+        from ..engines.registry import refuse_unsupported
+
+        refuse_unsupported(cfg.engine, attn=True)
     if cfg.task is None and cfg.task_file is None:
         overrides["task"] = "arith"
         cfg = load_config(config, overrides)

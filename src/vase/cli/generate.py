@@ -73,16 +73,24 @@ def generate(
                                         "plugin; no streaming, no --kv-bits).")] = "transformers",
 ) -> None:
     """Generate with a bounded KV cache, streaming the answer, then print a summary."""
-    if engine not in ("transformers", "vllm"):
-        raise UserError(f"unknown --engine {engine!r}: use transformers or vllm")
+    from ..engines.registry import engine_info, engine_names, refuse_unsupported
+    from ..spec import split_storage
+
+    if engine not in engine_names():
+        raise UserError(f"unknown --engine {engine!r}: use {' or '.join(engine_names())}")
+    refuse_unsupported(engine, attn=given(ctx, "attn"))  # a flag the engine would ignore
     model.check()
     check_range("--seed", seed, 2**63 - 1)
     check_range("--max-new-tokens", max_new_tokens)
     prompts = read_prompts(prompt, file)
-    quant = quant_options(kv_bits, quant_guard)  # checked before the model loads
-    params = checked_params([method], param, budgets=[budget], window=window, storage=quant)
+    quant = quant_options(kv_bits, quant_guard)
+    # The request spec checks the method, its parameters, the budget, the reserves and the storage (--kv-bits or
+    # -p kv_bits=, one spelling of one rule) against the engine, before the model loads.
+    params = checked_params([method], param, budgets=[budget], window=window, storage=quant, engine=engine)
+    params, spelled = split_storage(params)
+    quant = {**quant, **spelled}  # the storage applies to both methods of --compare, however it was spelled
     if compare:
-        checked_params([compare], None, budgets=[budget], window=window, storage=quant)
+        checked_params([compare], None, budgets=[budget], window=window, storage=quant, engine=engine)
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     if greedy:
         ignored = [f for f, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--top-k", "top_k"))
@@ -93,10 +101,7 @@ def generate(
         raise UserError("an empty prompt with --no-chat gives the model nothing to start from: give some text")
     if batch_size < 1:
         raise UserError("--batch-size must be >= 1")
-    if engine == "vllm":
-        if quant:
-            raise UserError("--kv-bits/--quant-guard run on the transformers engine only: drop them, or use "
-                            "--engine transformers")
+    if engine_info(engine).internal_batching:  # vLLM: it loads its own model and schedules the prompts
         run, tok = vllm_runner(model, window, seed)
         mdl = None
     else:
@@ -136,12 +141,13 @@ def generate(
 def vllm_runner(model: ModelArgs, window: int, seed: int):
     """`vase generate --engine vllm`: a `vase.generate`-like function over vLLM, and the tokenizer."""
     from ..engines.vllm import VllmEngine
-    from ..eval.config import EvalConfig
+    from ..models import resolve_device, resolve_dtype
     from ..vllm.stats import summarize
 
-    # EvalConfig checks the settings (dtype, window, seed) as `vase eval --engine vllm` does.
-    cfg = EvalConfig(model=model.model, dtype=model.dtype, device=model.device, window=window, seed=seed)
-    engine = VllmEngine(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+    # The method, budget, window and seed were checked by the request spec (checked_params); dtype and device here,
+    # before vLLM starts. (An EvalConfig used to check them, with eval's default budgets and methods.)
+    resolve_dtype(model.dtype, resolve_device(model.device))
+    engine = VllmEngine(model.model, dtype=model.dtype, device=model.device, seed=seed)
     engine.start()
 
     def run(mdl, tok, batch, stream=None, **kwargs):

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import ParamOpt, UserError, WindowOpt, err_console, parse_params
+from .common import ParamOpt, UserError, WindowOpt, checked_params, err_console
 
 __all__ = ["serve"]
 
@@ -33,15 +33,24 @@ def serve(
     """
     from ..vllm.serve import exec_serve, require_vllm, run_serve, serve_argv
 
+    # What `vase generate --engine vllm` checks, before vLLM starts: the request spec (method, parameters, budget,
+    # window, reserves; no quantized storage on vLLM) and the server's own settings.
+    params = checked_params([method], param, budgets=[budget], window=window, engine="vllm")
+    if ready_timeout < 0:
+        raise UserError(f"--ready-timeout must be >= 0 seconds, got {ready_timeout:g}")
     require_vllm()
     extra = list(ctx.args)
     if model is not None and model.startswith("-"):  # no MODEL given: the first vLLM option landed there
         model, extra = None, [model, *extra]
-    argv = serve_argv(model, method=method, budget=budget, window=window, params=parse_params(param), host=host,
+    from ..engines.registry import refuse_unsupported
+
+    # vase's own flags of other commands would reach vLLM as unknown options after its start-up: refuse them here
+    asked = {flag.split("=")[0] for flag in extra}
+    refuse_unsupported("vllm", storage=bool(asked & {"--kv-bits", "--quant-guard"}), compile="--compile" in asked,
+                       attn="--attn" in asked)
+    argv = serve_argv(model, method=method, budget=budget, window=window, params=params, host=host,
                       port=port, extra=extra)
     err_console.print(f"vase serve: {' '.join(argv[1:])}", highlight=False, soft_wrap=True)
-    if ready_timeout < 0:
-        raise UserError(f"--ready-timeout must be >= 0 seconds, got {ready_timeout:g}")
     if os.environ.get("VASE_SERVE_EXEC") == "1":  # replace this process (no ready line), as before
         exec_serve(argv)
     code = run_serve(argv, ready_timeout)

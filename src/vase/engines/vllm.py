@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from vase.generation import ChunkObserver
 
 __all__ = ["VllmEngine", "VllmOutput", "vllm_available", "vllm_version", "engine_args", "start_llm", "start_engine",
-           "llm_eos_ids"]
+           "llm_eos_ids", "check_fits"]
 
 _MIN_CPU_POOL = 64 * 2**20
 _MAX_CPU_POOL = 2 * 2**30
@@ -117,6 +117,22 @@ def llm_eos_ids(llm, tokenizer) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the engine
+
+
+def check_fits(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, context: int) -> None:
+    """vLLM serves at most the model's context (`max_model_len`): ValueError naming what to change, the prompt
+    when it alone is too long (as `vase.generation.check_context` says it), else the length cap."""
+    if not context:
+        return
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) > context:
+            raise ValueError(f"prompt {i} is {len(ids)} tokens, longer than the model's context ({context} tokens, "
+                             f"max_position_embeddings): shorten it")
+    longest = max((len(i) for i in prompt_ids), default=0)
+    if longest + max_new_tokens > context:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) passes the model's context "
+                         f"({context} tokens), which vLLM cannot serve past: lower --max-new-tokens to "
+                         f"{context - longest} or less")
 
 
 @dataclass
@@ -267,11 +283,9 @@ class VllmEngine:
             ids_list.append([int(t) for t in ids[0].tolist()])
         section = vase_section(method, budget, window, params)
         cfg = VaseVllmConfig.from_dict(section["vase"]) if section is not None else None
+        check_fits(ids_list, max_new_tokens, self._max_positions)
         need = max(len(i) for i in ids_list) + max_new_tokens
         max_len = need if not self._max_positions else min(max(need, self._max_len), self._max_positions)
-        if need > max_len:
-            raise ValueError(f"prompt + max_new_tokens = {need} tokens exceeds the model's context of "
-                             f"{self._max_positions}: lower --max-new-tokens")
         llm = self._engine(section, max_len, len(ids_list))
         block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
         eos = set(llm_eos_ids(llm, tok))

@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vase.checks import check_budget_window
+from vase.engines.registry import ENGINES
+from vase.errors import SpecError
 from vase.policies import Policy, UnknownMethodError, get_policy
-from vase.textfiles import decode_utf8
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
+from vase.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
+from vase.textfiles import decode_utf8
 
 __all__ = [
     "ConfigError",
@@ -38,7 +40,6 @@ __all__ = [
     "identity_changes",
     "records_of_run",
     "whole_number",
-    "check_reserves",
     "runtime_identity",
     "RUNTIME_FIELDS",
     "problems_digest",
@@ -51,8 +52,8 @@ FULL = "full"
 
 _DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _ATTN = ("sdpa", "eager", "flash_attention_2")
-#: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.engines.vllm).
-_ENGINES = ("transformers", "vllm")
+#: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.engines.registry).
+_ENGINES = tuple(ENGINES)
 
 
 class ConfigError(ValueError):
@@ -94,9 +95,16 @@ _SCALARS: dict[str, type] = {
 }
 
 
+#: Settings that are text, and what each holds (a number or a list there is refused naming the setting).
+_TEXT: dict[str, str] = {
+    "task": "a task name", "data_dir": "a folder path", "task_file": "a file path", "question_field": "a field name",
+    "answer_field": "a field name", "end_marker": "a string", "model": "a model spec (hub id, folder or .gguf)",
+    "dtype": "a dtype name", "device": "a device name", "attn_implementation": "a kernel name",
+    "engine": "an engine name", "output_dir": "a folder path", "name": "a folder name",
+}
+
 #: Integer settings torch must be able to hold (a larger budget or length overflows a C long deep inside torch).
-_INT_MAX = 2**31 - 1
-_SEED_MAX = 2**63 - 1
+_INT_MAX, _SEED_MAX = INT_MAX, SEED_MAX
 
 
 def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
@@ -111,21 +119,6 @@ def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
     if isinstance(value, int) and abs(value) > maximum:
         raise ConfigError(f"{name} {value} is too large (at most {maximum})")
     return value
-
-
-def check_reserves(label: str, budget: int, policy: Policy,
-                   storage: QuantSpec | Mapping[str, Any] | None = None) -> None:
-    """Slots a method reserves must fit in the budget: ``n_large`` (the value guard) and ``quant_guard``
-    (old tokens kept in full precision). ConfigError naming the parameter, the budget and the fix.
-    ``storage``: a QuantSpec, or the storage keywords (``{"quant_guard": R, ...}``)."""
-    n_large = policy.n_large
-    if policy.evicts and n_large is not None and n_large > budget:
-        raise ConfigError(f"{label}: n_large ({n_large}) is larger than the budget ({budget}): the value guard "
-                          f"reserves slots inside the budget; lower -p n_large or raise the budget")
-    guard = storage.guard if isinstance(storage, QuantSpec) else (storage or {}).get("quant_guard")
-    if isinstance(guard, int) and not isinstance(guard, bool) and guard > budget:
-        raise ConfigError(f"{label}: quant_guard ({guard}) is larger than the budget ({budget}): it counts old "
-                          f"tokens kept in full precision inside the budget; lower --quant-guard")
 
 
 def _parse_scalar(text: str, kind: type) -> Any:
@@ -207,13 +200,6 @@ class EvalConfig:
     def __post_init__(self) -> None:
         self._coerce()
         self._validate()
-        self._check_reserves()
-
-    def _check_reserves(self) -> None:
-        """Every method's reserved slots (n_large, quant_guard) fit in every budget."""
-        for spec in self.method_specs().values():
-            for b in self.budgets:
-                check_reserves(spec.label, b, spec.policy, spec.storage)
 
     # -- normalisation ---------------------------------------------------------------------------
     def _coerce(self) -> None:
@@ -238,7 +224,8 @@ class EvalConfig:
         if isinstance(self.methods, (list, tuple)) and any(not isinstance(m, str) for m in self.methods):
             raise ConfigError(f"methods must be method names, got {self.methods!r}")
         self.methods = [canonical_label(m) for m in _split_list(self.methods)]
-        budgets = [whole_number("budgets", b) for b in _split_list(self.budgets)]  # 32.5 is no budget
+        # 32.5 is no budget; the range (B <= 2**31 - 1) is the request spec's, checked per method in _validate
+        budgets = [whole_number("budgets", b, maximum=1 << 256) for b in _split_list(self.budgets)]
         try:
             self.budgets = [int(b) for b in budgets]
         except (TypeError, ValueError) as e:
@@ -257,6 +244,10 @@ class EvalConfig:
             v = getattr(self, name)
             if isinstance(v, Path):
                 setattr(self, name, str(v))
+        for name, what in _TEXT.items():  # `output_dir: 5` in a config: one line, not a TypeError deep in pathlib
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{name} must be {what}, got {v!r}: write it as text (in quotes)")
 
     @property
     def task_name(self) -> str:
@@ -275,7 +266,6 @@ class EvalConfig:
 
         need(bool(self.methods), "methods is empty: name at least one method (e.g. --methods full,vase-attnv)")
         need(len(set(self.methods)) == len(self.methods), f"methods lists a method twice: {self.methods}")
-        need(isinstance(self.window, int) and self.window >= 1, f"window must be >= 1, got {self.window}")
         need(isinstance(self.samples, int) and self.samples >= 1, f"samples must be >= 1, got {self.samples}")
         need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
              f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -294,9 +284,10 @@ class EvalConfig:
              f"run folder inside output_dir")
         need(str(self.dtype) in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         need(self.engine in _ENGINES, f"engine must be one of {', '.join(_ENGINES)}, got {self.engine!r}")
-        need(not (self.fidelity and self.engine != "transformers"),
-             f"fidelity (teacher forcing) runs on the transformers engine only, not on {self.engine!r}: drop "
-             f"--fidelity or use --engine transformers")
+        forcing = [e for e, info in ENGINES.items() if info.forcing]
+        need(not (self.fidelity and not ENGINES[self.engine].forcing),
+             f"fidelity (teacher forcing) runs on the {' or '.join(forcing)} engine only, not on {self.engine!r}: drop "
+             f"--fidelity or use --engine {forcing[0]}")
         need(self.attn_implementation in _ATTN,
              f"attn_implementation must be one of {', '.join(_ATTN)}, got {self.attn_implementation!r}")
         for label in self.method_params:
@@ -309,11 +300,13 @@ class EvalConfig:
         if evicting:
             need(bool(self.budgets), f"budgets is empty but {evicting[0].label!r} evicts: give --budgets")
         need(len(set(self.budgets)) == len(self.budgets), f"budgets lists a budget twice: {self.budgets}")
-        for b in self.budgets:
+        # The one request check (budget rule, reserves, storage) of every method at every budget (no budget: the
+        # methods that keep every token, at theirs).
+        for b in self.budgets or [None]:
             for s in specs.values():
                 try:
-                    check_budget_window(b, self.window, s.policy)
-                except (TypeError, ValueError) as exc:
+                    RequestSpec(s.policy, b, self.window, storage=s.storage, seed=self.seed).validate(self.engine)
+                except SpecError as exc:
                     raise ConfigError(f"{s.label}: {exc}") from exc
 
     def method_specs(self) -> dict[str, MethodSpec]:
@@ -323,9 +316,8 @@ class EvalConfig:
             params = dict(self.method_params.get(label, {}))
             method = canonical_label(params.pop("method", label))
             # Storage options (kv_bits, quant_guard, ...) go to the cache, not the policy.
-            storage = QuantSpec.from_options(params)
-            for key in QuantSpec.KEYWORDS.values():
-                params.pop(key, None)
+            params, spelled = split_storage(params)
+            storage = QuantSpec.from_options(spelled)
             try:
                 policy = get_policy(method, **params)
             except UnknownMethodError as e:
@@ -503,11 +495,12 @@ def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
         device = resolve_device(config.device)
         sha, dtype, kernel = model_fingerprint(config.model), resolve_dtype(config.dtype, device), \
             config.attn_implementation
-    if getattr(config, "engine", "transformers") != "transformers":  # another engine resolves dtype and kernel itself
+    engine = ENGINES[getattr(config, "engine", "transformers")]
+    if not engine.attn:  # an engine with its own kernels resolves dtype and kernel itself
         dtype, kernel = config.dtype, config.engine
     runtime = {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
                "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
-    if getattr(config, "engine", "transformers") == "vllm":  # its kernels and scheduler produce the tokens
+    if engine.name == "vllm":  # its kernels and scheduler produce the tokens: its version is part of the run
         from vase.engines.vllm import vllm_version
 
         runtime["vllm"] = vllm_version()

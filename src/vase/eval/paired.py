@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from vase.batched import first_divergence  # the core's (vase generate --compare uses it too)
+
 __all__ = [
     "pair_records",
     "paired_problem_diffs",
@@ -164,16 +166,3 @@ def discordant(method: Sequence[Record], reference: Sequence[Record], *, key: st
         b += a and not z
         c += z and not a
     return b, c
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first generated token where two sequences differ; None if they are identical.
-
-    When one is a strict prefix of the other (one stopped earlier), the divergence is at the
-    shorter length: that is where one produced EOS and the other a token.
-    """
-    n = min(len(a), len(b))
-    for i in range(n):
-        if int(a[i]) != int(b[i]):
-            return i
-    return None if len(a) == len(b) else n

@@ -46,6 +46,7 @@ import torch
 
 from vase import schedule
 from vase.engines.base import kv_bytes_per_token  # noqa: F401 - re-exported (tests, callers)
+from vase.engines.registry import ENGINES, engine_class
 from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_changes, identity_hash,
                               run_name, runtime_identity)
 from vase.eval.failures import classify_failure
@@ -378,7 +379,7 @@ class _Runner:
                                             completed=fid_total - fid_todo)
 
             per_batch, rows = max(1, c.batch_size // c.samples), c.batch_size
-            if self.engine.name == "vllm":  # vLLM schedules: every pending sample of a method in one call
+            if ENGINES[self.engine.name].internal_batching:  # vLLM: every pending sample of a method in one call
                 per_batch, rows = max(1, len(mine)), max(1, len(mine) * c.samples)
             for g in range(0, len(mine), per_batch):
                 group = mine[g:g + per_batch]
@@ -427,10 +428,9 @@ class _Runner:
         spec = self.specs[u.label]
         prompts = [build_user_message(self.problems[i]) for i, _ in batch]
         seeds = [sample_seed(c.seed, i, s) for i, s in batch]
-        # The full cache ignores the budget; give it one the cache accepts.
-        budget = u.budget if u.budget is not None else max(c.budgets, default=max(512, c.window + 8))
+        # The full cache has no budget (u.budget None): the request spec gives it the placeholder.
         out = self.engine.generate(
-            prompts, method=spec.method, budget=budget, window=c.window,
+            prompts, method=spec.method, budget=u.budget, window=c.window,
             max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
             greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.cache_params)
         if len(out.texts) != len(batch):
@@ -446,8 +446,9 @@ class _Runner:
             text = out.texts[r]
             ids = list(out.token_ids[r])
             finished = bool(out.finished[r])
-            cache = self._row_stats(spec, u.budget, int(out.prompt_lengths[r]), len(ids), finished,
-                                    per_row[r] if per_row and r < len(per_row) else None)
+            row = per_row[r] if per_row and r < len(per_row) else None
+            cache = self._row_stats(spec, u.budget, int(out.prompt_lengths[r]), len(ids), finished, row,
+                                    stats.get("capacity"))
             rec: dict[str, Any] = {
                 "problem_id": p.id,
                 "problem_index": i,
@@ -470,7 +471,7 @@ class _Runner:
                 "batch_rows": len(batch),
                 "rank": self.rank,
             }
-            rec.update(self._kv_over_time(spec, u.budget, rec, stats))
+            rec.update(self._kv_over_time(spec, u.budget, rec, stats, row))
             # Every completion keeps its ids: full's sample 0 is the fidelity trajectory, and the
             # first divergence from full's same-seed completion is counted in tokens.
             rec["token_ids"] = [int(t) for t in ids]
@@ -478,9 +479,13 @@ class _Runner:
         return records
 
     def _kv_over_time(self, spec: MethodSpec, budget: int | None, rec: dict[str, Any],
-                      stats: dict[str, Any]) -> dict[str, int | float | None]:
+                      stats: dict[str, Any], row: dict | None = None) -> dict[str, int | float | None]:
         """Time-averaged K/V bytes of the sequence (from the eviction schedule, kept only when the schedule's
-        eviction count equals the cache's own) and the bytes its cache allocated (capacity slots)."""
+        eviction count equals the cache's own; a quantized cache's own sum, ``kv_byte_steps`` of its per-row
+        stats, when given) and the bytes its cache allocated (capacity slots).
+
+        A quantized evicting cache without its own sum gets None once it evicted: which full-precision
+        entries survive an eviction is the policy's choice, which the schedule does not know."""
         P, n = rec["prompt_length"], rec["length"]
         seen = P + n - (0 if rec["finished"] or n == 0 else 1)  # the token sampled at the cap is never fed
         sched = kv_schedule(P, seen, budget=budget, window=self.config.window, evicts=spec.evicts)
@@ -492,8 +497,15 @@ class _Runner:
         if quant is not None:  # kv_bits: the quantized cache's own bytes (codes, exact entries, tags) per step
             c = cap or (schedule.first_limit(P, budget, self.config.window) if spec.evicts else seen)
             steps = seen - P
-            mean = quant.byte_steps(P, steps, c, budget, spec.evicts) / steps if steps else quant.held(P, 0, c)
-            return {"kv_bytes_time_mean": mean + bounded if agree else None,
+            if not steps:
+                mean = quant.held(P, 0, c)
+            elif row is not None and "kv_byte_steps" in row:  # the cache's own bytes, summed over its steps
+                mean = int(row["kv_byte_steps"]) / steps
+            elif spec.evicts and sched["evictions"]:
+                mean = None  # unknown: see the docstring
+            else:  # nothing evicted: the schedule's count of exact and quantized entries is the cache's
+                mean = quant.byte_steps(P, steps, c, budget, spec.evicts) / steps
+            return {"kv_bytes_time_mean": mean + bounded if agree and mean is not None else None,
                     "kv_bytes_allocated": quant.allocated(cap) + bounded if cap else None}
         return {"kv_bytes_time_mean": sched["time_mean"] * self.bytes_per_token + bounded if agree else None,
                 "kv_bytes_allocated": cap * self.bytes_per_token + bounded if cap else None}
@@ -517,9 +529,14 @@ class _Runner:
         return QuantBytes.for_model(self.model, spec.policy, budget, self.config.window, spec.storage)
 
     def _row_stats(self, spec: MethodSpec, budget: int | None, prompt_length: int, n_generated: int,
-                   finished: bool, row: dict | None) -> dict[str, int]:
+                   finished: bool, row: dict | None, capacity: Any = None) -> dict[str, int | None]:
         """The sequence's cache stats as `generate` reported them, else derived from the eviction schedule
-        (for a custom generate_fn without per-row stats)."""
+        (for a custom generate_fn without per-row stats; `capacity`: the batch's cache slots, which size a
+        quantized cache's slot tags, else the schedule's first limit).
+
+        Derived for a quantized cache: the peak is exact (reached at the first eviction, before any exact
+        entry was evicted); the bytes held after an eviction are None (which exact entries survived is the
+        policy's choice, which the schedule does not know)."""
         keys = ("kv_bytes", "kv_bytes_peak", "kv_bytes_full", "evictions")
         if row is not None and all(k in row for k in keys):
             return {k: int(row[k]) for k in keys}
@@ -531,10 +548,11 @@ class _Runner:
         quant = self._quant_bytes(spec, budget)
         if quant is not None:  # the held and peak bytes of the quantized cache (the full reference stays dense)
             steps = est["seen_length"] - prompt_length
-            cap = schedule.first_limit(prompt_length, budget, self.config.window) if spec.evicts \
-                else est["seen_length"]
+            cap = capacity if isinstance(capacity, int) and capacity > 0 else \
+                schedule.first_limit(prompt_length, budget, self.config.window) if spec.evicts else est["seen_length"]
             peak_step = est["peak_length"] - prompt_length  # the peak is reached before the first eviction
-            est["kv_bytes"] = quant.held(est["stored_length"], steps, cap) + bounded
+            est["kv_bytes"] = None if spec.evicts and est["evictions"] else \
+                quant.held(est["stored_length"], steps, cap) + bounded
             est["kv_bytes_peak"] = quant.held(est["peak_length"], peak_step, cap) + bounded
         return {k: est[k] for k in keys}
 
@@ -569,9 +587,8 @@ class _Runner:
             raise RuntimeError(f"fidelity: prompt of {p.id} encodes to {len(prompt_ids)} tokens, but generation "
                                f"saw {ref['prompt_length']}")
         target_t = torch.tensor(targets, dtype=torch.long)
-        full_budget = max(c.budgets, default=max(512, c.window + 8))
         t0 = time.perf_counter()
-        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=full_budget,
+        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=None,
                                                window=c.window, seed=seed0)
         full_seconds = time.perf_counter() - t0
         for u in pending:
@@ -653,10 +670,8 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
         TaskError: the task cannot be loaded.
     """
     engine = None
-    if config.engine == "vllm" and generate_fn is None:
-        from vase.engines.vllm import VllmEngine
-
-        engine = VllmEngine(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+    if config.engine != "transformers" and generate_fn is None:  # the default engine wraps generate_fn below
+        engine = engine_class(config.engine)(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
     if generate_fn is None:
         from vase.generation import generate as generate_fn
     if forced_fn is None:

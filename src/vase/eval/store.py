@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vase.atomic import atomic_write_text, fsync_dir, write_temp  # noqa: F401 - the first two re-exported
+
 try:  # advisory lock so two processes never append to the same rank file
     import fcntl
 except ImportError:  # pragma: no cover - non-POSIX
@@ -68,50 +70,6 @@ class StoreError(RuntimeError):
     """A results file that cannot be used as it is (corrupt line, locked by another process, deleted)."""
 
 
-def fsync_dir(path: str | Path) -> None:
-    """fsync a directory, so that files created or renamed in it survive a power cut."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def _temp_sibling(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-
-
-def _write_temp(path: Path, data: bytes) -> Path:
-    """``data`` in a fresh, fsync'ed hidden file next to ``path`` (umask permissions); returns its path."""
-    tmp = _temp_sibling(path)
-    with open(tmp, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Replace ``path`` with ``text`` atomically: readers see the old file or the new one, never a mix.
-
-    Written to a temp file in the same folder, fsync'ed, renamed over ``path``, then the folder fsync'ed.
-    """
-    p = Path(path)
-    tmp = _write_temp(p, text.encode("utf-8"))
-    try:
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(p.parent)
-    return p
-
-
 def create_once(path: str | Path, text: str) -> bool:
     """Create ``path`` holding ``text`` atomically unless it exists; True if this call created it.
 
@@ -121,7 +79,7 @@ def create_once(path: str | Path, text: str) -> bool:
     p = Path(path)
     if p.exists():
         return False
-    tmp = _write_temp(p, text.encode("utf-8"))
+    tmp = write_temp(p, text.encode("utf-8"))
     try:
         os.link(tmp, p)
         created = True

@@ -92,6 +92,12 @@ def _mean(values: Sequence[Any]) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
+def _mean_all(values: Sequence[Any]) -> float | None:
+    """The mean, or None when a value is missing: a K/V column the eval could not know for some sequence
+    (`EvalRunner._row_stats`) is left empty, not averaged over the sequences it knows."""
+    return None if any(v is None for v in values) else _mean(values)
+
+
 def _throughput(records: Sequence[Mapping[str, Any]]) -> float | None:
     """Generated tokens per second of decode over the batches (each batch's decode time shared among its
     rows): a batch throughput of this run, not a speed comparison (that is `vase bench`)."""
@@ -161,8 +167,8 @@ def _paired_columns(row: dict[str, Any], recs: Sequence[Mapping[str, Any]], full
     # Held bytes summed over every decode step of every paired sequence, over the reference's same sum: a
     # sequence that runs to the cap counts with all its steps (a mean of per-sequence ratios would not).
     steps = [(kv_byte_steps(m), kv_byte_steps(f)) for m, f in pairs]
-    steps = [(a, b) for a, b in steps if a is not None and b is not None]
-    row["kv_sum_ratio"] = _ratio(sum(a for a, _ in steps), sum(b for _, b in steps)) if steps else None
+    known = all(a is not None and b is not None for a, b in steps)  # else empty: a partial sum is another number
+    row["kv_sum_ratio"] = _ratio(sum(a for a, _ in steps), sum(b for _, b in steps)) if steps and known else None
 
 
 def _noise_evicted(ev: Sequence[Mapping[str, Any]], noise: Mapping[str, Sequence[float]]) -> float | None:
@@ -258,9 +264,9 @@ def summary_rows(samples: Sequence[Mapping[str, Any]], fidelity: Sequence[Mappin
                     for c in ("d_length", "d_length_lo", "d_length_hi", "identical_pct", "first_div_median",
                               "first_div_q25", "first_div_q75"):
                         row[c] = None
-            row["kv_bytes_peak_mean"] = _mean([r.get("kv_bytes_peak") for r in recs])
-            row["kv_bytes_time_mean"] = _mean([r.get("kv_bytes_time_mean") for r in recs])
-            row["kv_bytes_allocated_mean"] = _mean([r.get("kv_bytes_allocated") for r in recs])
+            row["kv_bytes_peak_mean"] = _mean_all([r.get("kv_bytes_peak") for r in recs])
+            row["kv_bytes_time_mean"] = _mean_all([r.get("kv_bytes_time_mean") for r in recs])
+            row["kv_bytes_allocated_mean"] = _mean_all([r.get("kv_bytes_allocated") for r in recs])
             row["evictions_mean"] = _mean([r.get("evictions") for r in recs])
             row["batch_tokens_per_s"] = _throughput(recs)
         fid = fid_groups.get((method, budget))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
 from pathlib import Path
 
-__all__ = ["sha256_file", "source_sha256", "write_text_atomic", "unique_sibling"]
+from ..atomic import atomic_write_text, unique_sibling  # noqa: F401 - unique_sibling re-exported
+
+__all__ = ["sha256_file", "source_sha256", "unique_sibling"]
 
 _HASH_CHUNK = 1 << 20
 
@@ -65,27 +65,7 @@ def source_sha256(path: Path, cache_dir: Path | None = None) -> str:
     if memo_file is not None:
         record = {**dict(zip(_MEMO_FIELDS, key)), "sha256": sha}
         try:
-            write_text_atomic(memo_file, json.dumps(record))
+            atomic_write_text(memo_file, json.dumps(record))
         except OSError:
             pass  # a read-only cache only costs a rehash next time
     return sha
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = unique_sibling(path)
-    try:
-        # mode "x" (not mkstemp) so the file gets the usual umask-based permissions
-        with open(tmp, "x") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def unique_sibling(path: Path) -> Path:
-    """A hidden, unused name next to ``path`` for writing before an atomic rename."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")

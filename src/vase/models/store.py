@@ -21,7 +21,8 @@ import torch
 
 from .default import default_model_path
 from .errors import ModelLoadError, first_line
-from .hashing import sha256_file, unique_sibling, write_text_atomic
+from ..atomic import atomic_write_text, unique_sibling
+from .hashing import sha256_file
 
 __all__ = ["model_cache_dir", "gguf_entry", "ensure_entry"]
 
@@ -94,7 +95,7 @@ def _write_manifest(folder: Path, source: Path, source_sha: str) -> None:
         "transformers": transformers.__version__,
         "files": files,
     }
-    write_text_atomic(folder / _MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
+    atomic_write_text(folder / _MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
 
 
 def _build_entry(gguf: Path, source_sha: str, entry: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import fields, replace
 
+from ..errors import SpecError
 from .base import VALUE_METRICS, Policy, sample_without_replacement, value_magnitude
 from .dkv import CurDKV, VaseDKV
 from .evict_large_v import EvictLargeV
@@ -35,8 +36,8 @@ POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
 )}
 
 
-class UnknownMethodError(ValueError):
-    """A method name or parameter that does not exist."""
+class UnknownMethodError(SpecError):
+    """A method name or parameter that does not exist (a SpecError, so a ValueError)."""
 
 
 def method_names() -> list[str]:

@@ -179,6 +179,15 @@ class Policy:
             raise ValueError(f"budget ({budget}) must be larger than window + protected sinks "
                              f"({window} + {self.protected_slots}): raise --budget or lower --window")
 
+    def attend_mask(self, keys: torch.Tensor, queries: torch.Tensor, q_start: int, budget: int,
+                    window: int) -> torch.Tensor:
+        """What each query attends, for a policy that `selects` (keeps the whole cache, attends B tokens per step).
+
+        keys [batch, kv_heads, L, head_dim] (post-RoPE, the stored slots in order), queries [batch, q_heads, q,
+        head_dim] (query i at slot q_start + i) -> bool [batch, kv_heads, q, L], causal order included. The cache
+        asks it when `selects` is true; an evicting policy never implements it."""
+        raise NotImplementedError(f"{self.name} evicts; only a policy with selects = True has an attend_mask")
+
     def attends_densely(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` skips the policy and attends its whole cache (Quest's dense first layers)."""
         return False

@@ -15,11 +15,13 @@ import types
 import typing
 from typing import Any
 
+from ..errors import SpecError
+
 __all__ = ["ParameterError", "check_parameter_types"]
 
 
-class ParameterError(TypeError, ValueError):
-    """A method parameter of the wrong type (a TypeError, and a ValueError for callers that catch those)."""
+class ParameterError(SpecError):
+    """A method parameter of the wrong type (a SpecError: a TypeError, and a ValueError for callers catching those)."""
 
 
 _WHAT = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

@@ -175,6 +175,10 @@ class Quest(Policy):
             raise ValueError("quest selects pages and evicts nothing: the eviction modifiers (sample, value_guard, "
                              "n_large, protect_sinks) do not apply; its parameters are page_size, sinks, dense_layers")
 
+    # No `check` of its own: the contract's budget rule (B > w + sinks) is Quest's only rule. Any window works,
+    # a window shorter than a page included: the page the window starts in is scored on its tokens before the
+    # window, so a chunk of queries gets exactly the masks of one query at a time (tests/test_quest.py).
+
     @property
     def protected_slots(self) -> int:
         """The sinks are always attended (Quest has no `protect_sinks` switch)."""
@@ -182,10 +186,6 @@ class Quest(Policy):
 
     def attends_densely(self, layer_idx: int) -> bool:
         return layer_idx < self.dense_layers
-
-    def check(self, budget: int, window: int) -> None:
-        """The budget rule of every policy, and a window that covers the incomplete last page."""
-        super().check(budget, window)
 
     def attend_mask(self, keys: torch.Tensor, queries: torch.Tensor, q_start: int, budget: int,
                     window: int) -> torch.Tensor:

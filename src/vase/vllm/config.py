@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks import check_budget_window
+from ..errors import SpecError
 from ..policies import Policy, get_policy
+from ..spec import RequestSpec, split_storage
 
 #: The key of vase's section in vLLM's `additional_config`.
 CONFIG_KEY = "vase"
@@ -59,25 +60,19 @@ class VaseVllmConfig:
         method = section["method"]
         budget, window = section["budget"], section.get("window", 64)
         seed, sort_kept = section.get("seed", 0), section.get("sort_kept", False)
-        for name, value in (("budget", budget), ("window", window), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise VaseConfigError(f'additional_config["vase"]["{name}"] must be an integer, got {value!r}')
         if not isinstance(sort_kept, bool):
             raise VaseConfigError(f'additional_config["vase"]["sort_kept"] must be true or false, got {sort_kept!r}')
-        if not isinstance(method, str):
-            raise VaseConfigError(f'additional_config["vase"]["method"] must be a method name, got {method!r}')
-        params = {k: v for k, v in section.items() if k not in _OWN_KEYS}
-        try:
-            policy = get_policy(method, **params)
-        except (ValueError, TypeError) as exc:  # UnknownMethodError is a ValueError
-            raise VaseConfigError(f"vase config: {exc}") from exc
+        if isinstance(seed, (list, tuple)):  # the spec takes one seed per row; the engine seeds requests with one
+            raise VaseConfigError(f'additional_config["vase"]["seed"] must be one integer, got {seed!r}')
+        options = {k: v for k, v in section.items() if k not in _OWN_KEYS}
+        try:  # the one request check (types, method, budget rule, reserves), and what vLLM can store
+            req = RequestSpec.of(method, budget, window, seed=seed, **options).validate(engine="vllm")
+        except SpecError as exc:
+            raise VaseConfigError(f"vase config: {exc}") from None
+        policy, params = req.policy, split_storage(options)[0]
         if not policy.evicts:
             raise VaseConfigError(f"vase config: method {policy.name!r} does not evict, so the plugin has nothing "
                                   f"to do: drop additional_config[\"vase\"] to run stock vLLM")
-        try:
-            check_budget_window(budget, window, policy)
-        except ValueError as exc:
-            raise VaseConfigError(f"vase config: {exc}") from exc
         return cls(method=policy.name, budget=budget, window=window, seed=seed, sort_kept=sort_kept,
                    params=params)
 

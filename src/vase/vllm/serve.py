@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from typing import Any
 from .config import vase_section
 
 __all__ = ["DEFAULT_SERVED_NAME", "ServeError", "vase_section", "serve_argv", "require_vllm", "exec_serve",
-           "run_serve", "ready_line"]
+           "run_serve", "ready_line", "check_port", "failure_line"]
 
 #: The name clients use for the embedded model (instead of its cache path).
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -101,6 +102,7 @@ def require_vllm() -> None:
 def exec_serve(argv: Sequence[str]) -> None:
     """Replace this process with vLLM's server (never returns)."""
     require_vllm()
+    check_port(_value(argv, "--host") or "127.0.0.1", int(_value(argv, "--port") or 8000))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], list(argv))
@@ -129,7 +131,38 @@ def ready_line(argv: Sequence[str], seconds: float) -> str:
     return f"vase serve: ready at http://{shown}:{port}/v1 (model {model}, {what}) after {seconds:.0f} s"
 
 
-def _watch(argv: Sequence[str], proc: subprocess.Popen, ready_timeout: float, t0: float) -> None:
+def check_port(host: str, port: int) -> None:
+    """ServeError (one line) when ``host:port`` cannot be listened on (another server has it), before vLLM starts."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a TIME_WAIT port is free
+        try:
+            sock.bind((host, int(port)))
+        except OSError as exc:
+            raise ServeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): another server has the port? "
+                             f"stop it, or give another --port (or --host)") from None
+
+
+#: Lines of a Python traceback's last line (``ValueError: ...``, ``vllm.x.SomeError: ...``).
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit)\b:?\s?(.*)$")
+#: vLLM's wrapper errors that only point at the root cause above them.
+_GENERIC = ("Engine core initialization failed", "See root cause above", "Process EngineCore", "Traceback")
+
+
+def failure_line(log: str) -> str:
+    """The one line that says why vLLM stopped: its root-cause exception line (not the generic wrapper that points
+    above it), else the last non-empty line of the log."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if _EXC_LINE.match(ln) and not ln.startswith("During handling")]
+    specific = [ln for ln in errors if not any(g in ln for g in _GENERIC)]
+    line = (specific or errors or lines or ["(no output)"])[-1]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _watch(argv: Sequence[str], proc: subprocess.Popen, ready_timeout: float, t0: float,
+           ready: threading.Event | None = None) -> None:
     """Poll ``/health`` until the server answers: print the ready line (or, past ``ready_timeout``, guidance)."""
     host, port = _value(argv, "--host") or "127.0.0.1", _value(argv, "--port") or "8000"
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health"
@@ -138,6 +171,8 @@ def _watch(argv: Sequence[str], proc: subprocess.Popen, ready_timeout: float, t0
         try:
             with urllib.request.urlopen(url, timeout=5) as r:
                 if r.status == 200:
+                    if ready is not None:
+                        ready.set()
                     print(ready_line(argv, time.monotonic() - t0), file=sys.stderr, flush=True)
                     return
         except OSError:
@@ -145,30 +180,75 @@ def _watch(argv: Sequence[str], proc: subprocess.Popen, ready_timeout: float, t0
         if ready_timeout > 0 and not warned and time.monotonic() - t0 > ready_timeout:
             warned = True
             print(f"vase serve: not answering after {ready_timeout:.0f} s (still waiting): vLLM on a CPU often takes "
-                  f"1-2 minutes; check the log above for an error, lower --max-model-len or --kv-cache-memory-bytes, "
-                  f"or raise --ready-timeout", file=sys.stderr, flush=True)
+                  f"1-2 minutes; check vLLM's output in the log named above for an error, lower --max-model-len or "
+                  f"--kv-cache-memory-bytes, or raise --ready-timeout", file=sys.stderr, flush=True)
         time.sleep(1)
 
 
-def run_serve(argv: Sequence[str], ready_timeout: float = 300.0) -> int:
+def _echo(log_path: str, proc: subprocess.Popen, ready: threading.Event, done: threading.Event) -> None:
+    """Once the server answers, copy vLLM's output (held in the log file until then) to stderr as it grows."""
+    ready.wait()
+    if done.is_set():
+        return
+    with open(log_path, "rb") as f:
+        f.seek(0, os.SEEK_END)  # the start-up output stays in the file; from here on, live
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.buffer.flush()
+            elif proc.poll() is not None or done.is_set():
+                return
+            else:
+                time.sleep(0.2)
+
+
+def run_serve(argv: Sequence[str], ready_timeout: float = 300.0, log_path: str | None = None) -> int:
     """Run vLLM's server (``argv`` from :func:`serve_argv`) as a child; print one line when it answers.
 
-    SIGINT and SIGTERM are passed on to the server (it shuts down its own way); returns its exit status.
+    Until it answers, vLLM's output goes to a log file (``log_path``, default a temporary file named in the first
+    line), so a start-up failure (the port taken, the engine failing to initialise) ends in one line,
+    ServeError, naming the cause and the log; from then on the output is echoed live. SIGINT and SIGTERM are passed
+    on to the server (it shuts down its own way); returns its exit status.
     """
+    import tempfile
+
     require_vllm()
+    host, port = _value(argv, "--host") or "127.0.0.1", _value(argv, "--port") or "8000"
+    check_port(host, int(port))
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="vase-serve-", suffix=".log")
+        os.close(fd)
+    print(f"vase serve: starting vLLM (its output goes to {log_path} until it answers)", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     t0 = time.monotonic()
-    proc = subprocess.Popen(list(argv))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT)
+
+    signalled: list[int] = []
 
     def forward(signum, frame):  # noqa: ARG001 - signal handler signature
+        signalled.append(signum)
         if proc.poll() is None:
             proc.send_signal(signum)
 
+    ready, done = threading.Event(), threading.Event()
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    echo = threading.Thread(target=_echo, args=(log_path, proc, ready, done), daemon=True)
     try:
-        threading.Thread(target=_watch, args=(argv, proc, ready_timeout, t0), daemon=True).start()
-        return proc.wait()
+        threading.Thread(target=_watch, args=(argv, proc, ready_timeout, t0, ready), daemon=True).start()
+        echo.start()
+        code = proc.wait()
+        answered = ready.is_set()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        done.set()
+        ready.set()
+    echo.join(timeout=5)
+    if code and not answered and not signalled:  # it never served: one line instead of vLLM's traceback
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            cause = failure_line(f.read())
+        raise ServeError(f"vLLM stopped before it answered (exit status {code}): {cause} (full log: {log_path})")
+    return code

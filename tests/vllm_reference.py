@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged import slot_index
+from vase.vllm.paged import slot_index
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:

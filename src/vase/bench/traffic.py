@@ -1,0 +1,141 @@
+"""The memory-traffic model of a decode step: the bytes a step must move, hence the fastest it can be.
+
+A decode step at small batch is bound by memory, not arithmetic: it reads every weight once and
+the K/V its attention attends. At a measured bandwidth W (bytes/s, `vase.bench.bandwidth`) a step
+that moves T bytes takes at least T / W; a bounded cache cannot be faster than the full cache by
+more than T_full / T_bounded, whatever the implementation. Formula and terms: docs/bench.md.
+
+    mb = ModelBytes.from_model(model)
+    t = decode_traffic(mb, "evicting", prompt=128, new_tokens=2048, batch=1, budget=512, window=64)
+    t.total            # mean bytes per decode step over the run's N - 1 forwards
+
+Pure functions of shapes and the schedule (`vase.schedule`); nothing is timed or allocated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..quant_cache import QuantBytes, entry_bytes
+from ..schedule import first_limit, num_evictions, stored_length_sum, steady_limit
+
+__all__ = ["KINDS", "ModelBytes", "StepTraffic", "decode_traffic", "gain_share"]
+
+#: the cache kinds the model knows: `full` (vase's owned cache, no eviction), `dynamic` (transformers'
+#: DynamicCache: torch.cat per step), `evicting` (an EvictionCache that evicts)
+KINDS = ("full", "dynamic", "evicting")
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """The sizes a decode step's traffic is made of, for one model in one dtype.
+
+    weights: bytes of the weights one step reads, whatever the batch (a tied embedding is read
+        whole once, as the LM head; an untied input embedding is not counted here, only its rows);
+    embed_row: bytes of one input-embedding row (read once per batch row);
+    kv_token: bytes of one token's K and V over all layers, full precision;
+    logits_row: bytes of one row's logits (vocab x element bytes)."""
+
+    weights: int
+    embed_row: int
+    kv_token: int
+    logits_row: int
+
+    @classmethod
+    def from_model(cls, model) -> "ModelBytes":
+        """Count the parameters of `model` (each storage once: tied weights are one read) and its K/V shapes."""
+        from ..engines.base import kv_bytes_per_token
+
+        inp = model.get_input_embeddings().weight
+        out = model.get_output_embeddings()
+        tied = out is not None and out.weight.data_ptr() == inp.data_ptr()
+        seen: set[int] = set()
+        weights = 0
+        for p in model.parameters():
+            if p.data_ptr() in seen or (p is inp and not tied):
+                continue  # an untied input embedding: only the rows of this step's tokens are read
+            seen.add(p.data_ptr())
+            weights += p.numel() * p.element_size()
+        text = model.config.get_text_config()
+        return cls(weights=weights, embed_row=inp.shape[1] * inp.element_size(), kv_token=kv_bytes_per_token(model),
+                   logits_row=int(text.vocab_size) * inp.element_size())
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """Mean bytes per decode step over a run, by term (all rows of the batch)."""
+
+    weights: float  # weights read (plus the embedding rows)
+    kv_read: float  # K/V read: attention, and a DynamicCache's copy of what it held
+    kv_write: float  # K/V written: the new token, a DynamicCache's new tensor, a quantized store's codes
+    evict: float  # eviction events amortised over the steps: stored K/V read, survivors written
+    logits: float  # logits written by the LM head and read once by the sampler
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_read + self.kv_write + self.evict + self.logits
+
+    @property
+    def kv(self) -> float:
+        return self.kv_read + self.kv_write + self.evict
+
+
+def decode_traffic(mb: ModelBytes, kind: str, prompt: int, new_tokens: int, batch: int, budget: int | None = None,
+                   window: int | None = None, compiled: bool = False, quant: QuantBytes | None = None) -> StepTraffic:
+    """Mean bytes per decode step over the N - 1 forwards that decode N = `new_tokens` tokens after a prompt of P.
+
+    At step j (j = 1 .. N - 1) the cache stores L_j tokens after the step's write: P + j without
+    eviction, `vase.schedule.physical_length(P, B, w, j)` with it; per row, K/V read is
+
+    - full (eager): L_j tokens; compiled (transformers' StaticCache): its whole P + N slots;
+    - dynamic: L_j read by attention, plus L_j - 1 read and L_j written by torch.cat;
+    - evicting (eager): L_j tokens; compiled (`vase.static`): its whole B + w slots. `quant`
+      (a `QuantBytes`): those slots at the packed size, the reserve and window in full precision.
+
+    Each step also writes the new token (and, quantized, its codes once it is flushed); each
+    eviction event reads the B + w stored tokens and writes the B survivors. Every row of the
+    batch reads the same weights once. Returns the mean of each term over the N - 1 steps.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if new_tokens < 2 or prompt < 1 or batch < 1:
+        raise ValueError(f"need new_tokens >= 2, prompt >= 1, batch >= 1 (got {new_tokens}, {prompt}, {batch})")
+    evicting = kind == "evicting"
+    if evicting and (budget is None or window is None):
+        raise ValueError("an evicting cache needs its budget and window")
+    if quant is not None and not evicting:
+        raise ValueError("quantized storage is modelled for evicting caches only (full and dynamic stay dense)")
+    steps = new_tokens - 1
+    P, b, kv = prompt, batch, mb.kv_token
+    mean_len = (stored_length_sum(P, budget, window, steps) if evicting else steps * P + steps * (steps + 1) // 2) / steps
+    write = float(kv)
+    evict_bytes = 0.0
+    if kind == "full":
+        read = kv * (P + new_tokens if compiled else mean_len)
+    elif kind == "dynamic":
+        read = kv * (mean_len + (mean_len - 1))
+        write = kv * mean_len
+    else:
+        B, w = budget, window
+        cap = steady_limit(B, w) if compiled else first_limit(P, B, w)
+        events = num_evictions(P, B, w, steps)
+        if quant is None:
+            read = kv * (steady_limit(B, w) if compiled else mean_len)
+            evict_bytes = events * kv * (B + w + B) / steps
+        else:
+            read = (quant.allocated(cap) if compiled else quant.byte_steps(P, steps, cap, B, evicts=True) / steps)
+            codes, _ = entry_bytes(quant.head_dim, quant.head_dim, quant.cfg.bits, quant.group,
+                                   quant.full_element_bytes, cap)
+            write = kv + quant.layers * quant.kv_heads * codes  # the token in full precision, later its codes
+            evict_bytes = events * (quant.held(B + w, 0, cap) + quant.held(B, 0, cap)) / steps
+    return StepTraffic(weights=float(mb.weights + b * mb.embed_row), kv_read=b * float(read), kv_write=b * float(write),
+                       evict=b * float(evict_bytes), logits=2.0 * b * mb.logits_row)
+
+
+def gain_share(ratio: float | None, ceiling: float | None, min_gain: float = 0.01) -> float | None:
+    """The share of the ceiling's gain a measured speed-up reached: (ratio - 1) / (ceiling - 1).
+
+    None when either is missing or the ceiling allows less than `min_gain` (a share of nothing is noise)."""
+    if ratio is None or ceiling is None or ratio != ratio or ceiling != ceiling or ceiling - 1 < min_gain:
+        return None
+    return (ratio - 1) / (ceiling - 1)

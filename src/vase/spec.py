@@ -1,0 +1,215 @@
+"""One request spec for every door: (method, policy parameters, B, w, storage, seed), validated once.
+
+    spec = RequestSpec.of("snapkv", 512, 64, n_large=64, kv_bits=4)   # storage keywords split from the method's
+    req = spec.validate()             # Request: the policy, B, w, the storage and its validated configuration
+
+`validate()` owns every rule of a request, in this order, and raises `vase.errors.SpecError` (a TypeError and
+a ValueError) with one line per problem, naming the value and the fix:
+
+1. types and ranges: a method name or Policy, B and w whole numbers in 1..2**31-1 (torch holds them), a seed
+   (an int, or one int per row); the storage a `QuantSpec` (or its keywords ``kv_bits``, ``quant_guard``, ...);
+2. the method and its parameters (`vase.policies.get_policy`: unknown names, parameter types and ranges);
+3. the budget rule (`Policy.check`: B > w + protected slots); B = None only for a method that keeps every
+   token, which gets the one placeholder budget (`placeholder_budget`);
+4. the reserve rule: slots a method reserves must fit in what the budget leaves: ``n_large`` (the value
+   guard, sinks included) within the B - w old tokens each eviction keeps, ``quant_guard`` (old tokens kept in
+   full precision) within B;
+5. the storage rule (`vase.quant_cache.quant_config`: kv_bits 16/8/4/2, the options that need quantization,
+   a selecting method refused);
+6. optionally, what the engine can run (`vase.engines.registry`: vLLM has no quantized storage).
+
+Every door builds one: `EvictionCache` (and so `CompiledEvictionCache`, `vase.generate`, `forced_log_probs`),
+the CLI's checks before a model loads (`vase generate`, `bench`, `inspect`), `vase eval`'s config, the vLLM
+plugin's `additional_config` parsing (and so `vase.vllm.additional_config` and `vase serve`). Doors add their
+context (``snapkv: ...``, ``vase config: ...``) before the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import SpecError
+from .policies import Policy, get_policy
+from .quant import CACHE_STORAGE_OPTIONS
+from .quant_cache import QuantConfig, QuantSpec
+from .schedule import placeholder_budget
+
+__all__ = ["SpecError", "RequestSpec", "Request", "placeholder_budget", "split_storage", "INT_MAX", "SEED_MAX",
+           "STORAGE_KEYWORDS"]
+
+#: Integers torch must hold (a larger budget or length overflows a C long deep inside torch).
+INT_MAX = 2**31 - 1
+#: Seeds torch's generators take.
+SEED_MAX = 2**63 - 1
+#: The keywords that spell a storage (`QuantSpec.from_options`); everything else is the method's.
+STORAGE_KEYWORDS = CACHE_STORAGE_OPTIONS
+
+
+def _shown(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def split_storage(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the method's parameters, the storage keywords) of mixed keyword options (``n_large=64, kv_bits=4``)."""
+    params = {k: v for k, v in options.items() if k not in STORAGE_KEYWORDS}
+    return params, {k: v for k, v in options.items() if k in STORAGE_KEYWORDS}
+
+
+def _whole(name: str, value: Any, maximum: int = INT_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{name} must be an integer, got {_shown(value)}")
+    if value < 1:
+        raise SpecError(f"{name} must be a positive number of tokens, got {value}")
+    if value > maximum:
+        raise SpecError(f"{name} {value} is too large (at most {maximum})")
+    return value
+
+
+def _seed(seed: Any) -> None:
+    seeds = list(seed) if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)) else [seed]
+    if not seeds:
+        raise SpecError("seed is an empty list: give one int, or one per prompt")
+    for i, s in enumerate(seeds):
+        name = "seed" if seeds == [seed] else f"seed[{i}]"
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise SpecError(f"{name} must be an integer, got {_shown(s)}")
+        if abs(s) > SEED_MAX:
+            raise SpecError(f"{name} {s} is too large (at most {SEED_MAX})")
+
+
+_STORAGE_TYPES = {"bits": (int, "an integer (16, 8, 4 or 2)"), "guard": (int, "a number of tokens (or unset)"),
+                  "group": (int, "an integer (or unset)"), "select": (str, "'value' or 'random'"),
+                  "flush_every": (int, "a number of tokens"), "key_scale": (bool, "true or false")}
+
+
+def _storage_types(storage: QuantSpec) -> None:
+    for fname, key in QuantSpec.KEYWORDS.items():
+        value = getattr(storage, fname)
+        kind, what = _STORAGE_TYPES[fname]
+        if value is None and fname in ("guard", "group"):
+            continue
+        if (kind is not bool and isinstance(value, bool)) or not isinstance(value, kind):
+            raise SpecError(f"{key} must be {what}, got {_shown(value)}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: what the cache, the compiled step and the vLLM plugin build from."""
+
+    policy: Policy
+    budget: int  # B (the placeholder for a method that keeps every token)
+    window: int
+    storage: QuantSpec | None  # as asked (None: full precision)
+    quant: QuantConfig | None  # the storage's validated configuration (None: full precision)
+    seed: Any
+
+    @property
+    def method(self) -> str:
+        return self.policy.name
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What a caller asks for; nothing is checked until `validate()`.
+
+    method: a registered name or a Policy; params: the method's parameters; budget: B (None for a method that
+    keeps every token); window: w; storage: None (full precision) or a `QuantSpec`; seed: an int or one per row.
+    """
+
+    method: Any = "vase-attnv"
+    budget: Any = 512
+    window: Any = 64
+    params: Mapping[str, Any] = field(default_factory=dict)
+    storage: Any = None
+    seed: Any = 0
+
+    @classmethod
+    def of(cls, method: Any, budget: Any = 512, window: Any = 64, *, seed: Any = 0, storage: Any = None,
+           **options: Any) -> "RequestSpec":
+        """A spec from keyword options as callers pass them: the method's parameters and the storage keywords
+        (``kv_bits``, ``quant_guard``, ...) mixed; the storage given once (`storage=` or the keywords)."""
+        params, spelled = split_storage(options)
+        if spelled:
+            if storage is not None:
+                raise SpecError(f"pass the storage once: storage={storage!r} or {', '.join(spelled)}, not both")
+            storage = QuantSpec.from_options(spelled)
+        return cls(method=method, budget=budget, window=window, params=params, storage=storage, seed=seed)
+
+    def validate(self, engine: str | None = None) -> Request:
+        """The validated request; SpecError (one line) for the first problem. `engine`: also refuse what that
+        engine cannot run (see `vase.engines.registry`)."""
+        if not isinstance(self.method, (str, Policy)):
+            raise SpecError(f"method must be a method name such as 'vase-attnv' (see `vase methods`) or a Policy, "
+                            f"got {_shown(self.method)}")
+        if self.budget is not None:
+            _whole("budget", self.budget)
+        window = _whole("window", self.window)
+        _seed(self.seed)
+        if self.storage is not None and not isinstance(self.storage, QuantSpec):
+            raise SpecError(f"storage must be None (full precision) or a vase.quant_cache.QuantSpec, "
+                            f"got {self.storage!r}")
+        policy = self.build_policy()
+        budget = self.budget
+        if budget is None:
+            if policy.evicts or policy.selects:
+                raise SpecError(f"method {policy.name!r} needs a budget: give budget B (KV pairs kept per layer "
+                                f"and KV head)")
+            budget = placeholder_budget(window)
+        try:
+            policy.check(budget, window)  # the budget rule, owned by the policy
+        except SpecError:
+            raise
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
+        self._reserves(policy, budget, window)
+        quant = None
+        if self.storage is not None:
+            _storage_types(self.storage)
+            try:
+                quant = self.storage.resolve(policy, budget, window, self.seed)
+            except SpecError:
+                raise
+            except ValueError as exc:
+                raise SpecError(str(exc)) from None
+            if engine is not None:
+                from .engines.registry import refuse_unsupported
+
+                refuse_unsupported(engine, storage=True)
+        elif engine is not None:
+            from .engines.registry import engine_info
+
+            engine_info(engine)
+        return Request(policy=policy, budget=budget, window=window, storage=self.storage, quant=quant,
+                       seed=self.seed)
+
+    def build_policy(self) -> Policy:
+        """Step 2 of `validate` alone: the method with its parameters (SpecError for an unknown name, a parameter
+        it does not take, a value of the wrong type or range)."""
+        if not isinstance(self.method, (str, Policy)):
+            raise SpecError(f"method must be a method name such as 'vase-attnv' (see `vase methods`) or a Policy, "
+                            f"got {_shown(self.method)}")
+        if not isinstance(self.params, Mapping):
+            raise SpecError(f"the method's parameters must be a mapping, got {_shown(self.params)}")
+        try:
+            return get_policy(self.method, **self.params)
+        except SpecError:
+            raise
+        except (TypeError, ValueError) as exc:  # a policy's own range checks (sinks must be >= 0, ...)
+            raise SpecError(str(exc)) from None
+
+    def _reserves(self, policy: Policy, budget: int, window: int) -> None:
+        """The reserve rule: what a method reserves fits in what the budget leaves (else it would be clamped)."""
+        if not policy.evicts:  # a method that keeps every token has no budget to reserve from
+            return
+        kept_old = budget - window
+        if policy.n_large is not None and policy.n_large > kept_old:
+            raise SpecError(f"n_large ({policy.n_large}) is larger than the budget leaves for old tokens (B - w = "
+                            f"{budget} - {window} = {kept_old}): the value guard reserves slots among the old tokens "
+                            f"each eviction keeps; lower n_large or raise the budget")
+        guard = self.storage.guard if isinstance(self.storage, QuantSpec) else None
+        if isinstance(guard, int) and not isinstance(guard, bool) and guard > budget:
+            raise SpecError(f"quant_guard ({guard}) is larger than the budget ({budget}): it counts old tokens kept "
+                            f"in full precision inside the budget; lower quant_guard (--quant-guard) or raise the "
+                            f"budget")
