@@ -347,11 +347,9 @@ def test_dropping_a_finished_row_keeps_the_others_exact(family):
     assert cache.stats()["evictions"] >= 5
 
 
-# -- vLLM: hybrid families refused by the plugin in one line each (stand-ins of vLLM's ModelConfig) -------------
+# -- vLLM: linear-attention hybrids refused by the plugin in one line each (stand-ins of vLLM's ModelConfig) -----
 
 @pytest.mark.parametrize("family, fragment", [
-    ("gemma3", "(gemma3_text) has sliding-window layers, which vase's vLLM plugin does not evict"),
-    ("gpt-oss", "(gpt_oss) has sliding-window layers and attention sinks"),
     ("qwen3-next", "(qwen3_next) has linear-attention (recurrent) layers"),
     ("qwen3.5", "(qwen3_5_text) has linear-attention (recurrent) layers"),
 ])
@@ -373,6 +371,13 @@ def test_vllm_plugin_refuses_hybrid_families_in_one_line(family, fragment):
     plain = NS(model="m", hf_config=hybrid_config("qwen3-moe"), hf_text_config=hybrid_config("qwen3-moe"),
                use_mla=False, is_hybrid=False, has_inner_state=False, get_sliding_window=lambda: None)
     assert model_refusal(plain) is None  # MoE with full attention: the plugin evicts it as any dense model
+    for sliding in ("gemma3", "gpt-oss"):  # sliding-window groups beside full attention: evicted in the full group
+        cfg = hybrid_config(sliding)
+        assert model_refusal(NS(**{**vars(plain), "hf_config": cfg, "hf_text_config": cfg})) is None, sliding
+    every = hybrid_config("gemma3")
+    every.layer_types = ["sliding_attention"] * 4
+    line = model_refusal(NS(**{**vars(plain), "hf_config": every, "hf_text_config": every}))
+    assert "sliding-window attention in every layer" in line and "\n" not in line
     mla = NS(**{**vars(plain), "use_mla": True})
     assert "uses MLA" in model_refusal(mla)
 

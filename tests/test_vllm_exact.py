@@ -74,7 +74,7 @@ def _preempt_evicted(llm, prompts: list[list[int]], n_new: int, every: int = 10*
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
         step += 1
-        manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+        manager = sched.kv_cache_manager.full_manager  # the full-attention group's (the only one, or beside sliding ones)
         now = set()
         for req in list(sched.running):
             rid, p, c = req.request_id, req.num_prompt_tokens, req.num_computed_tokens

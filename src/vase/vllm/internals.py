@@ -79,6 +79,20 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              attrs=("single_type_managers",)),
     Internal("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager", "EvictingKVCacheManager.trim, "
              "VaseScheduler.blocks_held", attrs=("req_to_blocks", "block_pool")),
+    Internal("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+             "PhysicalLengthManager (the full-attention group's, beside sliding-window groups): counts blocks for "
+             "the physical length", params=("self", "request_id", "num_tokens", "new_computed_blocks",
+                                            "total_computed_tokens", "num_local_computed_tokens",
+                                            "num_tokens_main_model")),
+    Internal("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks",
+             "PhysicalLengthManager: allocates for the physical length",
+             params=("self", "request_id", "num_tokens", "num_tokens_main_model")),
+    Internal("vllm.v1.kv_cache_interface.KVCacheConfig", "groups.full_attention_group, both runners",
+             attrs=("kv_cache_groups",)),
+    Internal("vllm.v1.kv_cache_interface.KVCacheGroupSpec", "groups.full_attention_group, both runners: a group's "
+             "layers and spec", attrs=("kv_cache_spec", "layer_names")),
+    Internal("vllm.v1.kv_cache_interface.FullAttentionSpec", "groups.full_attention_group: the group evicted"),
+    Internal("vllm.v1.kv_cache_interface.SlidingWindowSpec", "groups.full_attention_group: groups left to vLLM"),
     Internal("vllm.v1.core.block_pool.BlockPool.free_blocks", "EvictingKVCacheManager.trim",
              params=("self", "ordered_blocks")),
     Internal("vllm.v1.core.block_pool.BlockPool.get_num_free_blocks", "EvictingKVCacheManager.allocate_slots",
@@ -97,7 +111,7 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
     Internal(_RUNNER, "both runners: the step's prepared inputs, made physical",
              attrs=("input_batch", "requests", "query_start_loc", "seq_lens", "optimistic_seq_lens_cpu",
                     "positions", "compilation_config", "model_config", "vllm_config", "device",
-                    "discard_request_mask")),
+                    "discard_request_mask", "attn_groups")),
     Internal(f"{_RUNNER}._sample", "VaseCPUModelRunner._sample: discarded rows sample without their generator",
              params=("self", "logits", "spec_decode_metadata")),
     Internal(f"{_RUNNER}._bookkeeping_sync", "VaseCPUModelRunner: generators put back after vLLM's rewind loop",
@@ -109,8 +123,19 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              attrs=("sampling_params", "num_prompt_tokens")),
     Internal("vllm.v1.worker.block_table.BlockTable", "both runners: a request's blocks",
              attrs=("num_blocks_per_row", "block_table")),
-    Internal("vllm.v1.worker.block_table.MultiGroupBlockTable.compute_slot_mapping", "both runners: slots from "
+    Internal("vllm.v1.worker.block_table.MultiGroupBlockTable.compute_slot_mapping", "GPU runner: slots from "
              "physical positions", params=("self", "num_reqs", "query_start_loc", "positions")),
+    Internal("vllm.v1.worker.block_table.BlockTable.compute_slot_mapping", "CPU runner: the full-attention "
+             "group's slots from physical positions", params=("self", "num_reqs", "query_start_loc", "positions")),
+    Internal("vllm.v1.worker.block_table.MultiGroupBlockTable", "both runners: one block table per KV cache group "
+             "(indexed by group)", attrs=("block_tables", "__getitem__")),
+    Internal("vllm.v1.worker.utils.AttentionGroup", "VaseCPUModelRunner: the sliding-window groups' builders",
+             attrs=("metadata_builders",)),
+    Internal("vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder.build", "VaseLogicalLengthsBuilder "
+             "(sliding-window groups: logical sequence lengths)", params=("self", "common_prefix_len",
+                                                                          "common_attn_metadata")),
+    Internal("vllm.v1.attention.backend.CommonAttentionMetadata", "VaseLogicalLengthsBuilder",
+             attrs=("seq_lens", "max_seq_len")),
     Internal("vllm.model_executor.layers.attention.attention.Attention", "both runners: the layers in "
              "static_forward_context", attrs=("kv_cache", "impl", "num_heads", "head_size", "head_size_v",
                                                "layer_name")),

@@ -75,7 +75,7 @@ def check_vllm_config(vllm_config) -> None:
     model = vllm_config.model_config
     if worker_cls_for(current_platform) == GPU_WORKER_CLS:
         check_gpu_config(vllm_config)
-    check_model_layers(model)  # MLA, hybrid (sliding, recurrent) models: one line each
+    check_model_layers(model)  # MLA, linear-attention hybrids, every layer sliding: one line each
     if vllm_config.speculative_config is not None:
         raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop speculative_config")
     check_built_config(vllm_config)

@@ -70,8 +70,9 @@ def check_built_config(vllm_config: Any, env: dict | None = None) -> None:
                               f"vllm ...` (each rank takes its share of the problems) {_DROP}")
 
 
-def check_attention_layer(name: str, impl: Any, model_dtype: Any) -> None:
-    """Refuse, at model load, an attention layer whose kernel would read evicted slots wrongly."""
+def check_attention_layer(name: str, impl: Any, model_dtype: Any, sliding: bool = False) -> None:
+    """Refuse, at model load, an attention layer whose kernel would read evicted slots wrongly. `sliding`: the
+    runner leaves sliding-window layers to vLLM in their own KV cache group (the CPU runner; vase.vllm.groups)."""
     if getattr(impl, "alibi_slopes", None) is not None:
         raise VaseConfigError(f"attention layer {name} has ALiBi slopes, which vLLM's kernel applies by physical slot "
                               f"(wrong after an eviction): use a RoPE model {_DROP}")
@@ -79,7 +80,7 @@ def check_attention_layer(name: str, impl: Any, model_dtype: Any) -> None:
     if kv_dtype != "auto":
         raise VaseConfigError(f"attention layer {name} stores its KV cache as {kv_dtype}; vase needs it unquantised: "
                               f"use kv_cache_dtype='auto' with an unquantised-KV checkpoint {_DROP}")
-    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+    if not sliding and getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
         raise VaseConfigError(f"attention layer {name} uses a sliding window, which vase does not combine with "
                               f"eviction: use a model with full attention {_DROP}")
 

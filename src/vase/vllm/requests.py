@@ -18,6 +18,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from .. import schedule
 from .capture import QueryRing
 from .config import VaseConfigError, VaseVllmConfig
+from .groups import full_attention_group
 from .heads import RankHeads, rank_policy
 from .paged import RequestPolicyState
 from .refusals import check_head_sizes, check_kv_tensor
@@ -52,6 +53,7 @@ class VaseRunnerMixin:
     vase_recomputes: int
     vase_layers: list[str]
     vase_block_size: int
+    vase_group: int = 0
 
     def _vase_step(self, scheduled: np.ndarray) -> None:
         raise NotImplementedError
@@ -111,24 +113,28 @@ class VaseRunnerMixin:
                                    slots=int(self.vllm_config.scheduler_config.max_num_seqs),
                                    store=bool(self.vase_policy.needs_queries))
 
-    def _vase_attach_layers(self, kv_cache_config):
-        """After vLLM's `initialize_kv_cache`: the attention layers in order (`vase_layers`), attached to the query
-        ring made at load (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
+    def _vase_attach_layers(self, kv_cache_config, hybrid: bool = False):
+        """After vLLM's `initialize_kv_cache`: the full-attention group (`vase_group`; `hybrid`: other groups may be
+        sliding-window ones) and its attention layers in order (`vase_layers`), attached to the query ring made
+        at load (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
         Returns the first attention layer (its head size and heads are every layer's)."""
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise VaseConfigError(f"vase needs one KV cache group (full attention everywhere), this model has "
-                                  f"{len(groups)}: use a model without sliding-window or hybrid layers")
-        self.vase_layers = sorted(groups[0].layer_names, key=extract_layer_index)
+        if len(groups) != 1 and not hybrid:
+            raise VaseConfigError(f"vase's GPU worker needs one KV cache group (full attention everywhere), this "
+                                  f"model has {len(groups)}: use a model without sliding-window or hybrid layers")
+        # the full-attention group, evicted; sliding-window groups are left to vLLM (vase.vllm.groups)
+        self.vase_group = full_attention_group(kv_cache_config) if len(groups) > 1 else 0
+        self.vase_layers = sorted(groups[self.vase_group].layer_names, key=extract_layer_index)
         ctx = self.compilation_config.static_forward_context
         first = ctx[self.vase_layers[0]]
-        if self.vase_ring is None or sorted(self.vase_ring.layer_names) != sorted(self.vase_layers):
+        # the ring was made at load for every attention layer (sliding ones included: their windows go unread)
+        if self.vase_ring is None or not set(self.vase_layers) <= set(self.vase_ring.layer_names):
             raise RuntimeError(f"vase: the KV cache's attention layers {self.vase_layers} are not the ones the query "
                                f"ring was made for at load ({None if self.vase_ring is None else self.vase_ring.layer_names})")
         for name in self.vase_layers:
             ctx[name].impl.vase_ring = self.vase_ring
             check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
-        self.vase_block_size = groups[0].kv_cache_spec.block_size  # the scheduler's; a kernel's may be smaller
+        self.vase_block_size = groups[self.vase_group].kv_cache_spec.block_size  # the scheduler's; a kernel's may be smaller
         return first
 
     # -- requests -------------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ worker evicting between them exactly as decoding did (`vase.vllm.steps`): it get
 its kept sets and its block count back, and never holds more than the uninterrupted schedule
 plus the chunk in flight. The worker follows the same schedule; the blocks each request holds
 are sent to it in the scheduler output (`vase_blocks`) for its invariant check.
+
+A model with sliding-window layers (Gemma 3, gpt-oss) has several KV cache groups
+(`vase.vllm.groups`): all of the above applies to the full-attention group only. Its manager
+allocates by the physical length (`PhysicalLengthManager`, in its place in vLLM's coordinator) while vLLM allocates and frees the
+sliding-window groups' blocks by the logical length, as without vase.
 """
 
 from __future__ import annotations
@@ -19,16 +24,58 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from .. import schedule
 from .config import VaseConfigError, VaseVllmConfig
 from .plugin import STREAMING_REFUSAL
+from .groups import full_attention_group
 from .steps import allocation_length, next_boundary
+
+
+class PhysicalLengthManager:
+    """The full-attention group's `SingleTypeKVCacheManager`, in its place in the coordinator: while
+    `vase_physical` names a request, its blocks are counted and allocated for that physical length instead of
+    the logical one vLLM passes to every group. Delegates everything else (vLLM's managers are slotted classes,
+    so a class swap is not possible)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.vase_physical: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):
+        physical = self.vase_physical.get(request_id)
+        if physical is not None:
+            num_tokens = num_tokens_main_model = physical
+        return self._inner.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
+                                                      total_computed_tokens, num_local_computed_tokens,
+                                                      num_tokens_main_model, *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model, *args, **kwargs):
+        physical = self.vase_physical.get(request_id)
+        if physical is not None:
+            num_tokens = num_tokens_main_model = physical
+        return self._inner.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model, *args, **kwargs)
 
 
 class EvictingKVCacheManager:
     """vLLM's KVCacheManager, allocating for the physical length once a request evicts (delegates the rest)."""
 
-    def __init__(self, inner, cfg: VaseVllmConfig, block_size: int):
+    def __init__(self, inner, cfg: VaseVllmConfig, block_size: int, group: int = 0):
         self._inner = inner
         self.cfg = cfg
         self.block_size = block_size
+        self.group = group  # the full-attention KV cache group: the one evicted, trimmed and counted
+        managers = inner.coordinator.single_type_managers
+        self.hybrid = len(managers) > 1
+        if self.hybrid:
+            wrapped = list(managers)
+            wrapped[group] = PhysicalLengthManager(managers[group])
+            inner.coordinator.single_type_managers = type(managers)(wrapped)
+
+    @property
+    def full_manager(self):
+        """The full-attention group's `SingleTypeKVCacheManager`."""
+        return self._inner.coordinator.single_type_managers[self.group]
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -44,7 +91,14 @@ class EvictingKVCacheManager:
         if physical is None:
             return self._inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
         inner = self._inner
-        held = len(inner.coordinator.single_type_managers[0].req_to_blocks[request.request_id])
+        if self.hybrid:  # vLLM allocates every group, the full-attention one for the physical length
+            full = self.full_manager
+            full.vase_physical[request.request_id] = physical
+            try:
+                return inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
+            finally:
+                del full.vase_physical[request.request_id]
+        held = len(self.full_manager.req_to_blocks[request.request_id])
         needed = schedule.cdiv(physical, self.block_size) - held
         if needed > inner.block_pool.get_num_free_blocks():
             return None
@@ -54,23 +108,22 @@ class EvictingKVCacheManager:
                                                                                   physical))
 
     def trim(self, request) -> int:
-        """Return the blocks of an evicting request above ceil((B + w) / block_size) to the pool; how many."""
+        """Return the blocks of an evicting request above ceil((B + w) / block_size) to the pool, in the
+        full-attention group only (a sliding-window group's are vLLM's to free); how many."""
         p = request.num_prompt_tokens
         if request.num_computed_tokens <= p:
             return 0  # inside the prompt (or its recompute): nothing evicted
         if schedule.num_evictions(p, self.cfg.budget, self.cfg.window, request.num_computed_tokens - p) == 0:
             return 0
         keep = schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size)
-        freed = 0
-        for manager in self._inner.coordinator.single_type_managers:
-            blocks = manager.req_to_blocks.get(request.request_id)
-            if blocks is None or len(blocks) <= keep:
-                continue
-            tail = blocks[keep:]
-            del blocks[keep:]
-            manager.block_pool.free_blocks(reversed(tail))
-            freed += len(tail)
-        return freed
+        manager = self.full_manager
+        blocks = manager.req_to_blocks.get(request.request_id)
+        if blocks is None or len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        manager.block_pool.free_blocks(reversed(tail))
+        return len(tail)
 
 
 class VaseScheduler(Scheduler):
@@ -79,7 +132,8 @@ class VaseScheduler(Scheduler):
     def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size, *args, **kwargs)
         self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
-        self.kv_cache_manager = EvictingKVCacheManager(self.kv_cache_manager, self.vase_config, self.block_size)
+        self.kv_cache_manager = EvictingKVCacheManager(self.kv_cache_manager, self.vase_config, self.block_size,
+                                                       full_attention_group(kv_cache_config))
         self.vase_blocks_freed = 0
         self.vase_preemptions = 0
 
@@ -119,6 +173,6 @@ class VaseScheduler(Scheduler):
         return outputs
 
     def blocks_held(self, request_id: str) -> int:
-        """Blocks vLLM's KV cache manager holds for a request now (0 when it holds none)."""
-        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        """Blocks vLLM's KV cache manager holds for a request now in the full-attention group (0 when none)."""
+        manager = self.kv_cache_manager.full_manager
         return len(manager.req_to_blocks.get(request_id, ()))

@@ -13,14 +13,21 @@ the invariant check):
 2. RoPE positions stay logical; the slot mapping and sequence lengths use the physical length
    (logical minus the tokens evicted so far);
 3. each attention layer records the last w post-RoPE queries of each request.
+
+With sliding-window layers (Gemma 3, gpt-oss: several KV cache groups, `vase.vllm.groups`) all of
+this applies to the full-attention group only: its layers are evicted, its block table and slot
+mapping are made physical; the sliding-window groups keep vLLM's logical slots, and their
+metadata builders (`VaseLogicalLengthsBuilder`) the logical sequence lengths.
 """
 
 from __future__ import annotations
 
+from copy import copy
+
 import numpy as np
 import torch
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder, _get_attn_isa
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -73,6 +80,23 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
 
+class VaseLogicalLengthsBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata builder for a sliding-window group: its layers read the logical sequence lengths
+    (`vase_runner.vase_logical_seq_lens`), while the runner's shared `seq_lens` are the full-attention group's
+    physical ones. Set on the instance by a class swap."""
+
+    vase_runner = None
+
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        logical = getattr(self.vase_runner, "vase_logical_seq_lens", None)
+        if logical is not None:
+            common_attn_metadata = copy(common_attn_metadata)
+            n = common_attn_metadata.seq_lens.shape[0]
+            common_attn_metadata.seq_lens = logical[:n]
+            common_attn_metadata.max_seq_len = int(logical[:n].max())
+        return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+
+
 class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
     """vLLM's CPU model runner with vase's eviction (see the module docstring; per-request state: the mixin)."""
 
@@ -98,12 +122,22 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
             if type(impl) is not CPUAttentionBackendImpl:
                 raise VaseConfigError(f"vase needs vLLM's CPU attention, layer {name} uses {type(impl).__name__}: "
                                       f"use a model with standard attention")
-            check_attention_layer(name, impl, self.model_config.dtype)
+            check_attention_layer(name, impl, self.model_config.dtype, sliding=True)
             impl.__class__ = VaseCPUAttentionImpl
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        first = self._vase_attach_layers(kv_cache_config)
+        first = self._vase_attach_layers(kv_cache_config, hybrid=True)
+        for gid, groups in enumerate(self.attn_groups):  # sliding-window groups: logical lengths
+            if gid == self.vase_group:
+                continue
+            for group in groups:
+                for builder in group.metadata_builders:
+                    if type(builder) is not CPUAttentionMetadataBuilder:
+                        raise VaseConfigError(f"vase needs vLLM's CPU attention in every KV cache group, group {gid} "
+                                              f"builds {type(builder).__name__}: use a model with standard attention")
+                    builder.__class__ = VaseLogicalLengthsBuilder
+                    builder.vase_runner = self
         self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.kv_cache_dtype_torch())
 
     def kv_cache_dtype_torch(self) -> torch.dtype:
@@ -151,7 +185,8 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         num_reqs = batch.num_reqs
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
-        table = batch.block_table[0]
+        table = batch.block_table[self.vase_group]
+        self.vase_logical_seq_lens = None
         offsets = np.zeros(num_reqs, dtype=np.int64)  # logical - physical, per request
         ring_slots = np.zeros(num_reqs, dtype=np.int64)
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
@@ -168,23 +203,26 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         self.vase_ring.plan = CapturePlan(src=as_long(src), slot=as_long(slot), pos=as_long(pos))
         if offsets.any():
             off = torch.from_numpy(offsets).to(self.device)
+            if len(batch.block_table.block_tables) > 1:  # the sliding-window groups keep the logical lengths
+                self.vase_logical_seq_lens = self.seq_lens.clone()
             self.seq_lens[:num_reqs] -= off.to(self.seq_lens.dtype)
             self.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(offsets).to(self.optimistic_seq_lens_cpu.dtype)
             total = int(scheduled.sum())
             per_token = torch.from_numpy(token_offsets(offsets, scheduled[:num_reqs])).to(self.device)
             physical = self.positions[:total] - per_token.to(self.positions.dtype)
-            batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
+            table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
     def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
-        """Bring request `index` from `length` stored tokens to `keep` (B) in
-        every layer, in place. `seen`: logical tokens written so far."""
+        """Bring request `index` from `length` stored tokens to `keep` (B) in every layer of the full-attention
+        group, in place (sliding-window groups are vLLM's). `seen`: logical tokens written so far."""
         cfg = self.vase_config
-        table = self.input_batch.block_table[0]
+        table = self.input_batch.block_table[self.vase_group]
         block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
         kept = []
-        for layer, name in enumerate(self.vase_layers):
+        for layer, name in enumerate(self.vase_layers):  # the full-attention group's layers only
             keys, values = self._kv_views(name)
-            queries = self.vase_ring.window_of(layer, req.slot, seen) if self.vase_policy.needs_queries else None
+            ring = self.vase_ring.index[name]
+            queries = self.vase_ring.window_of(ring, req.slot, seen) if self.vase_policy.needs_queries else None
             kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window,
                         req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout))
         req.state.evictions += 1
