@@ -592,3 +592,26 @@ def test_generate_rows_that_finish_early_leave_the_others_exact(family):
     assert batch.finished[0] and len(batch.token_ids[0]) < 40
     assert batch.token_ids[1] == alone.token_ids[0] == row1
     assert batch.stats["evictions"] >= 5
+
+
+def test_a_pending_layer_left_by_another_cache_is_not_taken_by_this_forward():
+    """A layer whose `update` ran without its attention call (another cache, another model) stays pending in the
+    side channel; a later forward's layer with the same index (a sliding layer here, or another cache's full
+    layer) must not take it: it would record queries into the other cache's ring and mask with its slots."""
+    import vase
+    from tests.conftest import tiny_model
+    from vase.attention import PENDING_LAYER
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 60, (1, 12))
+    model = hybrid_model("gpt-oss")  # layer 0 sliding, layer 1 full
+    clean = model(input_ids=ids, **vase.cache_kwargs(vase.EvictionCache(model, "snapkv", 12, 4))).logits
+    other = tiny_model(layers=2, dtype=torch.float64)
+    for idx in (0, 1):  # a stale pending layer with the sliding layer's index, then with the full layer's
+        stale = vase.EvictionCache(other, "snapkv", 12, 4)
+        k = torch.zeros(1, 2, 5, 8, dtype=torch.float64)  # a head size the gpt-oss model does not have
+        stale.layers[idx].update(k, k)
+        assert PENDING_LAYER.get() is stale.layers[idx]
+        logits = model(input_ids=ids, **vase.cache_kwargs(vase.EvictionCache(model, "snapkv", 12, 4))).logits
+        torch.testing.assert_close(logits, clean, rtol=0, atol=0)
+        PENDING_LAYER.set(None)

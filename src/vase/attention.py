@@ -44,6 +44,11 @@ class PendingLayer(Protocol):
 
     layer_idx: int
 
+    def serves(self, key: torch.Tensor) -> bool:
+        """Whether `key` is what this layer's last `update` returned (a pending layer left by another
+        cache or model with the same layer index is not this call's)."""
+        ...
+
     def attention_mask_for(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
                            kind: str) -> torch.Tensor | None: ...
 
@@ -69,11 +74,11 @@ def _make_attention(kernel: str) -> Callable:
     def vase_attention(module, query, key, value, attention_mask, **kwargs):
         layer = PENDING_LAYER.get()
         mask_2d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
-        if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
+        if _is_sliding(module, kwargs):  # the model's own sliding mask (see `_mask_function`); never vase's layer
+            mask = attention_mask
+        elif layer is not None and layer.layer_idx == getattr(module, "layer_idx", None) and layer.serves(key):
             PENDING_LAYER.set(None)
             mask = layer.attention_mask_for(query, mask_2d, kind)
-        elif _is_sliding(module, kwargs):  # the model's own sliding mask (see `_mask_function`)
-            mask = attention_mask
         else:  # another cache (or none): the 2-D padding mask lines up with the keys
             mask = causal_padding_mask(mask_2d, query.shape[2], key.shape[2], kind, query.dtype, query.device)
         return stock_kernel(kernel, module)(module, query, key, value, mask, **kwargs)

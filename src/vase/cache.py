@@ -97,6 +97,7 @@ class EvictionLayer(CacheLayerMixin):
         self.step_bytes: torch.Tensor | None = None
         self.row_pad0: list[int] = []  # per row: padding of the prompt (seen - pad0 = real tokens seen)
         self.awaiting_attention = False
+        self._served: tuple | None = None  # (data_ptr, shape) of the K the last `update` returned
 
     # -- storage -------------------------------------------------------------------------------
     # transformers' CacheLayerMixin protocol has `keys` / `values` attributes: they are the storage's
@@ -193,7 +194,13 @@ class EvictionLayer(CacheLayerMixin):
             self.storage.commit(self.positions, self.row_pad0, prompt=False)
             if self.step_bytes is not None:
                 self.step_bytes += self.storage.row_bytes()
-        return self.storage.read(end)
+        stored = self.storage.read(end)
+        self._served = (stored[0].data_ptr(), stored[0].shape)  # what the attention call must receive
+        return stored
+
+    def serves(self, key: torch.Tensor) -> bool:
+        """Whether `key` [b, kv_heads, L, d] is the K this layer's last `update` returned (by storage and shape)."""
+        return self._served == (key.data_ptr(), key.shape)
 
     def held_bytes(self, row: int | None = None) -> int:
         """K/V bytes held now (the storage's own count): one row's real tokens, or every stored slot of every row."""
