@@ -16,7 +16,7 @@ import torch
 
 import vase
 from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
+from vase.compat import CACHE_KWARG, cache_kwargs
 from vase.eval.config import EvalConfig
 from vase.eval.runner import run_eval
 from vase.eval.store import read_all
@@ -86,7 +86,7 @@ def _held_by_hand(model, tok, prompt, kwargs):
     held, evictions = [], []
 
     def hook(module, args, kw, output):
-        stats = kw["past_key_values"].stats()
+        stats = kw[CACHE_KWARG].stats()  # the keyword of this transformers version
         held.append(stats["kv_bytes"])
         evictions.append(stats["evictions"])
 
