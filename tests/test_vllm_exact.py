@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 import torch  # noqa: E402
 
-from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm  # noqa: E402
+from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm, transformers_greedy, vllm_batch  # noqa: E402
 from vase import schedule  # noqa: E402
 from vase.policies import get_policy, method_names  # noqa: E402
 from vase.vllm import VaseVllmConfig, additional_config, request_stats  # noqa: E402
@@ -262,51 +262,13 @@ PARITY_METHODS = ["snapkv", "h2o", "tova", "vase-attnv", "snapkv-sample", "vase-
 
 
 def _transformers_run(path: str, method: str, ids: list[int], n_new: int, seed: int = 0) -> dict:
-    """Greedy decode through vase's EvictionCache: tokens, log-probs per step [n_new, vocab], kept positions
-    per eviction (logical tokens seen when it ran -> per layer [kv_heads][B])."""
-    from vase.cache import EvictionCache
-    from vase.compat import cache_kwargs
-    from vase.models import load_model
-
-    model, _ = load_model(path, dtype="float32")
-    cache = EvictionCache(model, method, B_PAR, W_PAR, seed=seed)
-    tokens, logps, kept = [], [], {}
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), **cache_kwargs(cache))
-        for t in range(n_new):
-            lp = torch.log_softmax(out.logits[0, -1].double(), -1)
-            logps.append(lp)
-            tokens.append(int(lp.argmax()))
-            if t == n_new - 1:
-                break
-            before = cache.layers[0].evictions
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[len(ids) + t]]),
-                        **cache_kwargs(cache))
-            if cache.layers[0].evictions > before:
-                kept[len(ids) + t] = [layer.positions[0, :, :B_PAR].tolist() for layer in cache.layers]
-    return {"tokens": tokens, "logps": torch.stack(logps), "kept": kept}
+    """Greedy decode through vase's EvictionCache at the parity test's B and w (`vllm_tiny.transformers_greedy`)."""
+    return transformers_greedy(path, method, ids, n_new, B_PAR, W_PAR, seed=seed)
 
 
 def _vllm_run(llm, method: str, prompts: list[list[int]], n_new: int) -> list[dict]:
     """The same prompts as one batch through the plugin (policy swapped on the shared engine)."""
-    r = runner(llm)
-    r.vase_policy = get_policy(method)
-    r.vase_record = {}
-    for i, ids in enumerate(prompts):
-        llm.llm_engine.add_request(f"q{i}", {"prompt_token_ids": ids}, greedy(n_new, logprobs=5))
-    outs = {}
-    while llm.llm_engine.has_unfinished_requests():
-        for out in llm.llm_engine.step():
-            if out.finished:
-                outs[out.request_id] = out.outputs[0]
-    record = {rid.rsplit("-", 1)[0]: entry for rid, entry in r.vase_record.items()}
-    r.vase_record = None
-    results = []
-    for i in range(len(prompts)):
-        o = outs[f"q{i}"]
-        kept = {e["seen"]: e["positions"] for e in record[f"q{i}"]["kept"]}
-        results.append({"tokens": list(o.token_ids), "logprobs": o.logprobs, "kept": kept})
-    return results
+    return vllm_batch(llm, method, prompts, n_new)
 
 
 def _first_swap(ours: dict, ref: dict) -> int | None:

@@ -14,9 +14,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 import torch  # noqa: E402
 
 from tests.test_vllm_exact import B_PRE, W_PRE, _compare, _exact_under_preemption, prompt_ids  # noqa: E402
-from tests.vllm_tiny import core, greedy, runner, start_llm  # noqa: E402
+from tests.vllm_tiny import core, runner, start_llm, transformers_greedy, vllm_batch  # noqa: E402
 from vase import schedule  # noqa: E402
-from vase.policies import get_policy  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
 B, W, N_NEW, BLOCK = 48, 16, 150, 32
@@ -51,29 +50,8 @@ def save_tiny_hybrid(family: str, path: str) -> str:
 
 def _transformers_run(path: str, method: str, ids: list[int], n_new: int) -> dict:
     """Greedy decode through vase's EvictionCache (its full-attention layers evict, sliding ones are
-    transformers'): tokens, log-probs [n_new, vocab], kept positions per eviction per full-attention layer."""
-    from vase.cache import EvictionCache
-    from vase.compat import cache_kwargs
-    from vase.models import load_model
-
-    model, _ = load_model(path, dtype="float32", attn_implementation="eager")  # gpt-oss has no sdpa
-    cache = EvictionCache(model, method, B, W, seed=0)
-    full = [layer for layer, kind in zip(cache.layers, cache.layer_types) if kind == "full_attention"]
-    tokens, logps, kept = [], [], {}
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), **cache_kwargs(cache))
-        for t in range(n_new):
-            lp = torch.log_softmax(out.logits[0, -1].double(), -1)
-            logps.append(lp)
-            tokens.append(int(lp.argmax()))
-            if t == n_new - 1:
-                break
-            before = full[0].evictions
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[len(ids) + t]]),
-                        **cache_kwargs(cache))
-            if full[0].evictions > before:
-                kept[len(ids) + t] = [layer.positions[0, :, :B].tolist() for layer in full]
-    return {"tokens": tokens, "logps": torch.stack(logps), "kept": kept}
+    transformers'); eager attention: gpt-oss has no sdpa."""
+    return transformers_greedy(path, method, ids, n_new, B, W, attn="eager")
 
 
 def _vllm_run(llm, method: str, prompts: list[list[int]], n_new: int) -> tuple[list[dict], dict]:
@@ -81,8 +59,6 @@ def _vllm_run(llm, method: str, prompts: list[list[int]], n_new: int) -> tuple[l
     hold vLLM's logical block count and the full-attention group at most the bound; every eviction is
     checked not to change any sliding-window layer's K/V."""
     r, sched = runner(llm), core(llm).scheduler
-    r.vase_policy = get_policy(method)
-    r.vase_record = {}
     ctx = r.compilation_config.static_forward_context
     groups = sched.kv_cache_config.kv_cache_groups
     assert len(groups) > 1 and r.vase_layers == sorted(groups[r.vase_group].layer_names)
@@ -106,37 +82,26 @@ def _vllm_run(llm, method: str, prompts: list[list[int]], n_new: int) -> tuple[l
         assert len(ids) and all(torch.equal(b, a) for b, a in zip(before, after))
         seen["evictions"] += 1
 
+    def check_groups():  # after every step: the sliding groups hold vLLM's count, the full group the bound
+        for rid, req in sched.requests.items():
+            if req.is_finished() or rid not in managers[r.vase_group].req_to_blocks:
+                continue
+            n_full = len(managers[r.vase_group].req_to_blocks[rid])
+            past = req.num_computed_tokens - req.num_prompt_tokens  # negative inside a chunked prefill
+            if past > 0 and schedule.num_evictions(req.num_prompt_tokens, B, W, past) > 0:
+                assert n_full <= bound, (rid, n_full, bound)
+            seen["max_full"] = max(seen["max_full"], n_full)
+            for g, manager in enumerate(managers):
+                if g != r.vase_group:  # logical: vLLM's own count (out-of-window blocks are null, not cut)
+                    assert len(manager.req_to_blocks[rid]) == schedule.cdiv(req.num_computed_tokens, BLOCK)
+                    seen["sliding_checked"] += 1
+
     r._vase_evict = checked_evict
     bound = schedule.max_blocks(B, W, BLOCK)
     try:
-        for i, ids in enumerate(prompts):
-            llm.llm_engine.add_request(f"q{i}", {"prompt_token_ids": ids}, greedy(n_new, logprobs=5))
-        outs = {}
-        while llm.llm_engine.has_unfinished_requests():
-            for out in llm.llm_engine.step():
-                if out.finished:
-                    outs[out.request_id] = out.outputs[0]
-            for rid, req in sched.requests.items():
-                if req.is_finished() or rid not in managers[r.vase_group].req_to_blocks:
-                    continue
-                n_full = len(managers[r.vase_group].req_to_blocks[rid])
-                past = req.num_computed_tokens - req.num_prompt_tokens  # negative inside a chunked prefill
-                if past > 0 and schedule.num_evictions(req.num_prompt_tokens, B, W, past) > 0:
-                    assert n_full <= bound, (rid, n_full, bound)
-                seen["max_full"] = max(seen["max_full"], n_full)
-                for g, manager in enumerate(managers):
-                    if g != r.vase_group:  # logical: vLLM's own count (out-of-window blocks are null, not cut)
-                        assert len(manager.req_to_blocks[rid]) == schedule.cdiv(req.num_computed_tokens, BLOCK)
-                        seen["sliding_checked"] += 1
+        results = vllm_batch(llm, method, prompts, n_new, after_step=check_groups)
     finally:
         r._vase_evict = evict
-    record = {rid.rsplit("-", 1)[0]: entry for rid, entry in r.vase_record.items()}
-    r.vase_record = None
-    results = []
-    for i in range(len(prompts)):
-        o = outs[f"q{i}"]
-        kept = {e["seen"]: e["positions"] for e in record[f"q{i}"]["kept"]}
-        results.append({"tokens": list(o.token_ids), "logprobs": o.logprobs, "kept": kept})
     return results, seen
 
 

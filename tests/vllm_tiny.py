@@ -72,3 +72,61 @@ def greedy(max_tokens: int, **kw):
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def transformers_greedy(path: str, method: str, ids: list[int], n_new: int, budget: int, window: int,
+                        seed: int = 0, attn: str | None = None) -> dict:
+    """The reference the plugin is compared with: greedy decode of `path` through vase's EvictionCache.
+
+    Returns tokens, log-probs per step [n_new, vocab] and the kept positions per eviction (logical tokens seen when
+    it ran -> per evicting layer [kv_heads][budget]); a hybrid model's sliding layers are transformers' own."""
+    from vase.cache import EvictionCache
+    from vase.compat import cache_kwargs
+    from vase.models import load_model
+
+    model, _ = load_model(path, dtype="float32", **({"attn_implementation": attn} if attn else {}))
+    cache = EvictionCache(model, method, budget, window, seed=seed)
+    evicting = cache.evicting_layers
+    tokens, logps, kept = [], [], {}
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), **cache_kwargs(cache))
+        for t in range(n_new):
+            lp = torch.log_softmax(out.logits[0, -1].double(), -1)
+            logps.append(lp)
+            tokens.append(int(lp.argmax()))
+            if t == n_new - 1:
+                break
+            before = evicting[0].evictions
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[len(ids) + t]]),
+                        **cache_kwargs(cache))
+            if evicting[0].evictions > before:
+                kept[len(ids) + t] = [layer.positions[0, :, :budget].tolist() for layer in evicting]
+    return {"tokens": tokens, "logps": torch.stack(logps), "kept": kept}
+
+
+def vllm_batch(llm, method: str, prompts: list[list[int]], n_new: int, after_step=None) -> list[dict]:
+    """The prompts as one greedy batch through the plugin (policy swapped on the shared engine): per prompt its
+    tokens, top-5 log-probs and kept positions per eviction. `after_step()` runs after every engine step (a test's
+    invariant checks)."""
+    from vase.policies import get_policy
+
+    r = runner(llm)
+    r.vase_policy = get_policy(method)
+    r.vase_record = {}
+    for i, ids in enumerate(prompts):
+        llm.llm_engine.add_request(f"q{i}", {"prompt_token_ids": ids}, greedy(n_new, logprobs=5))
+    outs = {}
+    while llm.llm_engine.has_unfinished_requests():
+        for out in llm.llm_engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0]
+        if after_step is not None:
+            after_step()
+    record = {rid.rsplit("-", 1)[0]: entry for rid, entry in r.vase_record.items()}
+    r.vase_record = None
+    results = []
+    for i in range(len(prompts)):
+        o = outs[f"q{i}"]
+        kept = {e["seen"]: e["positions"] for e in record[f"q{i}"]["kept"]}
+        results.append({"tokens": list(o.token_ids), "logprobs": o.logprobs, "kept": kept})
+    return results
