@@ -286,3 +286,25 @@ def test_add_ratios_puts_the_ceiling_and_gain_share_beside_the_paired_ratio():
     one = row("snapkv", 100.0, [3.0])
     add_ratios([row("full", 200.0, [2.0]), one])
     assert one["vs_full"] == 1.5 and one["gain_vs_full"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--results", "/"], "--results must name a file"),
+    (["--clock", "foo"], "--clock must be wall or cpu, got 'foo'"),
+    (["--engine", "vllm", "--repeats", "3"], "--repeats is for the transformers engine's bench only"),
+    (["--engine", "vllm", "--clock", "cpu"], "--clock is for the transformers engine's bench only"),
+    (["--engine", "vllm", "--bandwidth", "5"], "--bandwidth is for the transformers engine's bench only"),
+    (["--engine", "vllm", "--results", "r.json"], "--results is for the transformers engine's bench only"),
+])
+def test_bench_flags_refused_in_one_line_before_a_model_loads(extra, says, capsys, monkeypatch, tmp_path):
+    """A bad value, or a flag the chosen engine would drop, is one line naming the flag (no model, no engine)."""
+    from tests.conftest import run_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("vase.bench.runner.run_bench", lambda *a, **k: pytest.fail("the bench started"))
+    monkeypatch.setattr("vase.bench.vllm_bench.cli_bench", lambda *a, **k: pytest.fail("the vLLM bench started"))
+    code, _, err = run_main(["bench", "--random-init", "tiny", "--methods", "snapkv", "--budgets", "24", "--window",
+                             "8", "--lengths", "16", *extra], capsys)
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("vase: warning")]
+    assert code != 0 and len(lines) == 1 and says in lines[0], err

@@ -74,7 +74,16 @@ def bench(
         raise UserError(f"--engine must be {' or '.join(engine_names())}, got {engine!r}")
     # Flags the engine would ignore are refused, not dropped: --kv-bits, --compile and --attn on vLLM.
     refuse_unsupported(engine, storage=kv_bits != 16, compile=compile_, attn=given(ctx, "attn"))
+    if repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    if results is not None and (results.name in ("", ".", "..") or results.is_dir()):
+        raise UserError(f"--results must name a file (e.g. docs/results/bench.json), got {str(results)!r}")
     if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
+        transformers_only = [f"--{n}" for n in ("repeats", "clock", "bandwidth", "results") if given(ctx, n)]
+        if transformers_only:  # the vLLM bench has its own rounds and files: these would be dropped
+            raise UserError(f"{', '.join(transformers_only)} {'is' if len(transformers_only) == 1 else 'are'} for "
+                            f"the transformers engine's bench only: drop {'it' if len(transformers_only) == 1 else 'them'} "
+                            "with --engine vllm")
         from ..bench.vllm_bench import cli_bench
 
         baseline = [m for m in method_list if m != "full"]  # stock vLLM is the reference, never a vase config
