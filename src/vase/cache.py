@@ -33,11 +33,13 @@ from .attention import PENDING_LAYER, install
 from .masks import and_selection, causal_padding_mask, real_slots
 from .errors import SpecError
 from .hybrid import FULL, LINEAR, is_hybrid, text_config
+from .kernel import choose, compact_slots, keep_index
+from .ring import new_ring, ring_read, ring_write
 from .policies import Policy
 from .quant_cache import QuantConfig, QuantSpec, QuantStorage
 from .schedule import first_limit, must_evict, room, steady_limit
 from .spec import RequestSpec
-from .storage import DenseStorage, KVStorage, flat_slots
+from .storage import DenseStorage, KVStorage
 
 
 class EvictedStateError(RuntimeError):
@@ -248,25 +250,15 @@ class EvictionLayer(CacheLayerMixin):
 
     def record_queries(self, query: torch.Tensor) -> None:
         """Keep the last `w` post-RoPE queries [b, q_heads, q, d] in a ring buffer."""
-        w = self.cfg.window
-        if self.queries is None:
+        if self.queries is None:  # the one query ring of every engine (`vase.ring`)
             b, hq, _, d = query.shape
-            self.queries = query.new_zeros(b, hq, w, d)
-        q = query.shape[2]
-        if q == 1:  # the decode hot path
-            self.queries[:, :, self.queries_seen % w] = query[:, :, 0]
-        else:
-            take = min(q, w)
-            slots = (self.queries_seen + q - take + torch.arange(take, device=query.device)) % w
-            self.queries[:, :, slots] = query[:, :, q - take:]
-        self.queries_seen += q
+            self.queries = new_ring(b, hq, self.cfg.window, d, query)
+        ring_write(self.queries, self.queries_seen, query)
+        self.queries_seen += query.shape[2]
 
     def query_window(self) -> torch.Tensor:
         """The recorded queries in time order: [b, q_heads, min(seen, w), d]."""
-        w = self.cfg.window
-        n = min(self.queries_seen, w)
-        order = (self.queries_seen - n + torch.arange(n, device=self.queries.device)) % w
-        return self.queries[:, :, order]
+        return ring_read(self.queries, self.queries_seen)
 
     def selection_mask(self, query: torch.Tensor) -> torch.Tensor | None:
         """What a selection policy (Quest) lets the `q` new queries [b, q_heads, q, d] attend:
@@ -322,15 +314,11 @@ class EvictionLayer(CacheLayerMixin):
         new_len = max(new_reals)
         # Rows that do not evict keep their last new_len slots (all their real tokens).
         index = torch.arange(L - new_len, L, device=device).expand(b, h, new_len).clone()
-        recent = torch.arange(L - w, L, device=device)
         by_pad: dict[int, list[int]] = {}
         for r in due:
             by_pad.setdefault(self.pad[r], []).append(r)
-        for p, rows in by_pad.items():
-            kept = self._select(rows, p, L - w) + p
-            if cfg.sort_kept:
-                kept = kept.sort(-1).values
-            index[rows, :, new_len - B:] = torch.cat([kept, recent.expand(len(rows), h, w)], dim=-1)
+        for p, rows in by_pad.items():  # one eviction kernel for every engine (`vase.kernel`)
+            index[rows, :, new_len - B:] = keep_index(self._select(rows, p, L - w), L, w, cfg.sort_kept, offset=p)
         for r in due:
             if self.row_evictions[r] == 0:  # the first eviction runs at the row's peak stored length
                 self.row_peak_bytes[r] = self.held_bytes(r)
@@ -358,8 +346,7 @@ class EvictionLayer(CacheLayerMixin):
         extra = {name: state[sel, :, pad:n_cand] for name, state in self.slot_state.items()}
         self._init_layer_state(rows)
         extra.update({name: state[sel] for name, state in self.layer_state.items()})
-        keep = policy.select(keys, values, queries, cfg.budget - cfg.window, generator=generators,
-                             budget=cfg.budget, **extra)
+        keep = choose(policy, keys, values, queries, cfg.budget, cfg.window, generators, extra)
         if isinstance(sel, list):  # advanced indexing copied the state: write updates back
             for name, state in self.slot_state.items():
                 state[rows, :, pad:n_cand] = extra[name]
@@ -383,11 +370,9 @@ class EvictionLayer(CacheLayerMixin):
     def _compact(self, index: torch.Tensor, pad: list[int]) -> None:
         """Move the slots `index` [b, h, n] to the front of the storage and of every per-slot buffer, in place;
         `pad`: each row's padding slots after the move (their content is never read)."""
-        b, h, n = index.shape
         self.storage.compact(index, pad)
-        flat = flat_slots(index, self.capacity)
         for buf in (self.positions, *self.slot_state.values()):
-            buf[:, :, :n] = buf.view(-1).index_select(0, flat).view(b, h, n)
+            compact_slots(buf, index)
 
     # -- the transformers Cache layer interface --------------------------------------------------------
     def get_seq_length(self) -> int:

@@ -40,6 +40,8 @@ from transformers.utils import is_torch_greater_or_equal
 
 from .attention import KERNELS, STATIC_PREFIX, stock_kernel, base_kernel
 from .cache import EvictionCache, EvictionLayer
+from .kernel import choose, compact_slots, keep_index
+from .ring import new_ring, ring_read, ring_write
 from .quant_cache import QuantStorage
 from .static_storage import StaticDense, StaticQuant, front_index
 
@@ -146,7 +148,7 @@ class StaticLayer(CacheLayerMixin):
         if src.queries is not None:
             self.queries = src.queries.clone()
         else:
-            self.queries = src.keys.new_zeros(b, hq, w, d)
+            self.queries = new_ring(b, hq, w, d, src.keys)
         self.queries_seen = torch.tensor(src.queries_seen, dtype=torch.long, device=device)
         self.layer_state = {k: v.clone() for k, v in src.layer_state.items()}
         self.state_ready = list(src.state_ready)
@@ -205,8 +207,7 @@ class StaticLayer(CacheLayerMixin):
     def step_mask(self, query: torch.Tensor, kind: str) -> torch.Tensor:
         """Record the query [b, q_heads, 1, d] and return the mask [b, 1, 1, B + w] over the valid prefix."""
         if self.cfg.policy.needs_queries:
-            slot = (self.queries_seen % self.cfg.window).view(1)
-            self.queries.index_copy_(2, slot, query.to(self.queries.dtype))
+            ring_write(self.queries, self.queries_seen, query)  # the one query ring (`vase.ring`)
             self.queries_seen.add_(1)
         cap = self.keys.shape[2]
         valid = torch.arange(cap, device=query.device)[None, :] < self.length[:, None]
@@ -217,9 +218,7 @@ class StaticLayer(CacheLayerMixin):
         return valid
 
     def _query_window(self) -> torch.Tensor:
-        w = self.cfg.window
-        order = (self.queries_seen - w + torch.arange(w, device=self.queries.device)) % w
-        return self.queries.index_select(2, order)
+        return ring_read(self.queries, self.queries_seen, self.cfg.window)
 
     def _evict(self) -> None:
         """Rows at B + w keep B slots: B - w chosen by the policy among the first B, then the w most recent."""
@@ -233,18 +232,15 @@ class StaticLayer(CacheLayerMixin):
         queries = self._query_window() if policy.needs_queries else None
         noise = NoiseReplay(self.noise) if policy.stochastic else None
         keys, values = self.store.candidates(B)
-        keep = policy.select(keys, values, queries, B - w, generator=noise,
-                             budget=B, **extra)
-        if cfg.sort_kept:
-            keep = keep.sort(-1).values
-        recent = torch.arange(B, cap, device=device).expand(b, h, w)
-        index = torch.cat([keep, recent, recent], dim=-1)  # the last w slots are free after the gather
+        # one eviction kernel for every engine (`vase.kernel`); the last w slots are free after the gather
+        index = keep_index(choose(policy, keys, values, queries, B, w, noise, extra), cap, w, cfg.sort_kept)
+        index = torch.cat([index, index[..., B - w:]], dim=-1)  # B + w: the recent ones fill the free slots
         index = torch.where(due[:, None, None], index, torch.arange(cap, device=device).expand(b, h, cap))
         for name, state in self.slot_state.items():  # the policy's updates (H2O's accumulator), due rows only
             state[:, :, :B].copy_(torch.where(due[:, None, None], extra[name], state[:, :, :B]))
         self.store.compact(index, torch.where(due, B, cap))
         for buf in (self.positions, *self.slot_state.values()):
-            buf.copy_(buf.gather(2, index))
+            compact_slots(buf, index)
         # freed slots: empty position, zero state
         free = torch.arange(cap, device=device)[None, None, :] >= B
         free = free & due[:, None, None]

@@ -22,18 +22,13 @@ from .policies import value_magnitude
 from .quant import Packed, dequantize, quantize
 from .quant_cache import (QuantStorage, entry_bytes, flush_split, gather_entries, left_pack, place, renumber,
                           slot_dtype, slot_map)
-from .storage import flat_slots
+from .kernel import compact_slots, flat_slots, gather_slots
 
 
 def front_index(pads: torch.Tensor, cap: int, src_capacity: int, heads: int) -> torch.Tensor:
     """Index [b, heads, cap] that moves row r's slots pad[r] .. pad[r] + cap - 1 to the front (clamped)."""
     index = (torch.arange(cap, device=pads.device)[None, :] + pads[:, None]).clamp(max=src_capacity - 1)
     return index[:, None, :].expand(pads.shape[0], heads, cap)
-
-
-def _gather_slots(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """buf [b, h, n, d] gathered along n by index [b, h, m] -> [b, h, m, d]."""
-    return buf.gather(2, index[..., None].expand(-1, -1, -1, buf.shape[-1]))
 
 
 class StaticDense:
@@ -45,7 +40,7 @@ class StaticDense:
     @classmethod
     def from_eager(cls, src_keys: torch.Tensor, src_values: torch.Tensor, index: torch.Tensor) -> StaticDense:
         """Row r's slots `index` [b, h, cap] of the eager buffers [b, h, capacity, d], moved to the front."""
-        return cls(_gather_slots(src_keys, index).contiguous(), _gather_slots(src_values, index).contiguous())
+        return cls(gather_slots(src_keys, index).contiguous(), gather_slots(src_values, index).contiguous())
 
     def write(self, slot: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
               seen: torch.Tensor) -> None:
@@ -69,7 +64,7 @@ class StaticDense:
         """Slots `index` [b, h, cap] move to the front (the first `kept` [b] of a row survive, the rest of
         the row's index is filler)."""
         for buf in (self.keys, self.values):
-            buf.copy_(_gather_slots(buf, index))
+            compact_slots(buf, index)
 
     def held_bytes(self, slots: int, row: int | None) -> int:
         """K/V bytes of `slots` stored tokens of one row (`row` given) or of every row."""

@@ -17,13 +17,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .kernel import compact_slots, flat_slots  # noqa: F401 - flat_slots: importable here
+
 Rows = list[int] | slice  # batch rows: a list of row indices, or every row (slice(None))
-
-
-def flat_slots(index: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Flat indices [b * h * n] into a [b, h, capacity] buffer viewed as one axis, of the slots `index` [b, h, n]."""
-    b, h, _ = index.shape
-    return (index + torch.arange(b * h, device=index.device).view(b, h, 1) * capacity).view(-1)
 
 
 @runtime_checkable
@@ -117,13 +113,8 @@ class DenseStorage:
         return mask
 
     def compact(self, index: torch.Tensor, pad: list[int]) -> None:
-        b, h, n = index.shape
-        # Whole rows of head_dim through a flat view of the (contiguous) buffers: index_select
-        # copies rows, much faster than gather with an index expanded over head_dim.
-        flat = flat_slots(index, self.keys.shape[2])
-        for buf in (self.keys, self.values):
-            rows = buf.view(-1, buf.shape[-1]).index_select(0, flat)
-            buf[:, :, :n] = rows.view(b, h, n, -1)
+        for buf in (self.keys, self.values):  # the eviction kernel's compaction (`vase.kernel`)
+            compact_slots(buf, index)
 
     def take_rows(self, rows: list[int]) -> None:
         self.keys, self.values = self.keys[rows], self.values[rows]

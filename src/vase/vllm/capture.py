@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ring import ring_put, ring_read
+
 
 @dataclass
 class CapturePlan:
@@ -76,13 +78,11 @@ class QueryRing:
         if plan is None or not self.store or plan.src.numel() == 0:
             return
         ring = self.rings[self.index[layer_name]]
-        ring[plan.slot, :, plan.pos] = query.index_select(0, plan.src).to(ring.dtype)
+        ring_put(ring, plan.slot, plan.pos, query.index_select(0, plan.src))
 
     def window_of(self, layer: int, slot: int, seen: int) -> torch.Tensor:
         """The last w queries of a request that has written `seen` tokens, in time order: [1, q_heads, w, head_dim]."""
-        w = self.window
-        order = (seen - w + torch.arange(w, device=self.device)) % w
-        return self.rings[layer][slot][:, order].unsqueeze(0)
+        return ring_read(self.rings[layer][slot:slot + 1], seen, self.window)  # the one query ring (`vase.ring`)
 
 
 def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernel import choose, gather_slots, keep_index
 from ..policies import Policy
 
 
@@ -125,20 +126,16 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     if layer not in state.layer_state:  # hook 2: drawn once per layer, right before its first eviction
         state.layer_state[layer] = policy.init_layer_state(1, h, keys.shape[-1], [state.generator], keys.device)
     extra.update(state.layer_state[layer])
-    generator = [state.generator] if policy.stochastic else None
-    kept = policy.select(keys[:, :, :n_cand], values[:, :, :n_cand], queries if policy.needs_queries else None,
-                         budget - window, generator=generator, budget=budget, **extra)
-    if sort_kept:
-        kept = kept.sort(-1).values
-    recent = torch.arange(n_cand, length, device=kept.device).expand(1, h, window)
-    index = torch.cat([kept, recent], dim=-1)  # [1, h, B]
-    head = torch.arange(h, device=index.device)[:, None]
+    # one eviction kernel for every engine (`vase.kernel`): the policy's choice, then the window; [1, h, B]
+    kept = choose(policy, keys[:, :, :n_cand], values[:, :, :n_cand], queries, budget, window, [state.generator],
+                  extra)
+    index = keep_index(kept, length, window, sort_kept)
     new_blocks, new_offsets = blocks[:budget], offsets[:budget]
     # Read every survivor before writing: the targets (slots 0..B-1) overlap the sources.
     for cache, where, rows in ((key_cache, where_k, keys), (value_cache, where_v, values)):
-        scatter(cache, where, new_blocks, new_offsets, rows[0, head, index[0]])  # survivors [h, B, d]
+        scatter(cache, where, new_blocks, new_offsets, gather_slots(rows, index)[0])  # survivors [h, B, d]
     for name, tensor in slot_state.items():  # moves with its slot; slots B.. are new tokens from now on
         moved = torch.zeros_like(tensor)
-        moved[0, :, :budget] = tensor[0, head, index[0]]
+        moved[:, :, :budget] = gather_slots(tensor, index)
         slot_state[name] = moved
     return index
