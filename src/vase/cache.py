@@ -36,10 +36,11 @@ from .hybrid import FULL, LINEAR, is_hybrid, text_config
 from .kernel import choose, compact_slots, keep_index
 from .ring import new_ring, ring_read, ring_write
 from .policies import Policy
-from .quant_cache import QuantConfig, QuantSpec, QuantStorage
+from .quant_cache import QuantConfig, QuantSpec
 from .schedule import first_limit, must_evict, room, steady_limit
 from .spec import RequestSpec
-from .storage import DenseStorage, KVStorage
+from .storage import KVStorage
+from .storages import eager_storage
 
 
 class EvictedStateError(RuntimeError):
@@ -508,9 +509,7 @@ class EvictionCache(Cache):
 
     def new_storage(self, layer_idx: int) -> KVStorage:
         """The empty K/V storage of layer `layer_idx` (allocated at its first update)."""
-        if self.quant is None:
-            return DenseStorage()
-        return QuantStorage(self.quant, self.cfg.window, layer_idx)
+        return eager_storage(self.quant, self.cfg.window, layer_idx)  # by the storage registry (`vase.storages`)
 
     def ensure_generators(self, batch: int, device: torch.device) -> None:
         """One generator per batch row, seeded from the user seed (row r: seed + r, or seed[r])."""

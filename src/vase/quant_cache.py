@@ -295,6 +295,13 @@ class QuantBytes:
         return cls(cfg, window, layers, int(getattr(text, "num_key_value_heads", None) or heads),
                    head_dim, _itemsize(dtype))
 
+    def write_bytes(self, capacity: int) -> int:
+        """Bytes one token's codes take once flushed (all layers and KV heads): what a step writes besides the
+        full-precision token (the bench's traffic model)."""
+        codes, _ = entry_bytes(self.head_dim, self.head_dim, self.cfg.bits, self.group, self.full_element_bytes,
+                               capacity)
+        return self.layers * self.kv_heads * codes
+
     def allocated(self, capacity: int) -> int:
         """Bytes a layer set with `capacity` slots allocates (`QuantStorage.capacity_bytes`, all layers)."""
         quant, full = entry_bytes(self.head_dim, self.head_dim, self.cfg.bits, self.group, self.full_element_bytes,

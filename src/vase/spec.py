@@ -35,6 +35,7 @@ from .policies import Policy, get_policy
 from .quant import CACHE_STORAGE_OPTIONS
 from .quant_cache import QuantConfig, QuantSpec
 from .schedule import placeholder_budget
+from .storages import spec_from_options, spec_types, storage_keywords
 
 __all__ = ["SpecError", "RequestSpec", "Request", "placeholder_budget", "split_storage", "INT_MAX", "SEED_MAX",
            "STORAGE_KEYWORDS"]
@@ -43,7 +44,8 @@ __all__ = ["SpecError", "RequestSpec", "Request", "placeholder_budget", "split_s
 INT_MAX = 2**31 - 1
 #: Seeds torch's generators take.
 SEED_MAX = 2**63 - 1
-#: The keywords that spell a storage (`QuantSpec.from_options`); everything else is the method's.
+#: The keywords that spell the built-in quantized storage (`QuantSpec.from_options`); `split_storage` reads every
+#: registered storage's (`vase.storages.storage_keywords`); everything else is the method's.
 STORAGE_KEYWORDS = CACHE_STORAGE_OPTIONS
 
 
@@ -53,8 +55,9 @@ def _shown(value: Any) -> str:
 
 def split_storage(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the method's parameters, the storage keywords) of mixed keyword options (``n_large=64, kv_bits=4``)."""
-    params = {k: v for k, v in options.items() if k not in STORAGE_KEYWORDS}
-    return params, {k: v for k, v in options.items() if k in STORAGE_KEYWORDS}
+    keywords = storage_keywords()
+    params = {k: v for k, v in options.items() if k not in keywords}
+    return params, {k: v for k, v in options.items() if k in keywords}
 
 
 def _whole(name: str, value: Any, maximum: int = INT_MAX) -> int:
@@ -134,7 +137,10 @@ class RequestSpec:
         if spelled:
             if storage is not None:
                 raise SpecError(f"pass the storage once: storage={storage!r} or {', '.join(spelled)}, not both")
-            storage = QuantSpec.from_options(spelled)
+            try:
+                storage = spec_from_options(spelled)
+            except ValueError as exc:
+                raise SpecError(str(exc)) from None
         return cls(method=method, budget=budget, window=window, params=params, storage=storage, seed=seed)
 
     def validate(self, engine: str | None = None) -> Request:
@@ -147,7 +153,7 @@ class RequestSpec:
             _whole("budget", self.budget)
         window = _whole("window", self.window)
         _seed(self.seed)
-        if self.storage is not None and not isinstance(self.storage, QuantSpec):
+        if self.storage is not None and not isinstance(self.storage, spec_types()):
             raise SpecError(f"storage must be None (full precision) or a vase.quant_cache.QuantSpec, "
                             f"got {self.storage!r}")
         policy = self.build_policy()
@@ -166,7 +172,8 @@ class RequestSpec:
         self._reserves(policy, budget, window)
         quant = None
         if self.storage is not None:
-            _storage_types(self.storage)
+            if isinstance(self.storage, QuantSpec):
+                _storage_types(self.storage)
             try:
                 quant = self.storage.resolve(policy, budget, window, self.seed)
             except SpecError:

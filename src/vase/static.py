@@ -42,8 +42,8 @@ from .attention import KERNELS, STATIC_PREFIX, stock_kernel, base_kernel
 from .cache import EvictionCache, EvictionLayer
 from .kernel import choose, compact_slots, keep_index
 from .ring import new_ring, ring_read, ring_write
-from .quant_cache import QuantStorage
-from .static_storage import StaticDense, StaticQuant, front_index
+from .static_storage import front_index
+from .storages import static_refusal, static_store
 
 #: the cache whose layers the static attention function reads (set by `activate`)
 _ACTIVE: list[StaticEvictionCache | None] = [None]
@@ -65,9 +65,9 @@ def check_compilable(cache: EvictionCache, kernel: str) -> None:
     """Raise CompileUnsupportedError (one line saying what to change) when `cache` has no static form."""
     check_no_kept_layers(cache)
     policy = cache.policy
-    if cache.quant is not None and cache.quant.select != "value":
-        raise CompileUnsupportedError("compile=True keeps the reserve by the value guard's ranking only: drop "
-                                      "quant_select='random' (or use compile=False)")
+    refusal = static_refusal(cache.quant)  # the storage's own (`vase.storages`)
+    if refusal:
+        raise CompileUnsupportedError(refusal)
     if not policy.evicts or policy.selects:
         raise CompileUnsupportedError(f"method {policy.name!r} has no static evicting form: compile=True supports "
                                       f"the evicting methods (and 'full' through transformers' StaticCache)")
@@ -134,10 +134,7 @@ class StaticLayer(CacheLayerMixin):
                                f"= {cap}: convert only once every row is in the steady schedule")
         # Row r's real slots pad[r] .. length-1 move to the front; slots past its length are never read.
         index = front_index(pads, cap, src.capacity, h)
-        if isinstance(src.storage, QuantStorage):
-            self.store: StaticDense | StaticQuant = StaticQuant(src.storage, pads, src.row_pad0, cap)
-        else:
-            self.store = StaticDense.from_eager(src.keys, src.values, index)
+        self.store = static_store(src.cache.quant, src.storage, index, pads, src.row_pad0, cap)  # `vase.storages`
         valid = torch.arange(cap, device=device)[None, None, :] < reals[:, None, None]
         self.positions = src.positions.gather(2, index).masked_fill(~valid, -1).contiguous()
         self.slot_state = {k: v.gather(2, index).masked_fill(~valid, 0).contiguous()

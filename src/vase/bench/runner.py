@@ -74,7 +74,7 @@ import torch
 from ..cache import EvictionCache
 from ..generation import PAPER_SAMPLING, Sampler, decode
 from ..policies import get_policy
-from ..quant_cache import QuantBytes
+from ..storages import byte_model
 from ..schedule import num_evictions
 from .paired import alternating, paired_ratio
 from .traffic import ModelBytes, StepTraffic, decode_traffic, gain_share
@@ -590,7 +590,7 @@ def row_traffic(model, method: str, budget: int | None, window: int, prompt_leng
     policy = get_policy(method)
     if not policy.evicts:
         return None
-    quant = QuantBytes.for_model(model, policy, budget, window, method_params)
+    quant = byte_model(model, policy, budget, window, method_params)  # the storage's own (`vase.storages`)
     return decode_traffic(sizes, "evicting", prompt_length, new_tokens, batch, budget, window, compiled=compiled,
                           quant=quant)
 

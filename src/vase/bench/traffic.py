@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..quant_cache import QuantBytes, entry_bytes
+from ..quant_cache import QuantBytes
 from ..schedule import first_limit, num_evictions, stored_length_sum, steady_limit
 
 __all__ = ["KINDS", "ModelBytes", "StepTraffic", "decode_traffic", "gain_share"]
@@ -124,9 +124,7 @@ def decode_traffic(mb: ModelBytes, kind: str, prompt: int, new_tokens: int, batc
             evict_bytes = events * kv * (B + w + B) / steps
         else:
             read = (quant.allocated(cap) if compiled else quant.byte_steps(P, steps, cap, B, evicts=True) / steps)
-            codes, _ = entry_bytes(quant.head_dim, quant.head_dim, quant.cfg.bits, quant.group,
-                                   quant.full_element_bytes, cap)
-            write = kv + quant.layers * quant.kv_heads * codes  # the token in full precision, later its codes
+            write = kv + quant.write_bytes(cap)  # the token in full precision, later its stored form
             evict_bytes = events * (quant.held(B + w, 0, cap) + quant.held(B, 0, cap)) / steps
     return StepTraffic(weights=float(mb.weights + b * mb.embed_row), kv_read=b * float(read), kv_write=b * float(write),
                        evict=b * float(evict_bytes), logits=2.0 * b * mb.logits_row)

@@ -26,6 +26,7 @@ from vase.engines.registry import ENGINES
 from vase.errors import SpecError
 from vase.policies import Policy, UnknownMethodError, get_policy
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
+from vase.storages import spec_from_options
 from vase.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
 from vase.textfiles import decode_utf8
 
@@ -73,7 +74,7 @@ class MethodSpec:
     method: str  # registered name passed to get_policy / generate
     params: dict[str, Any]  # the policy's parameters, only what the user set (passed on as keyword arguments)
     policy: Policy  # get_policy(method, **params): its params() are the full identity
-    storage: QuantSpec | None = None  # how the cache holds K/V (from kv_bits, quant_guard, ...); None: full precision
+    storage: QuantSpec | Any = None  # how the cache holds K/V: a registered spec (`vase.storages`); None: dense
 
     @property
     def evicts(self) -> bool:
@@ -317,7 +318,10 @@ class EvalConfig:
             method = canonical_label(params.pop("method", label))
             # Storage options (kv_bits, quant_guard, ...) go to the cache, not the policy.
             params, spelled = split_storage(params)
-            storage = QuantSpec.from_options(spelled)
+            try:
+                storage = spec_from_options(spelled)  # a registered storage's spec (`vase.storages`)
+            except ValueError as e:
+                raise ConfigError(f"method {label!r}: {e}") from e
             try:
                 policy = get_policy(method, **params)
             except UnknownMethodError as e:

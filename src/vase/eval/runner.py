@@ -521,12 +521,13 @@ class _Runner:
         return bounded_bytes_mean(self.model.config, size, prompt_length, seen)
 
     def _quant_bytes(self, spec: MethodSpec, budget: int | None):
-        """`vase.quant_cache.QuantBytes` of the method's cache when it is quantized (kv_bits), else None."""
-        if spec.storage is None or int(spec.storage.bits) == 16:
+        """The byte model of the method's storage (`vase.storages.byte_model`, e.g. `QuantBytes` for kv_bits);
+        None when it holds dense bytes per token."""
+        if spec.storage is None:
             return None
-        from vase.quant_cache import QuantBytes
+        from vase.storages import byte_model
 
-        return QuantBytes.for_model(self.model, spec.policy, budget, self.config.window, spec.storage)
+        return byte_model(self.model, spec.policy, budget, self.config.window, spec.storage)
 
     def _row_stats(self, spec: MethodSpec, budget: int | None, prompt_length: int, n_generated: int,
                    finished: bool, row: dict | None, capacity: Any = None) -> dict[str, int | None]:

@@ -1,7 +1,8 @@
 """GPU side of the plugin: vLLM's V1 GPU worker and model runner with vase's eviction (not yet run on a GPU).
 
 `VaseGPUWorker` (set through `worker_cls` on a CUDA platform) builds `VaseGPUModelRunner`, vLLM's
-GPU model runner with the same three additions as the CPU worker (`vase.vllm.worker`):
+GPU model runner with the same three additions as the CPU worker (`vase.vllm.worker`), the step itself
+shared with it (`vase.vllm.runner_step.VaseStepMixin`):
 
 1. after vLLM prepares a step's inputs, each request whose step starts on an eviction boundary
    (decoding, or replaying its history after a preemption) is evicted in every layer
@@ -23,22 +24,21 @@ docs/vllm-gpu.md for what has not run on a GPU.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from .capture import CapturePlan, QueryRing, install
+from .capture import QueryRing, install
 from .config import VaseConfigError, VaseVllmConfig
 from .layouts import backend_of, split_kv
-from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
-from .paged import evict_paged
 from .refusals import check_attention_layer, v2_runner_reason
-from .requests import VaseRequest, VaseRunnerMixin
+from .requests import VaseRequest
+from .runner_step import VaseStepMixin
 
 
-class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
-    """vLLM's V1 GPU model runner with vase's eviction (see the module docstring; per-request state: the mixin)."""
+class VaseGPUModelRunner(VaseStepMixin, GPUModelRunner):
+    """vLLM's V1 GPU model runner with vase's eviction (see the module docstring; the step and per-request state:
+    the mixins, `vase.vllm.runner_step` and `vase.vllm.requests`)."""
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -67,53 +67,6 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
     def _kv_views(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's key and value caches as [num_blocks, kv_heads, kernel_block_size, head_dim] strided views."""
         return split_kv(self.compilation_config.static_forward_context[layer_name].kv_cache, self.vase_head_size)
-
-    # -- the step (after vLLM's `_prepare_inputs`, through the mixin) ----------------------------------
-    def _vase_step(self, scheduled: np.ndarray) -> None:
-        """Evict, plan the capture and make the step's lengths and slots physical (after vLLM's `_prepare_inputs`)."""
-        cfg, batch = self.vase_config, self.input_batch
-        num_reqs = batch.num_reqs
-        scheduled = scheduled[:num_reqs].astype(np.int64)
-        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
-        req_ids = list(batch.req_ids[:num_reqs])
-        reqs = [self._vase_request(req_id, i, int(computed[i])) for i, req_id in enumerate(req_ids)]
-        plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), computed, scheduled, cfg.budget, cfg.window)
-        table = batch.block_table[0]
-        for i, (req, plan) in enumerate(zip(reqs, plans)):
-            self._vase_check_room(req_ids[i], req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size,
-                                  int(computed[i]), int(scheduled[i]))
-        for i, plan in enumerate(plans):
-            if plan.evict_from:
-                self._vase_evict(reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))
-        as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
-        src, slot, pos = capture_rows(starts, computed, scheduled, np.array([r.slot for r in reqs]), cfg.window)
-        self.vase_ring.plan = CapturePlan(src=as_long(src), slot=as_long(slot), pos=as_long(pos))
-        offsets = np.array([p.offset for p in plans], dtype=np.int64)
-        if not offsets.any():
-            return
-        # seq_lens (device) -> the kernels' per-request KV lengths; optimistic_seq_lens_cpu -> seq_lens_cpu_upper_bound
-        # and max_seq_len, read by the metadata builders after this hook.
-        self.seq_lens[:num_reqs] -= as_long(offsets).to(self.seq_lens.dtype)
-        upper = self.optimistic_seq_lens_cpu[:num_reqs]
-        upper.copy_(torch.from_numpy(physical_seq_lens(upper.numpy().astype(np.int64), offsets)))
-        logical = np.repeat(computed, scheduled) + (np.arange(int(scheduled.sum())) - np.repeat(starts, scheduled))
-        physical = as_long(physical_positions(logical, offsets, scheduled))
-        batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
-
-    def _vase_evict(self, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
-        """Bring request `index` from `length` stored tokens to `keep` in every layer, in place."""
-        cfg = self.vase_config
-        table = self.input_batch.block_table[0]
-        block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
-        block_ids = block_ids.to(self.device)
-        for layer, name in enumerate(self.vase_layers):
-            keys, values = self._kv_views(name)
-            queries = self.vase_ring.window_of(layer, req.slot, seen) if self.vase_policy.needs_queries else None
-            evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window, req.state, layer,
-                        sort_kept=cfg.sort_kept, block_size=self.vase_block_size)
-        req.state.evictions += 1
-        self.vase_evictions += 1
 
 
 class VaseGPUWorker(Worker):

@@ -5,6 +5,8 @@ with three additions, all driven by `vase.vllm.steps.plan_step` from each reques
 length P0 and its logical length (the scheduler sends only the blocks each request holds, for
 the invariant check):
 
+The step itself (1. and 2.) is `vase.vllm.runner_step.VaseStepMixin`, shared with the GPU runner:
+
 1. after vLLM prepares a step's inputs: a request whose step starts on an eviction boundary (a
    decode step, or a chunk of the recomputing prefill that replays a preempted request's
    history) is evicted in every layer (`vase.vllm.paged.evict_paged`, the same `policy.select`
@@ -31,13 +33,12 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAtte
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .capture import CapturePlan, QueryRing
+from .capture import QueryRing
 from .config import VaseConfigError, VaseVllmConfig
-from .offsets import capture_rows, token_offsets
-from .paged import Layout, evict_paged
+from .paged import Layout
 from .refusals import check_attention_layer, v2_runner_reason
-from .requests import VaseRequest, VaseRunnerMixin
-from .steps import plan_step
+from .requests import VaseRequest
+from .runner_step import VaseStepMixin
 
 
 def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> Layout:
@@ -97,8 +98,9 @@ class VaseLogicalLengthsBuilder(CPUAttentionMetadataBuilder):
         return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
 
 
-class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
-    """vLLM's CPU model runner with vase's eviction (see the module docstring; per-request state: the mixin)."""
+class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
+    """vLLM's CPU model runner with vase's eviction (see the module docstring; the step and per-request state: the
+    mixins, `vase.vllm.runner_step` and `vase.vllm.requests`)."""
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -177,75 +179,6 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         if held:
             self.input_batch.generators.update(held)
         self.vase_held_generators = {}
-
-    # -- the step (after vLLM's `_prepare_inputs`, through the mixin) ----------------------------------
-    def _vase_step(self, scheduled: np.ndarray) -> None:
-        cfg, batch = self.vase_config, self.input_batch
-        B, w = cfg.budget, cfg.window
-        num_reqs = batch.num_reqs
-        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
-        table = batch.block_table[self.vase_group]
-        self.vase_logical_seq_lens = None
-        offsets = np.zeros(num_reqs, dtype=np.int64)  # logical - physical, per request
-        ring_slots = np.zeros(num_reqs, dtype=np.int64)
-        for i, req_id in enumerate(batch.req_ids[:num_reqs]):
-            c, n = int(computed[i]), int(scheduled[i])
-            req = self._vase_request(req_id, i, c)
-            plan = plan_step(req_id, req.origin, c, n, B, w)
-            self._vase_check_room(req_id, req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size, c, n)
-            if plan.evict_from:
-                self._vase_evict(req_id, req, i, plan.evict_from, plan.evict_to, seen=c)
-            offsets[i], ring_slots[i] = plan.offset, req.slot
-        # the last w queries of this step join each request's window (shared with the GPU worker: vase.vllm.offsets)
-        src, slot, pos = capture_rows(starts, computed, scheduled[:num_reqs], ring_slots, w)
-        as_long = lambda a: torch.from_numpy(a).to(self.device)
-        self.vase_ring.plan = CapturePlan(src=as_long(src), slot=as_long(slot), pos=as_long(pos))
-        if offsets.any():
-            off = torch.from_numpy(offsets).to(self.device)
-            if len(batch.block_table.block_tables) > 1:  # the sliding-window groups keep the logical lengths
-                self.vase_logical_seq_lens = self.seq_lens.clone()
-            self.seq_lens[:num_reqs] -= off.to(self.seq_lens.dtype)
-            self.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(offsets).to(self.optimistic_seq_lens_cpu.dtype)
-            total = int(scheduled.sum())
-            per_token = torch.from_numpy(token_offsets(offsets, scheduled[:num_reqs])).to(self.device)
-            physical = self.positions[:total] - per_token.to(self.positions.dtype)
-            table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
-
-    def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
-        """Bring request `index` from `length` stored tokens to `keep` (B) in every layer of the full-attention
-        group, in place (sliding-window groups are vLLM's). `seen`: logical tokens written so far."""
-        cfg = self.vase_config
-        table = self.input_batch.block_table[self.vase_group]
-        block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
-        kept = []
-        for layer, name in enumerate(self.vase_layers):  # the full-attention group's layers only
-            keys, values = self._kv_views(name)
-            ring = self.vase_ring.index[name]
-            queries = self.vase_ring.window_of(ring, req.slot, seen) if self.vase_policy.needs_queries else None
-            kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window,
-                        req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout))
-        req.state.evictions += 1
-        self.vase_evictions += 1
-        if self.vase_record is not None:
-            self._vase_record_eviction(req_id, req, kept, length, seen)
-
-    def _vase_record_eviction(self, req_id: str, req: VaseRequest, kept: list[torch.Tensor], length: int,
-                              seen: int) -> None:
-        """Record the logical positions each layer and KV head kept (`kept`: per layer [1, kv_heads, keep] slots)."""
-        h = kept[0].shape[1]
-        if req.positions is None:  # nothing evicted since the last (re)prefill: slot = logical position
-            stored = [torch.arange(length).expand(h, length)] * len(kept)
-        else:
-            new = torch.arange(req.positions_since, seen).expand(h, -1)
-            stored = [torch.cat([p, new], dim=-1) for p in req.positions]
-        req.positions = [s.gather(-1, k[0].cpu()) for s, k in zip(stored, kept)]
-        req.positions_since = seen
-        entry = self.vase_record.setdefault(req_id, {"evictions": 0, "first_kept": None, "kept": []})
-        entry["evictions"] += 1
-        entry["kept"].append({"seen": seen, "positions": [p.tolist() for p in req.positions]})
-        if entry["first_kept"] is None:  # slots are logical positions until the first eviction
-            entry["first_kept"] = [k[0].tolist() for k in kept]
 
 
 class VaseCPUWorker(CPUWorker):

@@ -1,0 +1,116 @@
+"""The one worker step of the plugin: evict, plan the query capture, make lengths and slots physical.
+
+Both model runners, vLLM's CPU one (`vase.vllm.worker`) and its GPU one (`vase.vllm.gpu_worker`),
+take `VaseStepMixin`: after vLLM's `_prepare_inputs` (through `VaseRunnerMixin`), `_vase_step`
+
+1. plans each request's step (`vase.vllm.offsets.plan_batch`) and checks its blocks hold it;
+2. evicts each request whose step starts on an eviction boundary in every layer of the
+   full-attention group (`_vase_evict`: `vase.vllm.paged.evict_paged`, the eviction kernel);
+3. plans the step's query-window copies into the ring (`capture_rows`);
+4. makes the full-attention group's sequence lengths and slot mapping physical (RoPE positions
+   stay logical); sliding-window groups (CPU) keep vLLM's logical slots, and their metadata
+   builders the logical lengths (`vase_logical_seq_lens`).
+
+What differs between the runners stays in their modules: where the KV views come from
+(`_kv_views`) and how a block's rows are stored (`vase_layout`: the CPU kernel's packed layout,
+None for the GPU backends' strided views). A fix to the step lands once, here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .capture import CapturePlan
+from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
+from .paged import Layout, evict_paged
+from .requests import VaseRequest, VaseRunnerMixin
+
+
+class VaseStepMixin(VaseRunnerMixin):
+    """`_vase_step` and `_vase_evict` of both vLLM model runners (see the module docstring)."""
+
+    vase_layout: Layout | None = None  # the CPU kernel's packed block layout; None: strided views (GPU)
+    #: set to a dict to record, per request id, its evictions and the slots its first eviction kept per layer
+    vase_record: dict | None = None
+    vase_logical_seq_lens: torch.Tensor | None = None
+
+    def _kv_views(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _vase_step(self, scheduled: np.ndarray) -> None:
+        """Evict, plan the capture and make the step's lengths and slots physical (after vLLM's `_prepare_inputs`)."""
+        cfg, batch = self.vase_config, self.input_batch
+        num_reqs = batch.num_reqs
+        scheduled = scheduled[:num_reqs].astype(np.int64)
+        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        starts = self.query_start_loc.np[:num_reqs].astype(np.int64)
+        req_ids = list(batch.req_ids[:num_reqs])
+        table = batch.block_table[self.vase_group]
+        self.vase_logical_seq_lens = None
+        reqs = [self._vase_request(req_id, i, int(computed[i])) for i, req_id in enumerate(req_ids)]
+        plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), computed, scheduled, cfg.budget, cfg.window)
+        for i, (req, plan) in enumerate(zip(reqs, plans)):
+            self._vase_check_room(req_ids[i], req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size,
+                                  int(computed[i]), int(scheduled[i]))
+        for i, plan in enumerate(plans):
+            if plan.evict_from:
+                self._vase_evict(req_ids[i], reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))
+        as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+        # the last w queries of this step join each request's window
+        src, slot, pos = capture_rows(starts, computed, scheduled, np.array([r.slot for r in reqs]), cfg.window)
+        self.vase_ring.plan = CapturePlan(src=as_long(src), slot=as_long(slot), pos=as_long(pos))
+        offsets = np.array([p.offset for p in plans], dtype=np.int64)
+        if not offsets.any():
+            return
+        tables = batch.block_table
+        hybrid = len(getattr(tables, "block_tables", ())) > 1
+        if hybrid:  # the sliding-window groups keep the logical lengths
+            self.vase_logical_seq_lens = self.seq_lens.clone()
+        # seq_lens (device) -> the kernels' per-request KV lengths; optimistic_seq_lens_cpu -> seq_lens_cpu_upper_bound
+        # and max_seq_len, read by the metadata builders after this hook.
+        self.seq_lens[:num_reqs] -= as_long(offsets).to(self.seq_lens.dtype)
+        upper = self.optimistic_seq_lens_cpu[:num_reqs]
+        upper.copy_(torch.from_numpy(physical_seq_lens(upper.numpy().astype(np.int64), offsets)))
+        logical = np.repeat(computed, scheduled) + (np.arange(int(scheduled.sum())) - np.repeat(starts, scheduled))
+        physical = as_long(physical_positions(logical, offsets, scheduled))
+        # every group's slot mapping when there is one group; else the full-attention group's alone
+        (table if hybrid else tables).compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1],
+                                                           physical)
+
+    def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
+        """Bring request `index` from `length` stored tokens to `keep` (B) in every layer of the full-attention
+        group, in place (sliding-window groups are vLLM's). `seen`: logical tokens written so far."""
+        cfg = self.vase_config
+        table = self.input_batch.block_table[self.vase_group]
+        block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
+        block_ids = block_ids.to(self.device)
+        kept = []
+        for layer, name in enumerate(self.vase_layers):  # the full-attention group's layers only
+            keys, values = self._kv_views(name)
+            ring = self.vase_ring.index[name]
+            queries = self.vase_ring.window_of(ring, req.slot, seen) if self.vase_policy.needs_queries else None
+            kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window,
+                                    req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
+                                    block_size=self.vase_block_size))
+        req.state.evictions += 1
+        self.vase_evictions += 1
+        if self.vase_record is not None:
+            self._vase_record_eviction(req_id, req, kept, length, seen)
+
+    def _vase_record_eviction(self, req_id: str, req: VaseRequest, kept: list[torch.Tensor], length: int,
+                              seen: int) -> None:
+        """Record the logical positions each layer and KV head kept (`kept`: per layer [1, kv_heads, keep] slots)."""
+        h = kept[0].shape[1]
+        if req.positions is None:  # nothing evicted since the last (re)prefill: slot = logical position
+            stored = [torch.arange(length).expand(h, length)] * len(kept)
+        else:
+            new = torch.arange(req.positions_since, seen).expand(h, -1)
+            stored = [torch.cat([p, new], dim=-1) for p in req.positions]
+        req.positions = [s.gather(-1, k[0].cpu()) for s, k in zip(stored, kept)]
+        req.positions_since = seen
+        entry = self.vase_record.setdefault(req_id, {"evictions": 0, "first_kept": None, "kept": []})
+        entry["evictions"] += 1
+        entry["kept"].append({"seen": seen, "positions": [p.tolist() for p in req.positions]})
+        if entry["first_kept"] is None:  # slots are logical positions until the first eviction
+            entry["first_kept"] = [k[0].tolist() for k in kept]
