@@ -103,13 +103,13 @@ def eval_params(cfg, params: dict) -> dict[str, dict]:
     from dataclasses import fields
 
     from ..eval.config import FULL, ConfigError
-    from ..quant import CACHE_STORAGE_OPTIONS
+    from ..storages import storage_keywords
 
     specs = {label: s for label, s in cfg.method_specs().items() if label != FULL}
     if not specs:
         warn(f"--param {', '.join(sorted(params))} is ignored: the run holds only {FULL!r}, which keeps every token")
         return {}
-    takes = {label: {f.name for f in fields(type(s.policy))} | set(CACHE_STORAGE_OPTIONS) for label, s in specs.items()}
+    takes = {label: {f.name for f in fields(type(s.policy))} | set(storage_keywords()) for label, s in specs.items()}
     out: dict[str, dict] = {label: {} for label in specs}
     for key, value in params.items():
         users = [label for label in specs if key in takes[label]]
