@@ -277,3 +277,14 @@ def test_a_users_runner_choice_is_kept(monkeypatch):
     assert select_v1_runner(env) is False and env == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
     env = {}
     assert select_v1_runner(env) is True and env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def test_the_cpu_and_gpu_runners_run_one_step():
+    """One `_vase_step` / `_vase_evict` (`vase.vllm.runner_step`): a fix to the step lands in both runners."""
+    from vase.vllm.gpu_worker import VaseGPUModelRunner
+    from vase.vllm.runner_step import VaseStepMixin
+    from vase.vllm.worker import VaseCPUModelRunner
+
+    for name in ("_vase_step", "_vase_evict", "_vase_record_eviction"):
+        assert getattr(VaseCPUModelRunner, name) is getattr(VaseGPUModelRunner, name) is getattr(VaseStepMixin, name)
+        assert name not in vars(VaseCPUModelRunner) and name not in vars(VaseGPUModelRunner)
