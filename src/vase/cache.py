@@ -9,8 +9,10 @@ of the same buffers. Stored tensors: [batch, kv_heads, length, head_dim].
 When each row evicts follows `vase.schedule` (the same pure functions the vLLM plugin uses);
 the policy's own state (per-slot and per-layer) is kept through the hooks documented on
 `vase.policies.Policy`, with no policy-specific code here. The K/V themselves live in the
-layer's `storage`, one `vase.storage.KVStorage` picked by the cache's `storage` argument:
-`DenseStorage` (full precision), or `vase.quant_cache.QuantStorage` (packed low-bit codes).
+layer's `storage`, one `vase.storage.KVStorage` the storage registry (`vase.storages`) builds from
+the cache's `storage` argument: `DenseStorage` (full precision), or `vase.quant_cache.QuantStorage`
+(packed low-bit codes). The eviction itself is the one kernel of every engine (`vase.kernel`), the
+query window the one ring (`vase.ring`).
 
 Logical length (tokens seen, used for positions) and physical length (slots stored, used
 for masks) are kept apart. Left padding is owned here: row r's first `pad[r]` slots are

@@ -8,7 +8,7 @@ its own bytes. Two storages implement the protocol:
 - `DenseStorage` (here): preallocated full-precision buffers [b, kv_heads, capacity, d];
 - `vase.quant_cache.QuantStorage`: packed low-bit codes plus a full-precision reserve.
 
-Torch only: no transformers here, so a storage can be checked or counted without a model.
+Which one a cache builds is the storage registry's (`vase.storages`). Torch only: no transformers here, so a storage can be checked or counted without a model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .kernel import compact_slots, flat_slots  # noqa: F401 - flat_slots: importable here
+from .kernel import compact_slots
 
 Rows = list[int] | slice  # batch rows: a list of row indices, or every row (slice(None))
 
