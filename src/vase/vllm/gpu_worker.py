@@ -85,7 +85,8 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
                                   int(computed[i]), int(scheduled[i]))
         for i, plan in enumerate(plans):
             if plan.evict_from:
-                self._vase_evict(reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))
+                self._vase_evict(req_ids[i], reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))
+        self._vase_check_copies()
         as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
         src, slot, pos = capture_rows(starts, computed, scheduled, np.array([r.slot for r in reqs]), cfg.window)
         self.vase_ring.plan = CapturePlan(src=as_long(src), slot=as_long(slot), pos=as_long(pos))
@@ -101,17 +102,16 @@ class VaseGPUModelRunner(VaseRunnerMixin, GPUModelRunner):
         physical = as_long(physical_positions(logical, offsets, scheduled))
         batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)
 
-    def _vase_evict(self, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
-        """Bring request `index` from `length` stored tokens to `keep` in every layer, in place."""
+    def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
+        """Bring request `index` from `length` stored tokens to `keep` in every layer (in place, or into the fresh
+        blocks the scheduler gave it for shared ones this step)."""
         cfg = self.vase_config
-        table = self.input_batch.block_table[0]
-        block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
-        block_ids = block_ids.to(self.device)
+        block_ids, target = self._vase_eviction_blocks(req_id, index)
         for layer, name in enumerate(self.vase_layers):
             keys, values = self._kv_views(name)
             queries = self.vase_ring.window_of(layer, req.slot, seen) if self.vase_policy.needs_queries else None
             evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window, req.state, layer,
-                        sort_kept=cfg.sort_kept, block_size=self.vase_block_size)
+                        sort_kept=cfg.sort_kept, block_size=self.vase_block_size, target_block_ids=target)
         req.state.evictions += 1
         self.vase_evictions += 1
 

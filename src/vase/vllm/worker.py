@@ -197,6 +197,7 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
             if plan.evict_from:
                 self._vase_evict(req_id, req, i, plan.evict_from, plan.evict_to, seen=c)
             offsets[i], ring_slots[i] = plan.offset, req.slot
+        self._vase_check_copies()
         # the last w queries of this step join each request's window (shared with the GPU worker: vase.vllm.offsets)
         src, slot, pos = capture_rows(starts, computed, scheduled[:num_reqs], ring_slots, w)
         as_long = lambda a: torch.from_numpy(a).to(self.device)
@@ -216,15 +217,15 @@ class VaseCPUModelRunner(VaseRunnerMixin, CPUModelRunner):
         """Bring request `index` from `length` stored tokens to `keep` (B) in every layer of the full-attention
         group, in place (sliding-window groups are vLLM's). `seen`: logical tokens written so far."""
         cfg = self.vase_config
-        table = self.input_batch.block_table[self.vase_group]
-        block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
+        block_ids, target = self._vase_eviction_blocks(req_id, index)  # target: fresh blocks in place of shared ones
         kept = []
         for layer, name in enumerate(self.vase_layers):  # the full-attention group's layers only
             keys, values = self._kv_views(name)
             ring = self.vase_ring.index[name]
             queries = self.vase_ring.window_of(ring, req.slot, seen) if self.vase_policy.needs_queries else None
             kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window,
-                        req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout))
+                        req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
+                        target_block_ids=target))
         req.state.evictions += 1
         self.vase_evictions += 1
         if self.vase_record is not None:
