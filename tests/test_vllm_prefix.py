@@ -116,9 +116,12 @@ class Run:
                         self.tokens[name] = list(o.token_ids)
 
     def kept(self) -> dict[str, dict[int, list]]:
+        """Per request, the kept positions of each eviction {seen: per layer [kv_heads][B]}; `self.history`: every
+        eviction in order [(seen, positions)] (a replay after a preemption evicts again at the same lengths)."""
         record, self.r.vase_record = self.r.vase_record, None
-        return {rid.rsplit("-", 1)[0]: {e["seen"]: e["positions"] for e in entry["kept"]}
-                for rid, entry in record.items()}
+        self.history = {rid.rsplit("-", 1)[0]: [(e["seen"], e["positions"]) for e in entry["kept"]]
+                        for rid, entry in record.items()}
+        return {rid: dict(evictions) for rid, evictions in self.history.items()}
 
 
 def alone(llm, method: str, prompt: list[int], sampling) -> tuple[list[int], dict]:
@@ -202,3 +205,107 @@ def test_n_samples_share_the_prompt_and_draw_their_own_evictions(cached, plain, 
                                                                      top_k=top_k))
         assert run.tokens[child] == tokens, child
         assert kept[child] == reference, child
+
+
+@pytest.fixture(scope="module")
+def tight(tiny):
+    # Module-scoped: in process, tearing an engine down resets vLLM's distributed state the others still use.
+    return make_engine(tiny, True, pool_blocks=12, max_model_len=288)
+
+
+@pytest.mark.parametrize("arrival", ["pairs", "staggered"])
+def test_a_long_run_under_a_tight_pool_with_prefix_caching(tight, plain, arrival):
+    """Twelve requests arriving over time (two every 15 steps) into a pool of 12 blocks (384 tokens, max_num_seqs 8),
+    eight of them sharing one of two 2-block prefixes (three pairs arriving together), snapkv B = 48 w = 16, 120 new tokens each: vLLM preempts
+    (and resumes requests with prefix-cache hits on what they had computed), every request finishes with the
+    tokens and kept sets of its run alone with prefix caching off; after every step, a request past its first
+    eviction holds only blocks of its own that are in no prefix cache; at the end every block is back in the pool."""
+    llm = tight
+    llm.reset_prefix_cache()
+    counters = ("vase_copied_blocks", "vase_uncached_blocks", "vase_hit_tokens", "vase_hits_cut")
+    run = Run(llm, "snapkv")
+    sched = run.sched
+    kv = sched.kv_cache_manager
+    manager = kv.full_manager
+    prefixes = [ids(2 * BLOCK, 20), ids(2 * BLOCK, 21)]
+    prompts = {}
+    if arrival == "pairs":  # r0 r1 arrive together, then r2 r3, ...: pairs sharing a prefix run side by side
+        heads = [0, 0, None, None, 1, 1, 0, None, 0, 0, None, 1]
+    else:  # those sharing a prefix arrive 15 or more steps apart
+        heads = [None if i % 3 == 0 else i % 2 for i in range(12)]
+    for i, head in enumerate(heads):
+        shared = [] if head is None else prefixes[head]
+        n = (12 if shared else 40) + 7 * i if arrival == "pairs" else 30 + 7 * i - len(shared) // 2
+        prompts[f"r{i}"] = shared + ids(n, 40 + i)
+    sampling = params(120)
+    pending = list(prompts)
+    seen_private = 0
+    before = [getattr(kv, name) for name in counters] + [sched.vase_preemptions, runner(llm).vase_recomputes]
+
+    def check():
+        nonlocal seen_private
+        for rid, req in sched.requests.items():
+            if req.is_finished() or rid not in manager.req_to_blocks:
+                continue
+            c, p = req.num_computed_tokens, req.num_prompt_tokens
+            if c > schedule.first_limit(p, B, W):  # past its first eviction
+                for block in manager.req_to_blocks[rid]:
+                    assert block.ref_cnt == 1 and block.block_hash is None, (rid, c, block)
+                    seen_private += 1
+
+    step = 0
+    while pending or llm.llm_engine.has_unfinished_requests():
+        if pending and step % 15 == 0:
+            for _ in range(2):
+                rid = pending.pop(0)
+                run.add(rid, prompts[rid], sampling)
+        for out in llm.llm_engine.step():
+            if out.finished:
+                run.tokens[out.request_id] = list(out.outputs[0].token_ids)
+        check()
+        step += 1
+    kept = run.kept()
+    assert sorted(run.tokens) == sorted(prompts)
+    # seen here (pairs / staggered): 3 / 2 preemptions, 8 / 0 blocks copied, 16 / 24 dropped from the prefix
+    # cache, 10,688 / 2,144 tokens taken from it, 67 / 5 resumed hits cut at max(P0, B)
+    after = [getattr(kv, name) for name in counters] + [sched.vase_preemptions, runner(llm).vase_recomputes]
+    copied, uncached, hits, cut, preempted, recomputed = (a - b for a, b in zip(after, before))
+    assert preempted > 0 and recomputed > 0 and seen_private > 0
+    assert uncached > 0 and hits > 0 and cut > 0 and (arrival != "pairs" or copied > 0)
+    for rid, prompt in prompts.items():
+        tokens, reference = alone(plain, "snapkv", prompt, sampling)
+        assert run.tokens[rid] == tokens, rid
+        assert set(kept[rid]) == set(reference), rid
+        assert all(positions == reference[seen] for seen, positions in run.history[rid]), rid
+    pool = manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and not manager.req_to_blocks
+
+
+@pytest.mark.parametrize("method", ["snapkv", "vase-attnv"])
+def test_a_request_resumed_with_a_hit_past_its_prompt_replays_its_query_window(cached, plain, method):
+    """A 93-token prompt (B = 48, w = 16: first eviction at 109): its third block (tokens 64-95) fills before the
+    first eviction and, being above the 2 blocks kept, is trimmed with its prefix-cache entry intact. Preempted 40
+    tokens later, it resumes with a 96-token hit, which the scheduler cuts to 64 (whole blocks within max(P0, B)) so
+    that the replay computes the 16 queries its first eviction reads (positions 93-108; the query ring holds later
+    ones by then). Tokens and every eviction's kept sets equal its run alone (caching off). Without the cut the
+    replay computed 13 of them and the replayed first eviction kept other positions."""
+    import time
+
+    cached.reset_prefix_cache()
+    prompt = ids(93, 9)
+    run = Run(cached, method)
+    sched, kv = run.sched, run.sched.kv_cache_manager
+    cut_before = kv.vase_hits_cut
+    run.add("x", prompt, params(120))
+    run.step(until=lambda: sched.requests[run.internal("x")].num_computed_tokens >= 109 + 40)
+    req = sched.requests[run.internal("x")]
+    sched.running.remove(req)
+    sched._preempt_request(req, time.monotonic())
+    hits_before = kv.vase_hit_tokens
+    run.step()
+    run.kept()
+    tokens, reference = alone(plain, method, prompt, params(120))
+    assert len(run.history["x"]) > len(reference)  # the replay evicted again
+    assert all(positions == reference[seen] for seen, positions in run.history["x"])
+    assert run.tokens["x"] == tokens
+    assert kv.vase_hit_tokens - hits_before == 64 and kv.vase_hits_cut - cut_before == 1

@@ -126,7 +126,7 @@ class VaseRunnerMixin:
         """Every block copied on write this step was for a compaction that ran (its new blocks hold nothing yet)."""
         left = getattr(self, "vase_copy_sources", None)
         if left:
-            raise RuntimeError(f"vase: requests {sorted(left)} got fresh blocks for a compaction that did not run "
+            raise VaseStepError(f"vase: requests {sorted(left)} got fresh blocks for a compaction that did not run "
                                f"this step: the scheduler and the worker disagree on their schedule")
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):

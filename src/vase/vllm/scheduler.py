@@ -77,6 +77,9 @@ class EvictingKVCacheManager:
         #: the shared blocks keep the request's reference until `release_copies` (after the step is scheduled)
         self.copies: dict[str, list[tuple[int, object, object]]] = {}
         self.vase_copied_blocks = 0  # shared blocks copied on write so far
+        self.vase_uncached_blocks = 0  # blocks of its own a request dropped from the prefix cache to rewrite them
+        self.vase_hit_tokens = 0  # tokens taken from the prefix cache (after the cut below)
+        self.vase_hits_cut = 0  # lookups whose hit was cut at max(P0, B)
 
     @property
     def full_manager(self):
@@ -103,20 +106,36 @@ class EvictingKVCacheManager:
             n = cap // self.block_size
             blocks = self._inner.create_kv_cache_blocks(tuple(list(group[:n]) for group in blocks.blocks))
             hits = cap
+            self.vase_hits_cut += 1
+        self.vase_hit_tokens += hits
         return (blocks, hits, *rest)
 
-    def shared_kept_blocks(self, request, num_new_tokens: int) -> list[int]:
-        """Indices of the blocks a step of `request` that evicts would rewrite (its first ceil((B + w) / block)
-        blocks) and that it does not own alone: a prefix-cache hit, a block another request shares, or one of its
-        own blocks registered in the prefix cache. [] for a step that does not evict, or with prefix caching off."""
-        c = request.num_computed_tokens
-        if not evicts_at(request.num_prompt_tokens, c, self.cfg.budget, self.cfg.window):
-            return []
+    def plan_copies(self, request, free: int) -> tuple[list[int], list[int]]:
+        """For a step of `request` that evicts (else ([], [])): which of the blocks its compaction rewrites (its
+        first ceil((B + w) / block) blocks) it must not write into, given `free` blocks in the pool beyond the step's
+        own need. Returns (to copy, to drop from the prefix cache):
+
+        - a block another request holds too (a prefix-cache hit, a parent prompt of n > 1): copied, always;
+        - a whole prompt block of its own in the prefix cache (the next request with that prompt would hit it):
+          copied while the pool keeps a request's worth of blocks (ceil((B + w) / block)) free after the copies,
+          else dropped from the prefix cache;
+        - any other block of its own in the prefix cache (decoded tokens): dropped from the prefix cache, so that
+          it is never offered as a hit for tokens it no longer holds (its content is rewritten in place).
+        With prefix caching off every block is the request's alone and uncached: nothing to do."""
+        if not evicts_at(request.num_prompt_tokens, request.num_computed_tokens, self.cfg.budget, self.cfg.window):
+            return [], []
         manager = self.full_manager
         blocks = manager.req_to_blocks.get(request.request_id, ())
-        keep = min(len(blocks), schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size))
+        keep = schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size)
         writable = manager.block_pool.is_block_writable
-        return [i for i in range(keep) if not writable(blocks[i])]
+        unwritable = [i for i in range(min(keep, len(blocks))) if not writable(blocks[i])]
+        shared = [i for i in unwritable if blocks[i].ref_cnt > 1]
+        in_prompt = request.num_prompt_tokens // self.block_size  # whole prompt blocks
+        prompt = [i for i in unwritable if blocks[i].ref_cnt == 1 and i < in_prompt]
+        if free - len(shared) - len(prompt) < keep:
+            prompt = []
+        copy = sorted(shared + prompt)
+        return copy, [i for i in unwritable if i not in copy]
 
     def copy_on_write(self, request_id: str, shared: list[int]) -> None:
         """Give request `request_id` a fresh block of its own in place of each shared one (`shared`: indices in its
@@ -157,13 +176,17 @@ class EvictingKVCacheManager:
                 return inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
             finally:
                 del full.vase_physical[request.request_id]
-        held = len(self.full_manager.req_to_blocks[request.request_id])
-        needed = schedule.cdiv(physical, self.block_size) - held
-        shared = self.shared_kept_blocks(request, num_new_tokens)  # rewritten by this step's compaction
-        if max(needed, 0) + len(shared) > inner.block_pool.get_num_free_blocks():
+        blocks = self.full_manager.req_to_blocks[request.request_id]
+        needed = schedule.cdiv(physical, self.block_size) - len(blocks)
+        free = inner.block_pool.get_num_free_blocks() - max(needed, 0)
+        copy, uncache = self.plan_copies(request, free)  # the blocks this step's compaction must not write into
+        if len(copy) > free:
             return None
-        if shared:
-            self.copy_on_write(request.request_id, shared)
+        if copy:
+            self.copy_on_write(request.request_id, copy)
+        if uncache:  # its own: rewritten in place, so never a prefix-cache hit again
+            self.vase_uncached_blocks += len(uncache)
+            inner.evict_blocks({blocks[i].block_id for i in uncache})
         if needed <= 0:
             return inner.empty_kv_cache_blocks
         return inner.create_kv_cache_blocks(inner.coordinator.allocate_new_blocks(request.request_id, physical,
