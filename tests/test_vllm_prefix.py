@@ -309,3 +309,29 @@ def test_a_request_resumed_with_a_hit_past_its_prompt_replays_its_query_window(c
     assert all(positions == reference[seen] for seen, positions in run.history["x"])
     assert run.tokens["x"] == tokens
     assert kv.vase_hit_tokens - hits_before == 64 and kv.vase_hits_cut - cut_before == 1
+
+
+def test_prefix_caching_beside_sliding_window_layers_is_turned_off_or_refused_in_one_line():
+    """Full attention everywhere: kept as asked (or vLLM's default). Sliding-window layers beside full attention
+    (several KV cache groups, whose cached blocks the scheduler does not copy): turned off when vLLM's default put
+    it on, refused in one line naming the setting when asked for explicitly."""
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.config import VaseConfigError
+    from vase.vllm.plugin import check_prefix_caching
+
+    def config(layer_types):
+        text = NS(model_type="gemma3_text", num_hidden_layers=len(layer_types), layer_types=layer_types)
+        model = NS(hf_text_config=text, hf_config=text, get_sliding_window=lambda: None)
+        return NS(cache_config=NS(enable_prefix_caching=True), model_config=model)
+
+    full = config(["full_attention"] * 4)
+    check_prefix_caching(full, True)
+    assert full.cache_config.enable_prefix_caching
+    hybrid = config(["sliding_attention", "full_attention"] * 2)
+    check_prefix_caching(hybrid, None)
+    assert not hybrid.cache_config.enable_prefix_caching
+    hybrid = config(["sliding_attention", "full_attention"] * 2)
+    with pytest.raises(VaseConfigError, match="set enable_prefix_caching=False") as err:
+        check_prefix_caching(hybrid, True)
+    assert "\n" not in str(err.value)

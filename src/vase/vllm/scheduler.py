@@ -11,6 +11,13 @@ its kept sets and its block count back, and never holds more than the uninterrup
 plus the chunk in flight. The worker follows the same schedule; the blocks each request holds
 are sent to it in the scheduler output (`vase_blocks`) for its invariant check.
 
+With prefix caching (vLLM's default) a compaction never writes into a block another request holds or
+that vLLM's prefix cache offers: before the step that evicts, such a block among those the compaction
+rewrites is copied (the request gets a fresh block, the shared one keeps its content and hash) or, when
+it is the request's own and not a whole prompt block (or the pool is short), dropped from the prefix
+cache (`EvictingKVCacheManager.plan_copies`); the new block ids go to the workers in the scheduler
+output (`vase_copies`). A resumed request's prefix-cache hit is cut at max(P0, B) (`max_prefix_hit`).
+
 A model with sliding-window layers (Gemma 3, gpt-oss) has several KV cache groups
 (`vase.vllm.groups`): all of the above applies to the full-attention group only. Its manager
 allocates by the physical length (`PhysicalLengthManager`, in its place in vLLM's coordinator) while vLLM allocates and frees the
