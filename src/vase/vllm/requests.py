@@ -87,7 +87,8 @@ class VaseRunnerMixin:
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._vase_preempted(req_id)
         # resumed after a preemption: its replay may start past 0 (a prefix-cache hit), the state starts over
-        self.vase_resumed = set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        self.vase_resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         result = super()._update_states(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self._vase_forget(req_id)
@@ -209,7 +210,7 @@ class VaseRunnerMixin:
                 if params is None:  # a pooling request (the config check refuses pooling models first)
                     raise VaseConfigError(f"vase: request {req_id} has no sampling parameters (a pooling request): "
                                           f"use a generative model or drop additional_config['vase']")
-                seed = eviction_seed(self.vase_config.seed, params.seed, params.extra_args)
+                seed = eviction_seed(self.vase_config.seed, params.seed, getattr(params, "extra_args", None))
                 generator = torch.Generator(device=self.device).manual_seed(seed)
                 origin = int(self.requests[req_id].num_prompt_tokens)
                 req = VaseRequest(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator), seed)
@@ -222,8 +223,6 @@ class VaseRunnerMixin:
                 req.positions = None
                 self.vase_recomputes += 1
                 self.vase_recomputed_tokens = getattr(self, "vase_recomputed_tokens", 0) + prefill_len
-        if req is None:
-            raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
         return req
 
     def _vase_check_room(self, req_id: str, req: VaseRequest, plan: StepPlan, room: int, computed: int,
