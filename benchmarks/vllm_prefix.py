@@ -141,6 +141,18 @@ def samples_run(path: str, sc: dict, vase: bool, caching: bool) -> dict:
             "outputs": outputs}
 
 
+TTFT_TABLE = {"columns": ["prefix caching", "requests", "system prompt", "prompt tokens computed", "TTFT mean (s)",
+                          "TTFT max (s)", "wall (s)", "same tokens as caching off"],
+              "keys": ["prefix_caching", "requests", "system_prompt", "prompt_tokens_computed", "ttft_mean_s",
+                       "ttft_max_s", "seconds", "same_tokens_as_caching_off"],
+              "align": "lrrrrrrl", "formats": {"ttft_mean_s": ".1f", "ttft_max_s": ".1f", "seconds": ".1f"}}
+SAMPLES_TABLE = {"columns": ["engine", "prefix caching", "problems", "n", "new tokens", "pool (blocks)", "tok/s",
+                             "wall (s)", "blocks peak", "preemptions", "running peak", "same tokens as caching off"],
+                 "keys": ["engine", "prefix_caching", "problems", "n", "new_tokens", "pool_blocks", "tok_per_s",
+                          "seconds", "blocks_peak", "preemptions", "running_peak", "same_tokens_as_vase_caching_off"],
+                 "align": "llrrrrrrrrrl", "formats": {"tok_per_s": ".1f", "seconds": ".1f"}}
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     keys = [k for k in rows[0] if k != "outputs"]
     with open(path, "w", newline="") as f:
@@ -173,7 +185,7 @@ def main() -> None:
         print([{k: v for k, v in r.items() if k != "outputs"} for r in rows], flush=True)
         finish(rec)
         write_results(results / "vllm-prefix-ttft.json", [{k: v for k, v in r.items() if k != "outputs"}
-                                                         for r in rows], rec)
+                                                         for r in rows], rec, table=TTFT_TABLE)
         write_csv(results / "vllm-prefix-ttft.csv", rows)
     if a.only in (None, "samples"):
         rec = provenance(command=cmd, scale=a.scale, model="SmolLM2-135M-Instruct fp32", method=METHOD,
@@ -185,7 +197,7 @@ def main() -> None:
         print([{k: v for k, v in r.items() if k != "outputs"} for r in rows], flush=True)
         finish(rec)
         write_results(results / "vllm-prefix-samples.json", [{k: v for k, v in r.items() if k != "outputs"}
-                                                            for r in rows], rec)
+                                                            for r in rows], rec, table=SAMPLES_TABLE)
         write_csv(results / "vllm-prefix-samples.csv", rows)
 
 
