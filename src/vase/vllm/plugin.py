@@ -7,8 +7,9 @@ has a "vase" section is checked and configured with vLLM's own options (`schedul
 `worker_cls`, the V1 model runner; prefix caching off only beside sliding-window layers) before
 it starts, wraps the front ends that would bypass eviction (streaming input, beam search) to
 refuse them, and tags each unseeded child of an `n > 1` request with its index
-(`SamplingParams.extra_args["vase_child"]`, read by the workers for its eviction seed). Engines without
-that section are built exactly as before. These are some of the vLLM internals the plugin
+(`SamplingParams.extra_args["vase_child"]`, read by the workers for its eviction seed; the front end
+does not know its engine's config, so children of stock engines in the same process carry the key
+too, which nothing else reads). Engines without that section are built exactly as before. These are some of the vLLM internals the plugin
 relies on; all of them are listed in `vase.vllm.internals` (and docs/vllm.md) and pinned by
 tests/test_vllm_internals.py.
 """

@@ -128,7 +128,7 @@ class VaseRunnerMixin:
         left = getattr(self, "vase_copy_sources", None)
         if left:
             raise VaseStepError(f"vase: requests {sorted(left)} got fresh blocks for a compaction that did not run "
-                               f"this step: the scheduler and the worker disagree on their schedule")
+                                f"this step: the scheduler and the worker disagree on their schedule")
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
