@@ -256,7 +256,7 @@ def test_vase_selects_the_v1_runner_on_cuda_before_the_config_resolves(monkeypat
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     resolve = VllmConfig.use_v2_model_runner.fget
     built = _runner_config()
-    monkeypatch.setattr(plugin, "check_vllm_config", lambda cfg: None)
+    monkeypatch.setattr(plugin, "check_vllm_config", lambda cfg, asked=None: None)
     seen = []
     stock = plugin._wrap_create_engine_config(lambda self: seen.append(resolve(built)) or built)
     stock(SimpleNamespace(additional_config={}))  # no vase section: stock vLLM's choice, V2

@@ -117,8 +117,7 @@ def test_bad_config_fails_before_the_engine_starts(model_path):
                               ({"method": "vase-attnv", "budget": 36, "window": 32}, "budget (36)")]:
         with pytest.raises(VaseConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             LLM(model=model_path, additional_config={"vase": section}, max_model_len=256)
-    for options, fragment in [({"enable_prefix_caching": True}, "enable_prefix_caching=False"),
-                              ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='auto'")]:
+    for options, fragment in [({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='auto'")]:
         with pytest.raises(VaseConfigError, match=fragment):
             LLM(model=model_path, additional_config=additional_config("snapkv", 64, 16), max_model_len=256, **options)
 
@@ -141,7 +140,8 @@ def test_plugin_is_active_only_with_a_vase_section(stock, snap):
 
     assert not isinstance(core(stock).scheduler, VaseScheduler)
     assert isinstance(core(snap).scheduler, VaseScheduler)
-    assert not core(snap).vllm_config.cache_config.enable_prefix_caching
+    # prefix caching stays vLLM's default (on): shared blocks are copied before a compaction (tests/test_vllm_prefix.py)
+    assert core(snap).vllm_config.cache_config.enable_prefix_caching
 
 
 def test_large_budget_is_token_identical_to_stock_vllm(stock, big):

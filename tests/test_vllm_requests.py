@@ -67,10 +67,15 @@ def test_requests_are_made_at_their_prefill_renewed_at_a_recompute_and_forgotten
     # the replay evicts again from the start: fresh policy state, the generator re-seeded (the same draws again)
     assert a.state.evictions == 0 and runner.vase_recomputes == 1
     assert torch.equal(a.state.generator.get_state(), torch.Generator().manual_seed(7).get_state())
-    with pytest.raises(RuntimeError, match="never prefilled here"):
-        runner._vase_request("c", 0, 4)
+    # first seen past 0: its prefill starts after a prefix-cache hit; an unseeded child k of an n > 1 request
+    # (k in extra_args, set by the plugin's front-end hook) draws from the config seed + k
+    runner.requests["c"] = SimpleNamespace(sampling_params=SimpleNamespace(seed=None, extra_args={"vase_child": 2}),
+                                           num_prompt_tokens=20)
+    c = runner._vase_request("c", 0, 4)
+    assert c is runner.vase_requests["c"] and c.origin == 20 and c.state.evictions == 0
+    assert torch.equal(c.state.generator.get_state(), torch.Generator().manual_seed(9).get_state())
     assert runner._update_states(SimpleNamespace(finished_req_ids={"a"})) == "updated"
-    assert set(runner.vase_requests) == {"b"} and runner.vase_ring.acquire() == a.slot  # its ring slot is free
+    assert set(runner.vase_requests) == {"b", "c"} and runner.vase_ring.acquire() == a.slot  # its ring slot is free
 
 
 def test_the_hooks_run_vllms_first_then_vases_and_the_capture_plan_is_cleared_even_on_failure():

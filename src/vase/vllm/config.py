@@ -22,6 +22,9 @@ from ..spec import RequestSpec, split_storage
 #: The key of vase's section in vLLM's `additional_config`.
 CONFIG_KEY = "vase"
 _OWN_KEYS = ("method", "budget", "window", "seed", "sort_kept")
+#: The key in an unseeded child request's `SamplingParams.extra_args` (n > 1) with its index among the samples: set
+#: by the plugin's front-end hook, read by the workers for the child's eviction seed (config seed + index).
+CHILD_KEY = "vase_child"
 
 
 class VaseConfigError(ValueError):

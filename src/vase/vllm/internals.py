@@ -65,20 +65,33 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_SCHED}.update_from_output", "VaseScheduler.update_from_output: trims blocks above the bound",
              params=("self", "scheduler_output", "model_runner_output")),
     Internal("vllm.v1.core.sched.output.SchedulerOutput", "scheduler and workers: the step's requests",
-             attrs=("num_scheduled_tokens", "finished_req_ids", "preempted_req_ids")),
+             attrs=("num_scheduled_tokens", "finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs")),
+    Internal("vllm.v1.core.sched.output.CachedRequestData", "VaseRunnerMixin._update_states: requests resumed after "
+             "a preemption (their replay may start at a prefix-cache hit)", attrs=("resumed_req_ids",)),
     Internal("vllm.v1.request.Request", "EvictingKVCacheManager, VaseScheduler",
              attrs=("request_id", "num_computed_tokens", "num_prompt_tokens", "num_tokens", "resumable",
                     "is_finished")),
     Internal("vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots", "EvictingKVCacheManager.allocate_slots "
              "(wraps it)", params=("self", "request", "num_new_tokens")),
     Internal("vllm.v1.core.kv_cache_manager.KVCacheManager", "EvictingKVCacheManager",
-             attrs=("coordinator", "block_pool", "empty_kv_cache_blocks", "create_kv_cache_blocks")),
+             attrs=("coordinator", "block_pool", "empty_kv_cache_blocks", "create_kv_cache_blocks", "enable_caching")),
+    Internal("vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks", "EvictingKVCacheManager."
+             "get_computed_blocks (wraps it: a resumed request's hit cut at max(P0, B)); returns (blocks, tokens, ...)",
+             params=("self", "request")),
+    Internal("vllm.v1.core.kv_cache_manager.KVCacheManager.evict_blocks", "EvictingKVCacheManager.allocate_slots: "
+             "a request's own cached block dropped from the prefix cache before its compaction rewrites it",
+             params=("self", "block_ids")),
+    Internal("vllm.v1.core.kv_cache_manager.KVCacheBlocks", "EvictingKVCacheManager.get_computed_blocks: blocks "
+             "per group", attrs=("blocks",)),
+    Internal("vllm.v1.core.kv_cache_utils.KVCacheBlock", "EvictingKVCacheManager: copy-on-write of shared blocks",
+             attrs=("block_id", "ref_cnt", "block_hash")),
     Internal("vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.allocate_new_blocks", "EvictingKVCacheManager: "
              "blocks for the physical length", params=("self", "request_id", "num_tokens", "num_tokens_main_model")),
     Internal("vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator", "EvictingKVCacheManager",
              attrs=("single_type_managers",)),
     Internal("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager", "EvictingKVCacheManager.trim, "
-             "VaseScheduler.blocks_held", attrs=("req_to_blocks", "block_pool")),
+             "copy_on_write (its fresh blocks zeroed where vLLM zeroes new blocks), VaseScheduler.blocks_held",
+             attrs=("req_to_blocks", "block_pool", "new_block_ids", "records_new_block_ids")),
     Internal("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate",
              "PhysicalLengthManager (the full-attention group's, beside sliding-window groups): counts blocks for "
              "the physical length", params=("self", "request_id", "num_tokens", "new_computed_blocks",
@@ -93,8 +106,12 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              "layers and spec", attrs=("kv_cache_spec", "layer_names")),
     Internal("vllm.v1.kv_cache_interface.FullAttentionSpec", "groups.full_attention_group: the group evicted"),
     Internal("vllm.v1.kv_cache_interface.SlidingWindowSpec", "groups.full_attention_group: groups left to vLLM"),
-    Internal("vllm.v1.core.block_pool.BlockPool.free_blocks", "EvictingKVCacheManager.trim",
-             params=("self", "ordered_blocks")),
+    Internal("vllm.v1.core.block_pool.BlockPool.free_blocks", "EvictingKVCacheManager.trim, release_copies "
+             "(by reference count: a cached block stays in the prefix cache)", params=("self", "ordered_blocks")),
+    Internal("vllm.v1.core.block_pool.BlockPool.is_block_writable", "EvictingKVCacheManager.shared_kept_blocks: "
+             "a block a compaction may rewrite (its request's alone, in no prefix cache)", params=("self", "block")),
+    Internal("vllm.v1.core.block_pool.BlockPool.get_new_blocks", "EvictingKVCacheManager.copy_on_write",
+             params=("self", "num_blocks")),
     Internal("vllm.v1.core.block_pool.BlockPool.get_num_free_blocks", "EvictingKVCacheManager.allocate_slots",
              params=("self",)),
     # -- the model runners (requests.py, worker.py, gpu_worker.py) ------------------------------------------
@@ -118,11 +135,20 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              params=("self",)),
     Internal("vllm.v1.worker.gpu_input_batch.InputBatch", "both runners",
              attrs=("num_reqs", "req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "block_table",
-                    "generators")),
-    Internal("vllm.v1.worker.gpu_input_batch.CachedRequestState", "VaseRunnerMixin._vase_request",
-             attrs=("sampling_params", "num_prompt_tokens")),
+                    "generators", "req_id_to_index")),
+    Internal("vllm.v1.worker.gpu_input_batch.CachedRequestState", "VaseRunnerMixin._vase_request, "
+             "_vase_copy_on_write (the request's block ids per group)", attrs=("sampling_params", "num_prompt_tokens",
+                                                                               "block_ids")),
     Internal("vllm.v1.worker.block_table.BlockTable", "both runners: a request's blocks",
              attrs=("num_blocks_per_row", "block_table")),
+    Internal("vllm.v1.worker.block_table.BlockTable.add_row", "VaseRunnerMixin._vase_copy_on_write: a row rewritten "
+             "with the blocks copied on write (vLLM's scheduler output only appends block ids to a running request)",
+             params=("self", "block_ids", "row_idx")),
+    Internal("vllm.v1.engine.parallel_sampling.ParentRequest.get_child_info", "plugin: wrapped to give each unseeded "
+             "child of an n > 1 request its index (SamplingParams.extra_args['vase_child']); child ids k_<parent>",
+             params=("self", "index")),
+    Internal("vllm.sampling_params.SamplingParams", "VaseRunnerMixin: the eviction seed (seed; extra_args: the child "
+             "index)", attrs=("seed", "extra_args", "n")),
     Internal("vllm.v1.worker.block_table.MultiGroupBlockTable.compute_slot_mapping", "GPU runner: slots from "
              "physical positions", params=("self", "num_reqs", "query_start_loc", "positions")),
     Internal("vllm.v1.worker.block_table.BlockTable.compute_slot_mapping", "CPU runner: the full-attention "

@@ -99,12 +99,14 @@ class RequestPolicyState:
 def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
                 queries: torch.Tensor | None, policy: Policy, budget: int, window: int, state: RequestPolicyState,
                 layer: int, sort_kept: bool = False, layout: Layout | None = None,
-                block_size: int | None = None) -> torch.Tensor:
+                block_size: int | None = None, target_block_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Evict one request in one layer: its `length` stored slots become `budget`, compacted in place.
 
     key_cache, value_cache: [num_blocks, kv_heads, cache_block_size, head_dim] logical views (any
     strides), or the CPU kernel's packed blocks when `layout` is given. block_ids: [n_blocks] the
-    request's blocks, of `block_size` tokens (default: the cache's dim 2).
+    request's blocks, of `block_size` tokens (default: the cache's dim 2). target_block_ids: [n_blocks]
+    the blocks the kept slots are written to (copy-on-write: a shared block is read, never written; default
+    `block_ids`, in place).
     Candidates are slots 0..length-w-1 (sinks first); the policy keeps B - w of them and the w
     most recent follow, exactly as `EvictionLayer.evict` does for one row without padding.
     queries: [1, q_heads, w, head_dim] post-RoPE, in time order (None when the policy needs none).
@@ -130,7 +132,10 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     kept = choose(policy, keys[:, :, :n_cand], values[:, :, :n_cand], queries, budget, window, [state.generator],
                   extra)
     index = keep_index(kept, length, window, sort_kept)
-    new_blocks, new_offsets = blocks[:budget], offsets[:budget]
+    if target_block_ids is None:
+        new_blocks, new_offsets = blocks[:budget], offsets[:budget]
+    else:  # copy-on-write: the kept slots go to the fresh blocks the scheduler gave for shared ones
+        new_blocks, new_offsets = slot_index(target_block_ids, budget, block_size or cache_bs, cache_bs)
     # Read every survivor before writing: the targets (slots 0..B-1) overlap the sources.
     for cache, where, rows in ((key_cache, where_k, keys), (value_cache, where_v, values)):
         scatter(cache, where, new_blocks, new_offsets, gather_slots(rows, index)[0])  # survivors [h, B, d]

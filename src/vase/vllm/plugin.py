@@ -4,9 +4,12 @@ vLLM calls `register()` in every process (entry point `vllm.general_plugins`). v
 hook that reads `additional_config` before the engine is built, so this module wraps
 `EngineArgs.create_engine_config` (idempotently) so that an engine whose `additional_config`
 has a "vase" section is checked and configured with vLLM's own options (`scheduler_cls`,
-`worker_cls`, prefix caching off, the V1 model runner) before it starts, and wraps the front
-ends that would bypass eviction (streaming input, beam search) to refuse them. Engines without
-that section are built exactly as before. These are some of the vLLM internals the plugin
+`worker_cls`, the V1 model runner; prefix caching off only beside sliding-window layers) before
+it starts, wraps the front ends that would bypass eviction (streaming input, beam search) to
+refuse them, and tags each unseeded child of an `n > 1` request with its index
+(`SamplingParams.extra_args["vase_child"]`, read by the workers for its eviction seed; the front end
+does not know its engine's config, so children of stock engines in the same process carry the key
+too, which nothing else reads). Engines without that section are built exactly as before. These are some of the vLLM internals the plugin
 relies on; all of them are listed in `vase.vllm.internals` (and docs/vllm.md) and pinned by
 tests/test_vllm_internals.py.
 """
@@ -14,8 +17,10 @@ tests/test_vllm_internals.py.
 from __future__ import annotations
 
 import functools
+from copy import copy
 
-from .config import VaseConfigError, VaseVllmConfig
+from ..hybrid import SLIDING, layer_types
+from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .model_refusals import check_model_layers
 from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
 from .refusals import BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape
@@ -49,9 +54,6 @@ def check_engine_args(args, cfg: VaseVllmConfig) -> None:
         raise VaseConfigError("vase frees and rewrites KV blocks that a KV connector (kv_transfer_config, "
                               "disaggregated prefill, offloading) would move behind its back: drop kv_transfer_config "
                               "or additional_config['vase']")
-    if args.enable_prefix_caching:
-        raise VaseConfigError("vase rewrites a request's KV blocks in place, so they cannot be shared as a cached "
-                              "prefix: set enable_prefix_caching=False (the default with vase)")
     from vllm.platforms import current_platform
 
     worker_cls = worker_cls_for(current_platform)  # the CPU or the GPU worker; other platforms refused
@@ -61,14 +63,35 @@ def check_engine_args(args, cfg: VaseVllmConfig) -> None:
             raise VaseConfigError(f"vase brings its own {name}, got {name}={value!r}: drop {name} or "
                                   f"additional_config['vase']")
     select_v1_runner()  # vLLM 0.32 would run V2 on CUDA by default; vase hooks V1
-    args.enable_prefix_caching = False
+    # prefix caching stays as asked (vLLM's default: on): the scheduler copies a shared block before a compaction
+    # would rewrite it (vase.vllm.scheduler); models with sliding-window layers: check_vllm_config
     args.scheduler_cls = SCHEDULER_CLS
     args.worker_cls = worker_cls
     if worker_cls == GPU_WORKER_CLS:
         prepare_gpu_engine_args(args)  # piecewise CUDA graphs, no async scheduling (or refused)
 
 
-def check_vllm_config(vllm_config) -> None:
+#: One line for prefix caching asked for on a model with sliding-window layers beside full attention.
+PREFIX_HYBRID_REFUSAL = ("vase keeps vLLM's prefix cache with full attention in every layer, and this model has "
+                         "sliding-window layers beside it (several KV cache groups, whose cached blocks the plugin "
+                         "does not copy before a compaction): set enable_prefix_caching=False or drop "
+                         "additional_config['vase']")
+
+
+def check_prefix_caching(vllm_config, asked: bool | None) -> None:
+    """Prefix caching with vase: kept with full attention in every layer; with sliding-window layers beside it
+    (several KV cache groups) turned off, or refused in one line when `asked` for explicitly."""
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    text = getattr(model, "hf_text_config", None) or model.hf_config
+    sliding = model.get_sliding_window() is not None or SLIDING in set(layer_types(text))
+    if cache.enable_prefix_caching and sliding:
+        if asked:
+            raise VaseConfigError(PREFIX_HYBRID_REFUSAL)
+        cache.enable_prefix_caching = False
+
+
+def check_vllm_config(vllm_config, prefix_caching_asked: bool | None = None) -> None:
     """Refuse models and platforms the plugin cannot evict in (checked once the config is built)."""
     from vllm.platforms import current_platform
 
@@ -76,6 +99,7 @@ def check_vllm_config(vllm_config) -> None:
     if worker_cls_for(current_platform) == GPU_WORKER_CLS:
         check_gpu_config(vllm_config)
     check_model_layers(model)  # MLA, linear-attention hybrids, every layer sliding: one line each
+    check_prefix_caching(vllm_config, prefix_caching_asked)
     if vllm_config.speculative_config is not None:
         raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop speculative_config")
     check_built_config(vllm_config)
@@ -89,9 +113,10 @@ def _wrap_create_engine_config(original):
         if cfg is None:
             return original(self, *args, **kwargs)
         check_vllm_version()
+        asked = self.enable_prefix_caching  # None: vLLM's default
         check_engine_args(self, cfg)
         vllm_config = original(self, *args, **kwargs)
-        check_vllm_config(vllm_config)
+        check_vllm_config(vllm_config, asked)
         return vllm_config
 
     create_engine_config.__vase_wrapped__ = True
@@ -141,11 +166,25 @@ def _wrap_beam_search_online(original):
     return beam_search
 
 
+def _wrap_child_info(original):
+    @functools.wraps(original)
+    def get_child_info(self, index: int):
+        request_id, params = original(self, index)
+        if params.seed is None:  # vLLM shares one params object between unseeded children: each gets a copy
+            params = copy(params)
+            params.extra_args = {**(params.extra_args or {}), CHILD_KEY: index}
+        return request_id, params
+
+    get_child_info.__vase_wrapped__ = True
+    return get_child_info
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point: install the engine-args hook (and the front end's streaming-input
     refusal) once per process."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.parallel_sampling import ParentRequest
 
     from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
     from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
@@ -156,6 +195,8 @@ def register() -> None:
             cls.beam_search = wrap(cls.beam_search)
     if not getattr(AsyncLLM._add_streaming_input_request, "__vase_wrapped__", False):
         AsyncLLM._add_streaming_input_request = _wrap_add_streaming_input(AsyncLLM._add_streaming_input_request)
+    if not getattr(ParentRequest.get_child_info, "__vase_wrapped__", False):
+        ParentRequest.get_child_info = _wrap_child_info(ParentRequest.get_child_info)
     if getattr(EngineArgs.create_engine_config, "__vase_wrapped__", False):
         return
     EngineArgs.create_engine_config = _wrap_create_engine_config(EngineArgs.create_engine_config)

@@ -17,12 +17,21 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from .. import schedule
 from .capture import QueryRing
-from .config import VaseConfigError, VaseVllmConfig
+from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .groups import full_attention_group
 from .heads import RankHeads, rank_policy
 from .paged import RequestPolicyState
 from .refusals import check_head_sizes, check_kv_tensor
 from .steps import StepPlan, VaseStepError
+
+
+def eviction_seed(config_seed: int, request_seed: int | None, extra_args: dict | None) -> int:
+    """The seed of a request's eviction stream: its own sampling seed when it has one (vLLM gives the k-th child
+    of an `n > 1` request with seed s the seed s + k), else the config's seed plus its child index k (0 for a
+    single request), so that unseeded children draw independently and reproducibly."""
+    if request_seed is not None:
+        return int(request_seed)
+    return int(config_seed) + int((extra_args or {}).get(CHILD_KEY, 0))
 
 
 class VaseRequest:
@@ -77,10 +86,49 @@ class VaseRunnerMixin:
         self.vase_owned = getattr(scheduler_output, "vase_blocks", None)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._vase_preempted(req_id)
+        # resumed after a preemption: its replay may start past 0 (a prefix-cache hit), the state starts over
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        self.vase_resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         result = super()._update_states(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self._vase_forget(req_id)
+        self.vase_copy_sources = self._vase_copy_on_write(getattr(scheduler_output, "vase_copies", None) or {})
         return result
+
+    def _vase_copy_on_write(self, copies: dict[str, list[tuple[int, int, int]]]) -> dict[str, list[int]]:
+        """The scheduler gave these requests fresh blocks in place of shared ones this step (`VaseScheduler.schedule`:
+        {request id: [(index, old id, new id)]}): each one's block list and block-table row take the new ids, and
+        the returned {request id: its block ids before} is what this step's compaction reads (the shared blocks
+        are never written)."""
+        sources = {}
+        for req_id, swaps in copies.items():
+            state = self.requests[req_id]
+            ids = state.block_ids[self.vase_group]
+            sources[req_id] = list(ids)
+            for i, old, new in swaps:
+                if ids[i] != old:
+                    raise RuntimeError(f"vase: request {req_id} holds block {ids[i]} at {i}, the scheduler copied "
+                                       f"block {old} there: the scheduler and the worker disagree on its blocks")
+                ids[i] = new
+            self.input_batch.block_table[self.vase_group].add_row(ids, self.input_batch.req_id_to_index[req_id])
+        return sources
+
+    def _vase_eviction_blocks(self, req_id: str, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The blocks request `req_id` (row `index`) is evicted from [n_blocks], and those its kept slots go to
+        (None: the same, in place; the block-table row's ids when this step copied shared blocks on write)."""
+        table = self.input_batch.block_table[self.vase_group]
+        row = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
+        sources = getattr(self, "vase_copy_sources", {}).pop(req_id, None)
+        if sources is None:
+            return row.to(self.device), None
+        return torch.tensor(sources[: row.numel()], dtype=torch.int64, device=self.device), row.to(self.device)
+
+    def _vase_check_copies(self) -> None:
+        """Every block copied on write this step was for a compaction that ran (its new blocks hold nothing yet)."""
+        left = getattr(self, "vase_copy_sources", None)
+        if left:
+            raise VaseStepError(f"vase: requests {sorted(left)} got fresh blocks for a compaction that did not run "
+                                f"this step: the scheduler and the worker disagree on their schedule")
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -154,14 +202,15 @@ class VaseRunnerMixin:
     def _vase_request(self, req_id: str, index: int, computed: int) -> VaseRequest:
         """The state of request `req_id` (row `index` of the input batch, `computed` tokens written so far)."""
         req = self.vase_requests.get(req_id)
-        if computed == 0:  # a new request, or one resumed after preemption: a (re)prefill starts here
+        # a new request, or one resumed after preemption: a (re)prefill starts here, at 0 or after a prefix-cache hit
+        if req is None or computed == 0 or req_id in getattr(self, "vase_resumed", ()):
             prefill_len = int(self.input_batch.num_tokens_no_spec[index])
             if req is None:
                 params = self.requests[req_id].sampling_params
                 if params is None:  # a pooling request (the config check refuses pooling models first)
                     raise VaseConfigError(f"vase: request {req_id} has no sampling parameters (a pooling request): "
                                           f"use a generative model or drop additional_config['vase']")
-                seed = self.vase_config.seed if params.seed is None else int(params.seed)
+                seed = eviction_seed(self.vase_config.seed, params.seed, getattr(params, "extra_args", None))
                 generator = torch.Generator(device=self.device).manual_seed(seed)
                 origin = int(self.requests[req_id].num_prompt_tokens)
                 req = VaseRequest(origin, prefill_len, self.vase_ring.acquire(), RequestPolicyState(generator), seed)
@@ -174,8 +223,6 @@ class VaseRunnerMixin:
                 req.positions = None
                 self.vase_recomputes += 1
                 self.vase_recomputed_tokens = getattr(self, "vase_recomputed_tokens", 0) + prefill_len
-        if req is None:
-            raise RuntimeError(f"vase: request {req_id} has no eviction state (it was never prefilled here)")
         return req
 
     def _vase_check_room(self, req_id: str, req: VaseRequest, plan: StepPlan, room: int, computed: int,

@@ -56,6 +56,7 @@ class VaseStepMixin(VaseRunnerMixin):
         for i, plan in enumerate(plans):
             if plan.evict_from:
                 self._vase_evict(req_ids[i], reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))
+        self._vase_check_copies()
         as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
         # the last w queries of this step join each request's window
         src, slot, pos = capture_rows(starts, computed, scheduled, np.array([r.slot for r in reqs]), cfg.window)
@@ -80,11 +81,10 @@ class VaseStepMixin(VaseRunnerMixin):
 
     def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
         """Bring request `index` from `length` stored tokens to `keep` (B) in every layer of the full-attention
-        group, in place (sliding-window groups are vLLM's). `seen`: logical tokens written so far."""
+        group, in place or, for blocks shared with other requests, into the fresh blocks the scheduler gave it this
+        step (copy-on-write; sliding-window groups are vLLM's). `seen`: logical tokens written so far."""
         cfg = self.vase_config
-        table = self.input_batch.block_table[self.vase_group]
-        block_ids = torch.from_numpy(table.block_table.np[index, : table.num_blocks_per_row[index]].astype(np.int64))
-        block_ids = block_ids.to(self.device)
+        block_ids, target = self._vase_eviction_blocks(req_id, index)  # target: None, or fresh blocks for shared ones
         kept = []
         for layer, name in enumerate(self.vase_layers):  # the full-attention group's layers only
             keys, values = self._kv_views(name)
@@ -92,7 +92,7 @@ class VaseStepMixin(VaseRunnerMixin):
             queries = self.vase_ring.window_of(ring, req.slot, seen) if self.vase_policy.needs_queries else None
             kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window,
                                     req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
-                                    block_size=self.vase_block_size))
+                                    block_size=self.vase_block_size, target_block_ids=target))
         req.state.evictions += 1
         self.vase_evictions += 1
         if self.vase_record is not None:

@@ -11,6 +11,13 @@ its kept sets and its block count back, and never holds more than the uninterrup
 plus the chunk in flight. The worker follows the same schedule; the blocks each request holds
 are sent to it in the scheduler output (`vase_blocks`) for its invariant check.
 
+With prefix caching (vLLM's default) a compaction never writes into a block another request holds or
+that vLLM's prefix cache offers: before the step that evicts, such a block among those the compaction
+rewrites is copied (the request gets a fresh block, the shared one keeps its content and hash) or, when
+it is the request's own and not a whole prompt block (or the pool is short), dropped from the prefix
+cache (`EvictingKVCacheManager.plan_copies`); the new block ids go to the workers in the scheduler
+output (`vase_copies`). A resumed request's prefix-cache hit is cut at max(P0, B) (`max_prefix_hit`).
+
 A model with sliding-window layers (Gemma 3, gpt-oss) has several KV cache groups
 (`vase.vllm.groups`): all of the above applies to the full-attention group only. Its manager
 allocates by the physical length (`PhysicalLengthManager`, in its place in vLLM's coordinator) while vLLM allocates and frees the
@@ -23,9 +30,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from .. import schedule
 from .config import VaseConfigError, VaseVllmConfig
-from .plugin import STREAMING_REFUSAL
+from .plugin import PREFIX_HYBRID_REFUSAL, STREAMING_REFUSAL
 from .groups import full_attention_group
-from .steps import allocation_length, next_boundary
+from .steps import allocation_length, evicts_at, max_prefix_hit, next_boundary
 
 
 class PhysicalLengthManager:
@@ -71,6 +78,15 @@ class EvictingKVCacheManager:
             wrapped = list(managers)
             wrapped[group] = PhysicalLengthManager(managers[group])
             inner.coordinator.single_type_managers = type(managers)(wrapped)
+        if self.hybrid and getattr(inner, "enable_caching", False):  # the plugin turns it off first (plugin.py)
+            raise VaseConfigError(PREFIX_HYBRID_REFUSAL)
+        #: copy-on-write made while this step is scheduled: request id -> [(index, shared block, its new block)];
+        #: the shared blocks keep the request's reference until `release_copies` (after the step is scheduled)
+        self.copies: dict[str, list[tuple[int, object, object]]] = {}
+        self.vase_copied_blocks = 0  # shared blocks copied on write so far
+        self.vase_uncached_blocks = 0  # blocks of its own a request dropped from the prefix cache to rewrite them
+        self.vase_hit_tokens = 0  # tokens taken from the prefix cache (after the cut below)
+        self.vase_hits_cut = 0  # lookups whose hit was cut at max(P0, B)
 
     @property
     def full_manager(self):
@@ -86,6 +102,75 @@ class EvictingKVCacheManager:
         stored = allocation_length(request.num_prompt_tokens, n_tokens, self.cfg.budget, self.cfg.window)
         return stored if stored < n_tokens else None
 
+    def get_computed_blocks(self, request):
+        """vLLM's prefix-cache lookup, its hit cut to `steps.max_prefix_hit` blocks: a request resumed after a
+        preemption could hit the blocks it decoded before its first eviction, and its replay must still compute the
+        last w tokens before that eviction (the policy reads their queries). A new request's hit is within its
+        prompt and never cut."""
+        blocks, hits, *rest = self._inner.get_computed_blocks(request)
+        cap = max_prefix_hit(request.num_prompt_tokens, self.cfg.budget, self.block_size)
+        if hits > cap:
+            n = cap // self.block_size
+            blocks = self._inner.create_kv_cache_blocks(tuple(list(group[:n]) for group in blocks.blocks))
+            hits = cap
+            self.vase_hits_cut += 1
+        self.vase_hit_tokens += hits
+        return (blocks, hits, *rest)
+
+    def plan_copies(self, request, free: int) -> tuple[list[int], list[int]]:
+        """For a step of `request` that evicts (else ([], [])): which of the blocks its compaction rewrites (its
+        first ceil((B + w) / block) blocks) it must not write into, given `free` blocks in the pool beyond the step's
+        own need. Returns (to copy, to drop from the prefix cache):
+
+        - a block another request holds too (a prefix-cache hit, a parent prompt of n > 1): copied, always;
+        - a whole prompt block of its own in the prefix cache (the next request with that prompt would hit it):
+          copied while the pool keeps a request's worth of blocks (ceil((B + w) / block)) free after the copies,
+          else dropped from the prefix cache;
+        - any other block of its own in the prefix cache (decoded tokens): dropped from the prefix cache, so that
+          it is never offered as a hit for tokens it no longer holds (its content is rewritten in place).
+        With prefix caching off every block is the request's alone and uncached: nothing to do."""
+        if not evicts_at(request.num_prompt_tokens, request.num_computed_tokens, self.cfg.budget, self.cfg.window):
+            return [], []
+        manager = self.full_manager
+        blocks = manager.req_to_blocks.get(request.request_id, ())
+        keep = schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size)
+        writable = manager.block_pool.is_block_writable
+        unwritable = [i for i in range(min(keep, len(blocks))) if not writable(blocks[i])]
+        shared = [i for i in unwritable if blocks[i].ref_cnt > 1]
+        in_prompt = request.num_prompt_tokens // self.block_size  # whole prompt blocks
+        prompt = [i for i in unwritable if blocks[i].ref_cnt == 1 and i < in_prompt]
+        if free - len(shared) - len(prompt) < keep:
+            prompt = []
+        copy = sorted(shared + prompt)
+        return copy, [i for i in unwritable if i not in copy]
+
+    def copy_on_write(self, request_id: str, shared: list[int]) -> None:
+        """Give request `request_id` a fresh block of its own in place of each shared one (`shared`: indices in its
+        block list). The shared blocks are untouched (content, hash) and keep this request's reference until
+        `release_copies`, so that no other request is given them before the worker has read them this step."""
+        manager = self.full_manager
+        blocks = manager.req_to_blocks[request_id]
+        fresh = manager.block_pool.get_new_blocks(len(shared))
+        if getattr(manager, "records_new_block_ids", False):  # zeroed by the worker before the compaction writes
+            manager.new_block_ids.extend(b.block_id for b in fresh)
+        self.vase_copied_blocks += len(fresh)
+        swaps = self.copies.setdefault(request_id, [])
+        for i, block in zip(shared, fresh):
+            swaps.append((i, blocks[i], block))
+            blocks[i] = block
+
+    def release_copies(self, scheduled) -> dict[str, list[tuple[int, int, int]]]:
+        """After a step is scheduled: drop this step's copy-on-write references to the shared blocks (freed by
+        reference count: a cached block stays in the prefix cache) and return, for each request in `scheduled`,
+        [(index, old block id, new block id)] for the worker. A request vLLM preempted after its copy was made
+        gave its new blocks back with the rest; nothing is sent for it."""
+        copies, self.copies = self.copies, {}
+        old = [b for swaps in copies.values() for _, b, _ in swaps]
+        if old:
+            self.full_manager.block_pool.free_blocks(old)
+        return {rid: [(i, a.block_id, b.block_id) for i, a, b in swaps] for rid, swaps in copies.items()
+                if rid in scheduled}
+
     def allocate_slots(self, request, num_new_tokens: int, *args, **kwargs):
         physical = self.physical_after(request, request.num_computed_tokens + num_new_tokens)
         if physical is None:
@@ -98,10 +183,17 @@ class EvictingKVCacheManager:
                 return inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
             finally:
                 del full.vase_physical[request.request_id]
-        held = len(self.full_manager.req_to_blocks[request.request_id])
-        needed = schedule.cdiv(physical, self.block_size) - held
-        if needed > inner.block_pool.get_num_free_blocks():
+        blocks = self.full_manager.req_to_blocks[request.request_id]
+        needed = schedule.cdiv(physical, self.block_size) - len(blocks)
+        free = inner.block_pool.get_num_free_blocks() - max(needed, 0)
+        copy, uncache = self.plan_copies(request, free)  # the blocks this step's compaction must not write into
+        if len(copy) > free:
             return None
+        if copy:
+            self.copy_on_write(request.request_id, copy)
+        if uncache:  # its own: rewritten in place, so never a prefix-cache hit again
+            self.vase_uncached_blocks += len(uncache)
+            inner.evict_blocks({blocks[i].block_id for i in uncache})
         if needed <= 0:
             return inner.empty_kv_cache_blocks
         return inner.create_kv_cache_blocks(inner.coordinator.allocate_new_blocks(request.request_id, physical,
@@ -142,6 +234,9 @@ class VaseScheduler(Scheduler):
         trims, which the workers' block-table rows never see): `output.vase_blocks` {request id: blocks}."""
         output = super().schedule(*args, **kwargs)
         output.vase_blocks = {request_id: self.blocks_held(request_id) for request_id in output.num_scheduled_tokens}
+        # copy-on-write: {request id: [(index, old block id, new block id)]}, the worker's block table learns the
+        # new ids and its compaction reads the old blocks and writes the new ones this step
+        output.vase_copies = self.kv_cache_manager.release_copies(output.num_scheduled_tokens)
         return output
 
     def add_request(self, request) -> None:

@@ -86,3 +86,17 @@ def allocation_length(origin: int, n_tokens: int, budget: int, window: int) -> i
     """Tokens a request must have room for once `n_tokens` (logical) are written (the scheduler's view): the
     uninterrupted schedule's length, also while a recomputing prefill replays it."""
     return stored_before(origin, n_tokens, budget, window)
+
+
+def evicts_at(origin: int, computed: int, budget: int, window: int) -> bool:
+    """Whether a step of a request with prompt `origin` (P0) that starts at logical position `computed` evicts
+    before it writes (it starts on an eviction boundary: max(P0, B) + w + k w)."""
+    first = schedule.first_limit(origin, budget, window)
+    return computed >= first and (computed - first) % window == 0
+
+
+def max_prefix_hit(origin: int, budget: int, block_size: int) -> int:
+    """The most tokens a request with prompt `origin` (P0) may take from the prefix cache: whole blocks within
+    max(P0, B), so that the tokens from there to its first eviction boundary max(P0, B) + w, whose queries its
+    first eviction reads, are computed (a new request's hit is within its prompt anyway)."""
+    return max(origin, budget) // block_size * block_size
