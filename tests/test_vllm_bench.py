@@ -98,7 +98,7 @@ def test_paired_rounds_alternate_and_take_each_ratio_within_its_round_and_regime
     s = summary["tight", "vase-attnv"]
     assert (s["vs_full_tok_s"], s["vs_full_tok_s_lo"], s["vs_full_tok_s_hi"]) == pytest.approx((1.5, 1.1, 2.0))
     assert (s["vs_full_time"], s["vs_full_time_lo"], s["vs_full_time_hi"]) == pytest.approx((2.0, 1.25, 2.0))
-    assert s["tokens_per_s"] == 22.0 and s["rounds"] == 3 and s["seconds"] == 4.0
+    assert s["tokens_per_s"] == 22.0 and s["repeats"] == 3 and s["seconds"] == 4.0
     a = summary["ample", "vase-attnv"]
     assert (a["vs_full_tok_s"], a["vs_full_tok_s_lo"], a["vs_full_tok_s_hi"]) == pytest.approx((1.0, 0.9, 1.1))
     assert summary["tight", "full"]["vs_full_tok_s"] is None  # the reference has no ratio to itself

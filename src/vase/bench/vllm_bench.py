@@ -423,7 +423,7 @@ def paired_summary(rows: Sequence[VllmBenchRow]) -> list[dict[str, Any]]:
         out.append({
             "regime": regime, "method": method, "budget": budget, "window": r0.window, "n_requests": r0.n_requests,
             "prompt_len": r0.prompt_len, "new_tokens": r0.new_tokens, "pool_blocks": r0.pool_blocks,
-            "block_size": r0.block_size, "rounds": len(runs),
+            "block_size": r0.block_size, "repeats": len(runs),
             "tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
             "tokens_per_s_runs": ";".join(f"{r.tokens_per_s:.2f}" for r in runs),
             "seconds": statistics.median(r.seconds for r in runs),
@@ -515,7 +515,7 @@ def write_vllm_report(rows: Sequence[VllmBenchRow], out: str | Path) -> dict[str
     r0 = rows[0]
     if any(r.round > 0 for r in rows):  # several rounds: the paired medians and ranges first
         summary = paired_summary(rows)
-        cols = ("regime", "method", "budget", "rounds", "tokens_per_s", "vs_full_tok_s", "seconds", "vs_full_time",
+        cols = ("regime", "method", "budget", "repeats", "tokens_per_s", "vs_full_tok_s", "seconds", "vs_full_time",
                 "preemptions", "same_as_ample")
         paired = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for rec in summary:
