@@ -402,6 +402,20 @@ def paired_rounds(configs: Sequence[tuple[str, str, int | None]], repeats: int,
     return rows
 
 
+#: How `scripts/render_docs.py` draws `paired_summary`'s rows in the docs (the results file's "table").
+SUMMARY_TABLE = {
+    "columns": ["pool", "method", "B", "rounds", "tok/s (median)", "vs stock (median of round ratios)", "lowest",
+                "highest", "seconds (median)", "requests running (mean)", "preemptions (each round)", "blocks peak",
+                "pool blocks", "same tokens as ample (worst round)"],
+    "keys": ["regime", "method", "budget", "repeats", "tokens_per_s", "vs_full_tok_s", "vs_full_tok_s_lo",
+             "vs_full_tok_s_hi", "seconds", "running_mean", "preemptions_runs", "blocks_peak", "pool_blocks",
+             "same_as_ample"],
+    "align": "lllrrrrrrrlrrr",
+    "formats": {"tokens_per_s": ".1f", "vs_full_tok_s": ".2f", "vs_full_tok_s_lo": ".2f", "vs_full_tok_s_hi": ".2f",
+                "seconds": ".0f", "running_mean": ".1f"},
+}
+
+
 def paired_summary(rows: Sequence[VllmBenchRow]) -> list[dict[str, Any]]:
     """One dict per (regime, method, budget) over its rounds: median rate and seconds, and each ratio to stock
     vLLM as the median of the rounds' own ratios with its range (``_lo`` .. ``_hi``, `paired_ratio`);
@@ -472,7 +486,7 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
                           block_size=block_size, repeats=repeats, log=log, **params)
     paths = write_vllm_report(rows, out)
     paths["results"] = write_results(Path(results) if results is not None else Path(out) / "vllm_bench.json",
-                                     paired_summary(rows), finish(record))
+                                     paired_summary(rows), finish(record), table=SUMMARY_TABLE)
     return paths
 
 
