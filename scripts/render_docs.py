@@ -100,7 +100,7 @@ def _select(rows: Sequence[Mapping[str, Any]], where: Mapping[str, Any], what: s
 
 def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
     # Each row names a figure in another results file: one cell ("cell"), the median and range of a column over
-    # the matching rows ("median": paired repeats), a bench row's median and range ("paired": the column and its
+    # the matching rows ("median": paired repeats, or what "over" names, e.g. methods), a bench row's median and range ("paired": the column and its
     # _lo/_hi, as `vase bench --repeats` writes them), or the ratio of one column between two rows ("ratio").
     lines = ["| figure | value | spread | measured | results |", "|---|---:|---|---|---|"]
     for r in rows:
@@ -111,8 +111,8 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
             vals = sorted(_number(x[r["median"]]) for x in _select(src, r.get("where", {}), r["file"]))
             mid = len(vals) // 2
             med = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-            value, spread = format(med, fmt) + r.get("unit", ""), (
-                f"median of {len(vals)} paired repeats, range {vals[0]:{fmt}}..{vals[-1]:{fmt}}")
+            value, spread = format(med, fmt) + r.get("unit", ""), (  # "over": what the rows are, if not rounds
+                f"median of {len(vals)} {r.get('over', 'paired repeats')}, range {vals[0]:{fmt}}..{vals[-1]:{fmt}}")
         elif "paired" in r:  # `vase bench --repeats`: one row holds the median of round ratios and its range
             row, col = _select(src, r.get("where", {}), r["file"])[0], r["paired"]
             value = format(_number(row[col]), fmt) + r.get("unit", "")

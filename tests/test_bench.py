@@ -113,6 +113,26 @@ def test_a_bounded_row_whose_rate_falls_below_0_95_is_flagged(tiny, monkeypatch,
     assert "rate fell" not in pick(got, "full", 40)["flag"] + pick(got, "dynamic", 40)["flag"]
 
 
+def test_flat_rate_range_is_the_spread_of_the_rounds_own_last_first_ratios(tiny, monkeypatch):
+    """With repeats, seg_ratio is read from the median part rates and seg_ratio_lo..hi is the range of each round's
+    own last/first ratio (a flat rate is told from noise by that range)."""
+    import vase.bench.runner as runner
+
+    real = runner.run_one
+    lasts = iter([8.0, 8.0, 9.0, 9.0, 9.0, 12.0, 7.0, 7.0, 10.0])  # rounds of (full, dynamic, snapkv)
+
+    def run_one(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return {**out, "seg_tok_s": [10.0, 10.0, 10.0, next(lasts)]}
+
+    monkeypatch.setattr(runner, "run_one", run_one)
+    got = run_bench(tiny, ["snapkv"], [B], [40], [1], prompt_length=P, window=W, warmup=0, repeats=3, segments=4)
+    row = pick(got, "snapkv", 40)
+    assert (row["seg_ratio"], row["seg_ratio_lo"], row["seg_ratio_hi"]) == pytest.approx((1.0, 0.9, 1.2))
+    full = pick(got, "full", 40)
+    assert (full["seg_ratio"], full["seg_ratio_lo"], full["seg_ratio_hi"]) == pytest.approx((0.8, 0.7, 0.9))
+
+
 def test_report_writes_csv_markdown_and_plots(rows, tmp_path):
     paths = write_report(rows, tmp_path, show=False)
     with paths["csv"].open() as f:

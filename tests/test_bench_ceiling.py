@@ -292,10 +292,10 @@ def test_add_ratios_puts_the_ceiling_and_gain_share_beside_the_paired_ratio():
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--results", "/"], "--results must name a file"),
     (["--clock", "foo"], "--clock must be wall or cpu, got 'foo'"),
-    (["--engine", "vllm", "--repeats", "3"], "--repeats is for the transformers engine's bench only"),
+    (["--engine", "vllm", "--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--engine", "vllm", "--clock", "cpu"], "--clock is for the transformers engine's bench only"),
     (["--engine", "vllm", "--bandwidth", "5"], "--bandwidth is for the transformers engine's bench only"),
-    (["--engine", "vllm", "--results", "r.json"], "--results is for the transformers engine's bench only"),
+    (["--engine", "vllm", "--results", "/"], "--results must name a file"),
 ])
 def test_bench_flags_refused_in_one_line_before_a_model_loads(extra, says, capsys, monkeypatch, tmp_path):
     """A bad value, or a flag the chosen engine would drop, is one line naming the flag (no model, no engine)."""
@@ -308,3 +308,21 @@ def test_bench_flags_refused_in_one_line_before_a_model_loads(extra, says, capsy
                              "8", "--lengths", "16", *extra], capsys)
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("vase: warning")]
     assert code != 0 and len(lines) == 1 and says in lines[0], err
+
+
+def test_vllm_bench_takes_repeats_and_a_results_file(capsys, monkeypatch, tmp_path):
+    """--repeats and --results reach the vLLM bench (paired rounds, its own results file), not dropped."""
+    from tests.conftest import run_main
+
+    got = {}
+
+    def cli_bench(*args, **kwargs):
+        got.update(kwargs)
+        return {}
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("vase.bench.vllm_bench.cli_bench", cli_bench)
+    code, _, err = run_main(["bench", "--engine", "vllm", "--methods", "vase-attnv", "--budgets", "24", "--window",
+                             "8", "--lengths", "16", "--repeats", "3", "--results", "r.json"], capsys)
+    assert code == 0, err
+    assert got["repeats"] == 3 and str(got["results"]) == "r.json" and "--repeats 3" in " ".join(got["command"])

@@ -106,6 +106,10 @@ def test_summary_rows_compute_the_median_and_range_of_paired_repeats(tmp_path):
     lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "median": "ratio", "format": ".3f"}],
                               root)
     assert "| f | 1.000 | median of 3 paired repeats, range 0.900..1.200 |" in lines[2]
+    # rows that are not rounds (one per method) are named as what they are
+    lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "median": "ratio", "format": ".3f",
+                                "over": "methods (each the median of its rounds)"}], root)
+    assert "| f | 1.000 | median of 3 methods (each the median of its rounds), range 0.900..1.200 |" in lines[2]
 
 
 def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):

@@ -66,6 +66,60 @@ def _row(method, budget, seconds, running, regime="tight", outputs=()) -> VllmBe
                         timeline=steps, outputs=[list(o) for o in outputs])
 
 
+def test_paired_rounds_alternate_and_take_each_ratio_within_its_round_and_regime():
+    """Round r runs every configuration once (A, B, A, B, ...); a row's ratios are to stock vLLM of its own round and
+    regime, and the summary is the median of those ratios with their range, not the ratio of the medians."""
+    from vase.bench.vllm_bench import paired_rounds, paired_summary
+
+    # per (regime, method): tok/s and seconds in rounds 0, 1, 2
+    tok = {("tight", "full"): [10.0, 20.0, 30.0], ("tight", "vase-attnv"): [15.0, 22.0, 60.0],
+           ("ample", "full"): [40.0, 40.0, 40.0], ("ample", "vase-attnv"): [36.0, 44.0, 40.0]}
+    secs = {("tight", "full"): [10.0, 5.0, 4.0], ("tight", "vase-attnv"): [5.0, 4.0, 2.0],
+            ("ample", "full"): [3.0, 3.0, 3.0], ("ample", "vase-attnv"): [3.0, 3.0, 3.0]}
+    calls = []
+
+    def run(regime, method, budget):
+        k = sum(1 for c in calls if c[:2] == (regime, method))  # this configuration's round
+        calls.append((regime, method, budget))
+        r = _row(method, budget, secs[regime, method][k], [4], regime=regime, outputs=[[1, 2], [3, k]])
+        r.tokens_per_s = tok[regime, method][k]
+        return r
+
+    configs = [("ample", "full", None), ("ample", "vase-attnv", 48), ("tight", "full", None), ("tight", "vase-attnv", 48)]
+    rows = paired_rounds(configs, 3, run)
+    assert calls == configs * 3  # alternating: every configuration once per round
+    assert [r.round for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
+    tight_vase = [r for r in rows if r.regime == "tight" and r.method == "vase-attnv"]
+    assert [r.vs_full_tok_s for r in tight_vase] == pytest.approx([1.5, 1.1, 2.0])  # within each round
+    assert [r.vs_full_time for r in tight_vase] == pytest.approx([2.0, 1.25, 2.0])
+    # each round's tight run compared with the same round's ample run (request 1's last token is the round)
+    assert [r.same_as_ample for r in tight_vase] == [2, 2, 2]
+    summary = {(s["regime"], s["method"]): s for s in paired_summary(rows)}
+    s = summary["tight", "vase-attnv"]
+    assert (s["vs_full_tok_s"], s["vs_full_tok_s_lo"], s["vs_full_tok_s_hi"]) == pytest.approx((1.5, 1.1, 2.0))
+    assert (s["vs_full_time"], s["vs_full_time_lo"], s["vs_full_time_hi"]) == pytest.approx((2.0, 1.25, 2.0))
+    assert s["tokens_per_s"] == 22.0 and s["repeats"] == 3 and s["seconds"] == 4.0
+    a = summary["ample", "vase-attnv"]
+    assert (a["vs_full_tok_s"], a["vs_full_tok_s_lo"], a["vs_full_tok_s_hi"]) == pytest.approx((1.0, 0.9, 1.1))
+    assert summary["tight", "full"]["vs_full_tok_s"] is None  # the reference has no ratio to itself
+
+
+def test_paired_summary_takes_the_worst_round_for_tokens_equal_to_the_ample_run():
+    from vase.bench.vllm_bench import paired_rounds, paired_summary
+
+    outs = {("ample", 0): [[1, 2], [3, 4]], ("tight", 0): [[1, 2], [3, 4]],
+            ("ample", 1): [[1, 2], [3, 4]], ("tight", 1): [[1, 0], [3, 4]]}  # round 1: request 0 differs at 1
+    seen: dict = {}
+
+    def run(regime, method, budget):
+        k = seen[regime] = seen.get(regime, -1) + 1
+        return _row(method, budget, 1.0, [4], regime=regime, outputs=outs[regime, k])
+
+    rows = paired_rounds([("ample", "vase-attnv", 48), ("tight", "vase-attnv", 48)], 2, run)
+    tight = next(s for s in paired_summary(rows) if s["regime"] == "tight")
+    assert (tight["same_as_ample"], tight["first_diff_median"]) == (1, 1.5)  # round 1's: 1 of 2, first diffs 1, 2
+
+
 def test_report_writes_table_timeline_and_plot(tmp_path):
     rows = [_row("full", None, 10.0, [4, 2, 2]), _row("vase-attnv", 48, 5.0, [4, 4])]
     paths = write_vllm_report(rows, tmp_path)

@@ -21,7 +21,8 @@ What is measured (per run; a row reports the median over `repeats` runs after `w
 - tok_s = (N - 1) x batch / (last stamp - first stamp); `segments` splits the N - 1 steps into
   equal parts and reports the rate of each (`seg_tok_s`, ';'-joined, first to last);
   `seg_ratio` = last part's rate / first part's: a bounded cache's step does not grow, so it
-  should be about 1 (rows below 0.95 get a flag).
+  should be about 1 (rows below 0.95 get a flag). With repeats, `seg_ratio` is taken from the
+  median part rates and `seg_ratio_lo` .. `seg_ratio_hi` is the range of the rounds' own ratios.
 - Evictions: `cache.stats()["evictions"]` (events per layer; every layer evicts at the same
   step). `expected_evictions` is what the schedule (`vase.schedule`, docs/methods.md) predicts;
   `eviction_fired` is False for an evicting method that never evicted (prompt + output too
@@ -524,6 +525,9 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
         flag = "selection: holds the full cache; a dense kernel still reads all of it"
     segs = [_median([r["seg_tok_s"][i] for r in runs]) for i in range(len(runs[0]["seg_tok_s"]))]
     seg_ratio = segs[-1] / segs[0] if len(segs) > 1 and segs[0] > 0 else math.nan
+    # each round's own last/first ratio: its spread says whether a flat rate is within the noise
+    run_ratios = [r["seg_tok_s"][-1] / r["seg_tok_s"][0] for r in runs
+                  if len(r["seg_tok_s"]) > 1 and r["seg_tok_s"][0] > 0]
     if evicts and fired and seg_ratio < 0.95:
         flag = (flag + "; " if flag else "") + f"rate fell over the output (last/first part {seg_ratio:.2f})"
     return {
@@ -542,6 +546,8 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
         "tok_s_runs": ";".join(repr(float(r['tok_s'])) for r in runs),  # one per round, in order: the pairs
         "seg_tok_s": ";".join(f"{s:.2f}" for s in segs),
         "seg_ratio": seg_ratio,
+        "seg_ratio_lo": min(run_ratios) if run_ratios else math.nan,
+        "seg_ratio_hi": max(run_ratios) if run_ratios else math.nan,
         "compiled": compiled,
         "step_ms": _median([r["step_ms"] for r in runs]),
         "decode_s": _median([r["decode_s"] for r in runs]),

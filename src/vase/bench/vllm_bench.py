@@ -21,6 +21,12 @@ outputs can be compared with the same configuration's ``ample`` run (nothing pre
 requests of the first token index that differs (``new_tokens`` when none does). Stock vLLM's own
 tight-vs-ample difference (batching changes the rounding; its recompute after a preemption is exact
 otherwise) is the floor a plugin row is read against.
+
+Repeats (``repeats`` > 1, ``vase bench --engine vllm --repeats N``): round r runs every regime's
+configurations once, each in a fresh engine (stock vLLM, then the plugin: A, B, A, B, ...); each
+row's ratios to stock vLLM are taken within its round and regime, and :func:`paired_summary` gives
+per configuration the median over rounds with the range (as `vase.bench.paired` does for the
+transformers bench), so a load that drifts during the run moves both sides of a ratio alike.
 """
 
 from __future__ import annotations
@@ -32,16 +38,17 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..eval.paired import first_divergence
+from .paired import alternating, paired_ratio
 from ..schedule import cdiv
 
 __all__ = ["Step", "VllmBenchRow", "run_vllm_bench", "pool_bytes", "write_vllm_report", "compare_to_ample",
-           "first_difference", "REGIMES", "EVICTING_ONLY"]
+           "first_difference", "paired_rounds", "paired_summary", "REGIMES", "EVICTING_ONLY"]
 
 #: Pool size in requests held at full length, as a fraction of N.
 REGIMES: dict[str, float] = {"ample": 1.0, "tight": 0.25, "squeeze": 1 / 16}
@@ -98,6 +105,7 @@ class VllmBenchRow:
     vs_full_time: float | None = None  # full's seconds / this one's (> 1: finishes sooner)
     same_as_ample: int | None = None  # requests whose tokens equal the ample run's (None: no ample run to compare)
     first_diff_median: float | None = None  # median first differing token index vs the ample run
+    round: int = 0  # the paired round this run belongs to (0 .. repeats - 1)
     timeline: list[Step] = field(default_factory=list, repr=False)
     outputs: list[list[int]] = field(default_factory=list, repr=False)  # token ids per request, in request order
 
@@ -115,11 +123,11 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def compare_to_ample(rows: Sequence[VllmBenchRow]) -> None:
-    """Fill ``same_as_ample`` / ``first_diff_median`` of every row that has an ample row of the same method
-    and budget (ample rows themselves stay None)."""
-    ample = {(r.method, r.budget): r for r in rows if r.regime == "ample"}
+    """Fill ``same_as_ample`` / ``first_diff_median`` of every row that has an ample row of the same method,
+    budget and round (ample rows themselves stay None)."""
+    ample = {(r.method, r.budget, r.round): r for r in rows if r.regime == "ample"}
     for r in rows:
-        ref = ample.get((r.method, r.budget))
+        ref = ample.get((r.method, r.budget, r.round))
         if r.regime == "ample" or ref is None or not r.outputs or len(ref.outputs) != len(r.outputs):
             continue
         firsts = [first_difference(a, b) for a, b in zip(r.outputs, ref.outputs)]
@@ -298,8 +306,9 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
                    regimes: Sequence[str] = ("ample", "tight"), pool_requests: float | None = None,
                    dtype: str | None = None, block_size: int | None = None, in_process: bool = True,
                    seed: int = 0, engine_kwargs: dict | None = None, vase_kwargs: dict | None = None,
-                   skip_errors: bool = False, log=print, **params: Any) -> list[VllmBenchRow]:
-    """Run every regime x (``full`` + methods x budgets); returns one row per configuration.
+                   skip_errors: bool = False, repeats: int = 1, log=print, **params: Any) -> list[VllmBenchRow]:
+    """Run every regime x (``full`` + methods x budgets), ``repeats`` paired rounds (`paired_rounds`); returns
+    one row per configuration and round (`paired_summary` folds the rounds).
 
     Args:
         model: a model directory, .gguf or hub id (None: the embedded SmolLM2-135M-Instruct).
@@ -320,6 +329,8 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
 
     from vase.models import model_dir
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if n_requests < 1 or new_tokens < 1 or prompt_len < 1:
         raise ValueError(f"requests ({n_requests}), new tokens ({new_tokens}) and prompt length ({prompt_len}) "
                          f"must be >= 1")
@@ -343,41 +354,118 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(n_requests)]
     plan = ({"custom": pool_requests} if pool_requests is not None
             else {r: max(1.0, REGIMES[r] * n_requests) for r in regimes})  # vLLM needs one whole request
-    rows: list[VllmBenchRow] = []
     user_runner = os.environ.get(_RUNNER_ENV)  # stock vLLM's baseline runs with the user's choice (or vLLM's default)
-    for regime, held in plan.items():
-        kv = pool_bytes(held, prompt_len, new_tokens, bs, bpt)
+    kv = {regime: pool_bytes(held, prompt_len, new_tokens, bs, bpt) for regime, held in plan.items()}
+    configs = []
+    for regime in plan:
         stock = [] if regime in EVICTING_ONLY else ["full"] + ([STOCK_AT_VASE] if vase_kwargs is not None else [])
-        configs = [(m, None) for m in stock] + [(m, b) for m in methods for b in budgets]
-        regime_rows = []
-        for m, b in configs:
-            kwargs = dict(engine_kwargs or {})
-            if m != "full":
-                kwargs.update(vase_kwargs or {})
-            try:
-                regime_rows.append(_one(path, regime=regime, method=m, budget=b, window=window, params=params,
-                                        prompts=prompts, new_tokens=new_tokens, kv_bytes=kv, dtype=dtype,
-                                        block_size=block_size, engine_kwargs=kwargs, log=log,
-                                        runner_env=user_runner if m == "full" else "0"))
-            except Exception as e:  # noqa: BLE001 - only with skip_errors
-                if not skip_errors:
-                    raise
-                log(f"{regime} {m} B={b}: failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-        full = next((r for r in regime_rows if r.method == "full"), None)
-        for r in regime_rows:
-            if full is not None:
-                r.vs_full_tok_s = r.tokens_per_s / full.tokens_per_s if full.tokens_per_s else None
-                r.vs_full_time = full.seconds / r.seconds if r.seconds else None
-        rows += regime_rows
+        configs += [(regime, m, None) for m in stock] + [(regime, m, b) for m in methods for b in budgets]
+
+    def run(regime: str, m: str, b: int | None) -> VllmBenchRow | None:
+        kwargs = dict(engine_kwargs or {})
+        if m != "full":
+            kwargs.update(vase_kwargs or {})
+        try:
+            return _one(path, regime=regime, method=m, budget=b, window=window, params=params, prompts=prompts,
+                        new_tokens=new_tokens, kv_bytes=kv[regime], dtype=dtype, block_size=block_size,
+                        engine_kwargs=kwargs, log=log, runner_env=user_runner if m == "full" else "0")
+        except Exception as e:  # noqa: BLE001 - only with skip_errors
+            if not skip_errors:
+                raise
+            log(f"{regime} {m} B={b}: failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            return None
+
+    return paired_rounds(configs, repeats, run)
+
+
+def paired_rounds(configs: Sequence[tuple[str, str, int | None]], repeats: int,
+                  run: Callable[[str, str, int | None], VllmBenchRow | None]) -> list[VllmBenchRow]:
+    """Run every (regime, method, budget) of `configs` once per round, in order, for `repeats` rounds
+    (A, B, ..., A, B, ...: each a fresh engine); `run` returns the row (None: failed, skipped).
+
+    Fills each row's ``round``, its ratios to stock vLLM (``full``) of the same regime and round, and its
+    comparison with the same configuration's ample run of the same round; returns the rows in run order."""
+    rows: list[VllmBenchRow] = []
+    for rnd, (regime, method, budget) in alternating(list(configs), repeats):
+        row = run(regime, method, budget)
+        if row is None:
+            continue
+        row.round = rnd
+        rows.append(row)
+    stock = {(r.regime, r.round): r for r in rows if r.method == "full"}
+    for r in rows:
+        full = stock.get((r.regime, r.round))
+        if full is not None:
+            r.vs_full_tok_s = r.tokens_per_s / full.tokens_per_s if full.tokens_per_s else None
+            r.vs_full_time = full.seconds / r.seconds if r.seconds else None
     compare_to_ample(rows)
     return rows
+
+
+#: How `scripts/render_docs.py` draws `paired_summary`'s rows in the docs (the results file's "table").
+SUMMARY_TABLE = {
+    "columns": ["pool", "method", "B", "rounds", "tok/s (median)", "vs stock (median of round ratios)", "lowest",
+                "highest", "seconds (median)", "requests running (mean)", "preemptions (each round)", "blocks peak",
+                "pool blocks", "same tokens as ample (worst round)"],
+    "keys": ["regime", "method", "budget", "repeats", "tokens_per_s", "vs_full_tok_s", "vs_full_tok_s_lo",
+             "vs_full_tok_s_hi", "seconds", "running_mean", "preemptions_runs", "blocks_peak", "pool_blocks",
+             "same_as_ample"],
+    "align": "lllrrrrrrrlrrr",
+    "formats": {"tokens_per_s": ".1f", "vs_full_tok_s": ".2f", "vs_full_tok_s_lo": ".2f", "vs_full_tok_s_hi": ".2f",
+                "seconds": ".0f", "running_mean": ".1f"},
+}
+
+
+def paired_summary(rows: Sequence[VllmBenchRow]) -> list[dict[str, Any]]:
+    """One dict per (regime, method, budget) over its rounds: median rate and seconds, and each ratio to stock
+    vLLM as the median of the rounds' own ratios with its range (``_lo`` .. ``_hi``, `paired_ratio`);
+    ``same_as_ample`` / ``first_diff_median`` are the worst round's (fewest identical requests)."""
+    stock = {(r.regime, r.round): r for r in rows if r.method == "full"}
+    groups: dict[tuple, list[VllmBenchRow]] = {}
+    for r in rows:
+        groups.setdefault((r.regime, r.method, r.budget), []).append(r)
+    out = []
+    for (regime, method, budget), runs in groups.items():
+        refs = [stock.get((regime, r.round)) for r in runs]
+        tok = paired_ratio([r.tokens_per_s for r in runs], [f.tokens_per_s if f else None for f in refs])
+        time_ = paired_ratio([f.seconds if f else None for f in refs], [r.seconds for r in runs])
+        compared = [r for r in runs if r.same_as_ample is not None]
+        worst = min(compared, key=lambda r: (r.same_as_ample, r.first_diff_median)) if compared else None
+        evictions = [r.evictions for r in runs if r.evictions is not None]
+        recomputed = [r.recomputed_tokens for r in runs if r.recomputed_tokens is not None]
+        r0 = runs[0]
+        out.append({
+            "regime": regime, "method": method, "budget": budget, "window": r0.window, "n_requests": r0.n_requests,
+            "prompt_len": r0.prompt_len, "new_tokens": r0.new_tokens, "pool_blocks": r0.pool_blocks,
+            "block_size": r0.block_size, "repeats": len(runs),
+            "tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
+            "tokens_per_s_runs": ";".join(f"{r.tokens_per_s:.2f}" for r in runs),
+            "seconds": statistics.median(r.seconds for r in runs),
+            "vs_full_tok_s": None if method == "full" or math.isnan(tok[0]) else tok[0],
+            "vs_full_tok_s_lo": None if method == "full" or math.isnan(tok[1]) else tok[1],
+            "vs_full_tok_s_hi": None if method == "full" or math.isnan(tok[2]) else tok[2],
+            "vs_full_time": None if method == "full" or math.isnan(time_[0]) else time_[0],
+            "vs_full_time_lo": None if method == "full" or math.isnan(time_[1]) else time_[1],
+            "vs_full_time_hi": None if method == "full" or math.isnan(time_[2]) else time_[2],
+            "running_mean": statistics.median(r.running_mean for r in runs),
+            "preemptions": statistics.median(r.preemptions for r in runs),
+            "preemptions_runs": ";".join(str(r.preemptions) for r in runs),
+            "blocks_peak": max(r.blocks_peak for r in runs),
+            "evictions": statistics.median(evictions) if evictions else None,
+            "recomputed_tokens": max(recomputed) if recomputed else None,
+            "same_as_ample": None if worst is None else worst.same_as_ample,
+            "first_diff_median": None if worst is None else worst.first_diff_median,
+        })
+    return out
 
 
 def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int], lengths: Sequence[int], *,
               requests: int, prompt_len: int, window: int, regimes: Sequence[str], pool_requests: float | None,
               block_size: int | None, dtype: str | None, params: dict, out: str | Path = "bench-out",
+              repeats: int = 1, results: str | Path | None = None, command: str | Sequence[str] | None = None,
               log=print) -> dict[str, Path]:
-    """What `vase bench --engine vllm` runs: checks, the runs, the report; returns the written paths."""
+    """What `vase bench --engine vllm` runs: checks, the runs, the report and the results file (`paired_summary`'s
+    rows with their provenance, default OUT/vllm_bench.json); returns the written paths."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -390,15 +478,21 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
             from vase.vllm.config import vase_section
 
             vase_section(m, b, window, params)
+    from ..provenance import finish, provenance, write_results
+
+    record = provenance(command, repeats=repeats)  # before the runs: the load average they start under
     rows = run_vllm_bench(model, methods, budgets, n_requests=requests, new_tokens=lengths[0], prompt_len=prompt_len,
                           window=window, regimes=regimes, pool_requests=pool_requests, dtype=dtype,
-                          block_size=block_size, log=log, **params)
-    return write_vllm_report(rows, out)
+                          block_size=block_size, repeats=repeats, log=log, **params)
+    paths = write_vllm_report(rows, out)
+    paths["results"] = write_results(Path(results) if results is not None else Path(out) / "vllm_bench.json",
+                                     paired_summary(rows), finish(record), table=SUMMARY_TABLE)
+    return paths
 
 
 # ----------------------------------------------------------------------------- report
 
-_COLUMNS = ("regime", "method", "budget", "n_requests", "new_tokens", "pool_blocks", "tokens_per_s", "vs_full_tok_s",
+_COLUMNS = ("round", "regime", "method", "budget", "n_requests", "new_tokens", "pool_blocks", "tokens_per_s", "vs_full_tok_s",
             "seconds", "vs_full_time", "running_peak", "running_mean", "preemptions", "blocks_peak", "blocks_mean",
             "evictions", "recomputed_tokens", "same_as_ample", "first_diff_median")
 
@@ -412,8 +506,9 @@ def _fmt(v: Any) -> str:
 
 
 def write_vllm_report(rows: Sequence[VllmBenchRow], out: str | Path) -> dict[str, Path]:
-    """``vllm_bench.csv`` (every field), ``vllm_bench.md`` (the table), ``vllm_timeline.csv`` (every step) and
-    ``vllm_bench.png`` (requests running and blocks in use over time, full vs each method, per regime)."""
+    """``vllm_bench.csv`` (every field, one row per configuration and round), ``vllm_bench.md`` (the table, and
+    with several rounds the paired summary), ``vllm_timeline.csv`` (every step) and ``vllm_bench.png`` (requests
+    running and blocks in use over time, full vs each method, per regime; the first round)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "vllm_bench.csv", "md": out / "vllm_bench.md", "timeline": out / "vllm_timeline.csv",
@@ -425,13 +520,28 @@ def write_vllm_report(rows: Sequence[VllmBenchRow], out: str | Path) -> dict[str
         w.writerows(records)
     with paths["timeline"].open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["regime", "method", "budget", *Step.__dataclass_fields__])
+        w.writerow(["round", "regime", "method", "budget", *Step.__dataclass_fields__])
         for r in rows:
             for s in r.timeline:
-                w.writerow([r.regime, r.method, r.budget, *asdict(s).values()])
+                w.writerow([r.round, r.regime, r.method, r.budget, *asdict(s).values()])
     lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_fmt(rec[c]) for c in _COLUMNS) + " |" for rec in records]
     r0 = rows[0]
+    if any(r.round > 0 for r in rows):  # several rounds: the paired medians and ranges first
+        summary = paired_summary(rows)
+        cols = ("regime", "method", "budget", "repeats", "tokens_per_s", "vs_full_tok_s", "seconds", "vs_full_time",
+                "preemptions", "same_as_ample")
+        paired = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for rec in summary:
+            cells = []
+            for c in cols:
+                v = _fmt(rec[c])
+                if c.startswith("vs_full") and rec[c] is not None:
+                    v += f" ({rec[c + '_lo']:.2f}-{rec[c + '_hi']:.2f})"
+                cells.append(v)
+            paired.append("| " + " | ".join(cells) + " |")
+        lines = ["Paired rounds: medians over rounds; each ratio the median of the rounds' own ratios (range).", "",
+                 *paired, "", "Every round:", "", *lines]
     paths["md"].write_text(f"vLLM, {r0.n_requests} requests x {r0.new_tokens} new tokens (prompt {r0.prompt_len}), "
                            f"block size {r0.block_size}\n\n" + "\n".join(lines) + "\n\n"
                            "same_as_ample: requests whose tokens equal the same configuration's ample run (nothing "
@@ -447,6 +557,7 @@ def _plot(rows: Sequence[VllmBenchRow], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.round == 0]  # one round: the timelines of later ones look alike
     regimes = list(dict.fromkeys(r.regime for r in rows))
     fig, axes = plt.subplots(2, len(regimes), figsize=(6 * len(regimes), 7), squeeze=False)
     for j, regime in enumerate(regimes):

@@ -28,9 +28,9 @@ def bench(
     warmup_tokens: Annotated[Optional[int], typer.Option(help="New tokens of each untimed run (default: the first "
                                                         "of --lengths; a few dozen suffice for eager runs).",
                                                         min=2)] = None,
-    repeats: Annotated[int, typer.Option(help="Timed rounds: each runs every configuration once (A, B, A, B, ...); "
-                                         "rates are medians, each ratio the median of the rounds' ratios with "
-                                         "its range.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed rounds: each runs every configuration once (A, B, A, B, ...; "
+                                         "--engine vllm: each in a fresh engine); rates are medians, each ratio "
+                                         "the median of the rounds' ratios with its range.")] = 1,
     no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
     random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
                                                        "qwen3-4b, qwen3-14b, smollm2-135m, the hybrid qwen3.5-0.8b, "
@@ -63,7 +63,8 @@ def bench(
                                        "--threads 1 on a CPU; a loaded shared machine's other work then does "
                                        "not count).")] = "wall",
     results: Annotated[Optional[Path], typer.Option(help="Results file (JSON: the rows with the date, commit, "
-                                                    "machine, versions and command; default OUT/bench.json).")]
+                                                    "machine, versions and command; default OUT/bench.json, "
+                                                    "--engine vllm: OUT/vllm_bench.json).")]
     = None,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
@@ -79,7 +80,7 @@ def bench(
     if results is not None and (results.name in ("", ".", "..") or results.is_dir()):
         raise UserError(f"--results must name a file (e.g. docs/results/bench.json), got {str(results)!r}")
     if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
-        transformers_only = [f"--{n}" for n in ("repeats", "clock", "bandwidth", "results") if given(ctx, n)]
+        transformers_only = [f"--{n}" for n in ("clock", "bandwidth") if given(ctx, n)]
         if transformers_only:  # the vLLM bench has its own rounds and files: these would be dropped
             raise UserError(f"{', '.join(transformers_only)} {'is' if len(transformers_only) == 1 else 'are'} for "
                             f"the transformers engine's bench only: drop {'it' if len(transformers_only) == 1 else 'them'} "
@@ -93,7 +94,8 @@ def bench(
                           requests=requests, prompt_len=prompt_length, window=window,
                           regimes=split_list(regimes, str, "--regimes"), pool_requests=pool_requests,
                           block_size=block_size, dtype=None if model.dtype == "auto" else model.dtype,
-                          params=params, out=out, log=console.print)
+                          params=params, out=out, repeats=repeats, results=results, command=invocation(),
+                          log=console.print)
         console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
         return
     ignored = [f"--{n.replace('_', '-')}" for n in ("requests", "regimes", "pool_requests", "block_size")
