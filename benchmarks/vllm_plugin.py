@@ -90,11 +90,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--long", type=int, default=1000, help="tokens of the blocks-over-time decode (0: skip it)")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--results", default=None,
+                    help="write the paired rounds with provenance to this JSON file (e.g. docs/results/vllm-overhead.json)")
     args = ap.parse_args()
 
     from vase.bench.paired import alternating, paired_ratio
     from vase.models import model_dir
+    from vase.provenance import finish, provenance, write_results
     from vase.vllm import additional_config
+
+    record = provenance(note=f"{args.rounds} paired, alternating rounds (stock, plugin without eviction, plugin "
+                             f"evicting) in one process; each ratio within its round")
 
     path = model_dir()
     pool = 256 << 20
@@ -114,6 +120,15 @@ def main() -> None:
         a, b, c = rates["stock"][r], rates["plugin"][r], rates["evicting"][r]
         print(f"round {r}: stock {a:.2f} tok/s, plugin (a) no eviction {b:.2f} ({b / a:.3f}), "
               f"(b) vase-attnv B={args.evict_budget} w={args.window} {c:.2f} ({c / a:.3f})", flush=True)
+    if args.results:
+        evicting_label = f"(b) vase-attnv B = {args.evict_budget}, w = {args.window}"
+        rows = [{"round": str(r), "stock tok/s": f"{a:.2f}", "(a) no eviction": f"{b:.2f}", "ratio": f"{b / a:.3f}",
+                 evicting_label: f"{c:.2f}", "ratio (column 6)": f"{c / a:.3f}"}
+                for r, (a, b, c) in enumerate(zip(rates["stock"], rates["plugin"], rates["evicting"]))]
+        table = {"columns": ["round", "stock tok/s", "(a) no eviction", "ratio", evicting_label, "ratio"],
+                 "align": "llllll", "keys": ["round", "stock tok/s", "(a) no eviction", "ratio", evicting_label,
+                                             "ratio (column 6)"]}
+        print(f"wrote {write_results(args.results, rows, finish(record), table)}")
     for name, mine in (("(a) no eviction", rates["plugin"]), (f"(b) B={args.evict_budget} evicting", rates["evicting"])):
         med, lo, hi = paired_ratio(mine, rates["stock"])  # within each round, then median and spread
         print(f"{name}: median plugin/stock tok/s {med:.3f}, spread {lo:.3f}..{hi:.3f} (batch {args.batch}, "
