@@ -102,6 +102,23 @@ def test_inductor_quantized_step_keeps_what_eager_keeps(model):
     _assert_same(model, "vase-attnv", "inductor", kv_bits=4)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_planes_are_the_dequantized_values_in_plane_order(bits):
+    """`StaticQuant.attend` reads the codes as `planes`: the very values `dequantize` gives (times the key scale),
+    bit for bit, in `plane_order`."""
+    from vase.quant import dequantize, quantize
+    from vase.static_storage import plane_order, planes
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 7, 64, generator=gen) * 3
+    key_scale = (torch.rand(2, 3, 1, 64, generator=gen) + 0.5).half()
+    p = quantize(x, bits, 16)
+    order = plane_order(64, bits, x.device)
+    assert sorted(order.tolist()) == list(range(64))
+    assert torch.equal(planes(p), dequantize(p).index_select(-1, order))
+    assert torch.equal(planes(p, key_scale), (dequantize(p) * key_scale.float()).index_select(-1, order))
+
+
 def test_quantized_flush_runs_at_the_eager_steps_only(model, monkeypatch):
     """The flush is a graph variant the host picks (`StaticQuant.flush_due`): it runs at exactly the steps where the
     eager storage flushes (its counter back to 0), and the stores' fill (full-precision and packed entries per

@@ -168,6 +168,9 @@ class StaticQuant:
         self.kscale_set = torch.tensor(src.kscale is not None, device=device)
         self.unflushed = src.unflushed  # host counter: tokens appended since the last flush (`flush_due`)
         self.pad0 = torch.tensor(pad0, dtype=torch.long, device=device)
+        # `attend`: the query's columns in the keys' plane order, and the values' plane order undone
+        self.k_order = plane_order(d, self.bits, device)
+        self.v_unorder = torch.argsort(plane_order(dv, self.bits, device))
 
     # -- host side: the flush schedule ---------------------------------------------------------------
     def flush_due(self) -> bool:
@@ -262,15 +265,15 @@ class StaticQuant:
         qg = query.reshape(b, h, hq // h, d)  # query head i reads KV head i // g
         kq = planes(self.qk, self.kscale if self.key_scale else None).to(query.dtype)  # [b, h, E, d], planes
         vq = planes(self.qv).to(query.dtype)
-        perm_k, perm_v = plane_order(d, self.bits, query.device), plane_order(vq.shape[-1], self.bits, query.device)
-        scores = torch.cat([qg.index_select(-1, perm_k) @ kq.transpose(-1, -2), qg @ self.fk.transpose(-1, -2)], -1)
+        scores = torch.cat([qg.index_select(-1, self.k_order) @ kq.transpose(-1, -2),
+                            qg @ self.fk.transpose(-1, -2)], -1)
         tags = torch.cat([self.qslot, self.fslot], -1).long()
         live = (tags >= 0) & (tags < length.view(b, 1, 1))
         scores = (scores * (scaling if scaling is not None else d ** -0.5)).masked_fill(~live[:, :, None],
                                                                                         float("-inf"))
         p = torch.softmax(scores, -1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
         n_q = kq.shape[2]
-        out = (p[..., :n_q] @ vq).index_select(-1, torch.argsort(perm_v)) + p[..., n_q:] @ self.fv
+        out = (p[..., :n_q] @ vq).index_select(-1, self.v_unorder) + p[..., n_q:] @ self.fv
         return out.reshape(b, 1, hq, -1)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
