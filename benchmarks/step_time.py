@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "leaves out the time a loaded machine gave to other processes)")
     p.add_argument("--repeats", type=int, default=1, help="compiled runs, each between two eager runs (paired)")
     p.add_argument("--out", help="write the rows and their provenance to this results file (JSON)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="instead of timing: profile N steady steps of each path (torch.profiler, after the same "
+                        "warm-up) and print the ops with the most self CPU time (ms per step, share of the step)")
+    p.add_argument("--top", type=int, default=15, help="ops listed per path with --profile")
     return p.parse_args(argv)
 
 
@@ -71,16 +75,34 @@ def main(argv=None) -> int:
         positions, _, _ = prefill(model, ids, mask, cache)
         return cache, positions[:, -1:] + 1
 
-    def timed(step, nxt: torch.Tensor) -> float:
+    def timed(step, nxt: torch.Tensor) -> float | list[dict]:
         token = ids[:, -1:]
         for _ in range(args.warm):
             step(token, nxt)
             nxt = nxt + 1
+        if args.profile:
+            return profiled(step, token, nxt)
         start = clock()
         for _ in range(args.steps):
             step(token, nxt)
             nxt = nxt + 1
         return (clock() - start) / args.steps * 1000
+
+    def profiled(step, token: torch.Tensor, nxt: torch.Tensor) -> list[dict]:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.profile):
+                step(token, nxt)
+                nxt = nxt + 1
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events)
+        events.sort(key=lambda e: -e.self_cpu_time_total)
+        return [{"op": e.key[:70], "calls per step": round(e.count / args.profile, 1),
+                 "ms per step": round(e.self_cpu_time_total / 1000 / args.profile, 3),
+                 "share": round(e.self_cpu_time_total / total, 3)} for e in events[:args.top]] + \
+            [{"op": "(all ops)", "calls per step": round(sum(e.count for e in events) / args.profile, 1),
+              "ms per step": round(total / 1000 / args.profile, 3), "share": 1.0}]
 
     @torch.inference_mode()
     def eager() -> float:
@@ -102,6 +124,18 @@ def main(argv=None) -> int:
     from vase.provenance import finish, provenance, write_results
 
     record = provenance()
+    if args.profile:
+        rows = [{"path": path, **row} for path, fn in (("eager", eager), ("compiled", compiled)) for row in fn()]
+        for row in rows:
+            print(f"{row['path']:9s} {row['ms per step']:9.3f} ms {row['share']:6.1%} {row['calls per step']:7.1f} "
+                  f"calls  {row['op']}")
+        if args.out:
+            settings = {k: getattr(args, k) for k in ("shape", "method", "batch", "budget", "window", "prompt",
+                                                       "kv_bits", "warm", "profile", "threads")}
+            write_results(args.out, rows, finish({**record, "settings": settings}),
+                          table={"align": "llrrr", "formats": {"ms per step": ".3f", "share": ".1%"}})
+            print(f"wrote {args.out}")
+        return 0
     eagers, comps = [eager()], []
     for _ in range(args.repeats):  # E, C, E, C, ..., E: every compiled run sits between two eager runs
         comps.append(compiled())
