@@ -147,7 +147,8 @@ def main(argv=None) -> int:
         rows.append({"repeat": i, "eager ms before": round(first, 2), "compiled ms": round(comp, 2),
                      "eager ms after": round(last, 2), "compiled / eager": round(ratio, 3)})
         print(f"{args.shape}, {args.method}, batch {args.batch}, B = {args.budget}, w = {args.window}, "
-              f"kv_bits {args.kv_bits}, {args.threads} thread(s), {args.clock} clock: ms per step eager {first:.1f} / compiled "
+              f"kv_bits {args.kv_bits}, {args.threads} thread(s), {args.clock} clock: ms per step eager {first:.1f} / "
+              f"compiled "
               f"{comp:.1f} / eager {last:.1f}; compiled / eager speed {ratio:.2f}x", flush=True)
     ratios = sorted(r["compiled / eager"] for r in rows)
     mid = len(ratios) // 2

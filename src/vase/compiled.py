@@ -5,9 +5,10 @@
 An evicting method: prefill (and, for a row whose prompt is longer than B, decode until its
 first eviction) runs eagerly with the `EvictionCache`; then the cache becomes a
 `vase.static.StaticEvictionCache` and every further step runs one of two compiled graphs,
-plain or evicting, picked by the host from the schedule (no recompilation, no graph break at
-an eviction). `full`: transformers' `StaticCache` of prompt + new tokens on the stock kernel,
-the decode step compiled (the fair full-cache peer).
+plain or evicting (with quantized storage, each also in a flush variant), picked by the host
+from the schedule (no recompilation, no graph break at an eviction). `full`: transformers'
+`StaticCache` of prompt + new tokens on the stock kernel, the decode step compiled (the fair
+full-cache peer).
 
 Finished rows stay in the batch (their tokens are ignored), so shapes never change.
 The model call stays transformers' own; only the step function around it is compiled.

@@ -13,7 +13,8 @@ B - w of its first B slots, the w most recent stay, and one fixed-size gather (B
 of B + w, the kept ones first) compacts them: no shape depends on the step. Rows due at the
 same step evict together; the others pass through the gather unchanged (`torch.where`).
 
-The step comes in two variants (`evicting` False / True), each one graph; the host picks the
+The step comes in two variants (`evicting` False / True; with quantized storage each also with
+`flushing`, the storage's flush every `flush_every` tokens), each one graph; the host picks the
 variant from the schedule (`vase.schedule`: it knows each row's length without reading the
 device), so neither recompiles as the sequence grows and an eviction is no graph break.
 Random draws of stochastic policies (sampling, VaSE-DKV's projection) are made on the host
