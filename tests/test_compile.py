@@ -102,6 +102,60 @@ def test_inductor_quantized_step_keeps_what_eager_keeps(model):
     _assert_same(model, "vase-attnv", "inductor", kv_bits=4)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_planes_are_the_dequantized_values_in_plane_order(bits):
+    """`StaticQuant.attend` reads the codes as `planes`: the very values `dequantize` gives (times the key scale),
+    bit for bit, in `plane_order`."""
+    from vase.quant import dequantize, quantize
+    from vase.static_storage import plane_order, planes
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 7, 64, generator=gen) * 3
+    key_scale = (torch.rand(2, 3, 1, 64, generator=gen) + 0.5).half()
+    p = quantize(x, bits, 16)
+    order = plane_order(64, bits, x.device)
+    assert sorted(order.tolist()) == list(range(64))
+    assert torch.equal(planes(p), dequantize(p).index_select(-1, order))
+    assert torch.equal(planes(p, key_scale), (dequantize(p) * key_scale.float()).index_select(-1, order))
+
+
+def test_quantized_flush_runs_at_the_eager_steps_only(model, monkeypatch):
+    """The flush is a graph variant the host picks (`StaticQuant.flush_due`): it runs at exactly the steps where the
+    eager storage flushes (its counter back to 0), and the stores' fill (full-precision and packed entries per
+    head) matches the eager storage's after every step (a flush at every step would quantize early)."""
+    from vase.compiled import StaticStepper
+    from vase.decoding import prefill
+
+    storage = {"kv_bits": 4, "flush_every": 3}
+    ids, mask, feed = _inputs(2)
+    cache = EvictionCache(model, "vase-attnv", B, W, seed=[7, 8], **storage)
+    eager = []
+    with torch.inference_mode():
+        positions, _, _ = prefill(model, ids, mask, cache)
+        nxt = positions[:, -1:] + 1
+        for t in range(STEPS):
+            model(input_ids=feed[:, t:t + 1], position_ids=nxt, **cache_kwargs(cache), use_cache=True)
+            nxt = nxt + 1
+            st = cache.layers[0].storage
+            eager.append((st.unflushed == 0, st.fn.tolist(), st.qn.tolist()))
+
+    ran = []
+    variant = StaticStepper.variant
+    monkeypatch.setattr(StaticStepper, "variant", lambda self, ev, fl: ran.append(fl) or variant(self, ev, fl))
+    compiled = []
+
+    def on_step(t, stepper):
+        st = stepper.cache.layers[0].store
+        compiled.append((ran[-1], st.fn.tolist(), st.qn.tolist()))
+
+    run(model, "vase-attnv", CompiledSteps(backend="aot_eager"), on_step=on_step, **storage)
+    assert len(ran) == STEPS  # static from the first step (the prompt fits B)
+    flushes = [t for t, (flushed, _, _) in enumerate(eager) if flushed]
+    assert [t for t, (flushed, _, _) in enumerate(compiled) if flushed] == flushes
+    assert 5 <= len(flushes) < STEPS, flushes
+    assert compiled == eager
+
+
 def test_batch_of_one_and_long_prompt(model):
     """A prompt longer than B: the first eviction runs eagerly, then the static steps."""
     gen = torch.Generator().manual_seed(1)
@@ -114,25 +168,32 @@ def test_batch_of_one_and_long_prompt(model):
 
 
 @pytest.mark.parametrize("storage", [{}, {"kv_bits": 4, "flush_every": 3}], ids=["dense", "4-bit"])
-def test_no_recompilation_over_evictions(model, storage):
-    """Warm-up compiles two graphs (plain and evicting step); 3 more evictions (and flushes) compile nothing."""
+def test_no_recompilation_over_evictions(model, storage, monkeypatch):
+    """One graph per step variant that ran (plain, evicting; with quantized storage also the flush variant of
+    each), compiled when it first runs; 3 more evictions (and flushes) compile nothing."""
+    from vase.compiled import StaticStepper
+
     backend = Counter()
     steps = CompiledSteps(backend=backend)
-    seen = {}
+    seen, variants = {}, set()
+    variant = StaticStepper.variant
+    monkeypatch.setattr(StaticStepper, "variant", lambda self, ev, fl: variants.add((ev, fl)) or variant(self, ev, fl))
 
     def on_step(t, stepper):
         if stepper is not None:
-            seen[t] = (backend.graphs, stepper.cache.stats()["evictions"])
+            seen[t] = (backend.graphs, stepper.cache.stats()["evictions"], len(variants))
 
     run(model, "vase-attnv", steps, batch=1, steps=STEPS, on_step=on_step, **storage)
     # batch 1, P = 10: evictions before the feeds of steps 10, 14, 18, 22, 26
     warm = seen[10]
-    assert warm[0] == 2, warm  # plain step (compiled at step 0) + evicting step (at the first eviction)
+    expected = {(False, False), (True, False)} | ({(False, True), (True, True)} if storage else set())
+    assert variants == expected  # flush_every 3 against an eviction every 4 steps: every combination occurs
+    assert warm[0] == warm[2] and warm[0] >= 2, warm  # one graph per variant run so far
     assert seen[STEPS - 1][1] - warm[1] >= 3  # at least three more evictions ...
-    assert seen[STEPS - 1][0] == 2  # ... and no new graph
-    # A second generation with a new cache of the same configuration reuses both graphs.
+    assert seen[STEPS - 1][0] == len(variants)  # ... and no graph beyond one per variant
+    # A second generation with a new cache of the same configuration reuses the graphs.
     run(model, "vase-attnv", steps, batch=1, steps=12, **storage)
-    assert backend.graphs == 2
+    assert backend.graphs == len(variants)
 
 
 def test_no_graph_break_at_an_eviction(model):

@@ -5,9 +5,10 @@
 An evicting method: prefill (and, for a row whose prompt is longer than B, decode until its
 first eviction) runs eagerly with the `EvictionCache`; then the cache becomes a
 `vase.static.StaticEvictionCache` and every further step runs one of two compiled graphs,
-plain or evicting, picked by the host from the schedule (no recompilation, no graph break at
-an eviction). `full`: transformers' `StaticCache` of prompt + new tokens on the stock kernel,
-the decode step compiled (the fair full-cache peer).
+plain or evicting (with quantized storage, each also in a flush variant), picked by the host
+from the schedule (no recompilation, no graph break at an eviction). `full`: transformers'
+`StaticCache` of prompt + new tokens on the stock kernel, the decode step compiled (the fair
+full-cache peer).
 
 Finished rows stay in the batch (their tokens are ignored), so shapes never change.
 The model call stays transformers' own; only the step function around it is compiled.
@@ -35,12 +36,21 @@ def _model_step(model, cache, tokens: torch.Tensor, positions: torch.Tensor) -> 
     return out.logits[:, -1]
 
 
-# Two functions (two code objects), so each variant keeps its own compiled graph.
+# One function (one code object) per variant, so each keeps its own compiled graph: the graph is specialised on
+# the cache's host flags `evicting` and `flushing` (quantized storage), set by the host from the schedule.
 def _plain_step(model, cache, tokens, positions):
     return _model_step(model, cache, tokens, positions)
 
 
 def _evicting_step(model, cache, tokens, positions):
+    return _model_step(model, cache, tokens, positions)
+
+
+def _flush_step(model, cache, tokens, positions):
+    return _model_step(model, cache, tokens, positions)
+
+
+def _evicting_flush_step(model, cache, tokens, positions):
     return _model_step(model, cache, tokens, positions)
 
 
@@ -76,6 +86,8 @@ class CompiledSteps:
         opts = dict(fullgraph=True, dynamic=False, backend=backend, **compile_mode(mode, backend))
         self.plain = torch.compile(_fresh(_plain_step, tag), **opts)
         self.evicting = torch.compile(_fresh(_evicting_step, tag), **opts)
+        self.flush = torch.compile(_fresh(_flush_step, tag), **opts)  # quantized storage only
+        self.evicting_flush = torch.compile(_fresh(_evicting_flush_step, tag), **opts)
         self.full = torch.compile(_fresh(_full_step, tag), **opts)
 
 
@@ -99,17 +111,24 @@ def config_key(model, cache, batch: int) -> tuple:
 
 
 class StaticStepper:
-    """Runs the steady-state steps of an evicting cache: host schedule + the compiled variants."""
+    """Runs the steady-state steps of an evicting cache: host schedule + the compiled variants (plain,
+    evicting; with quantized storage also a flush variant of each, picked when the flush is due)."""
 
     def __init__(self, model, cache: StaticEvictionCache, steps: CompiledSteps):
         self.model, self.cache, self.steps = model, cache, steps
 
+    def variant(self, evicting: bool, flushing: bool) -> Callable:
+        """The compiled graph for a step that evicts and/or flushes (quantized storage)."""
+        s = self.steps
+        return ((s.evicting_flush if flushing else s.evicting) if evicting else
+                (s.flush if flushing else s.plain))
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         due = self.cache.begin_step()
         try:
-            logits = (self.steps.evicting if due else self.steps.plain)(self.model, self.cache, tokens, positions)
+            logits = self.variant(bool(due), self.cache.flushing)(self.model, self.cache, tokens, positions)
         finally:
-            self.cache.evicting = False
+            self.cache.evicting = self.cache.flushing = False
         self.cache.advance(due)
         return logits
 

@@ -13,7 +13,8 @@ B - w of its first B slots, the w most recent stay, and one fixed-size gather (B
 of B + w, the kept ones first) compacts them: no shape depends on the step. Rows due at the
 same step evict together; the others pass through the gather unchanged (`torch.where`).
 
-The step comes in two variants (`evicting` False / True), each one graph; the host picks the
+The step comes in two variants (`evicting` False / True; with quantized storage each also with
+`flushing`, the storage's flush every `flush_every` tokens), each one graph; the host picks the
 variant from the schedule (`vase.schedule`: it knows each row's length without reading the
 device), so neither recompiles as the sequence grows and an eviction is no graph break.
 Random draws of stochastic policies (sampling, VaSE-DKV's projection) are made on the host
@@ -192,14 +193,14 @@ class StaticLayer(CacheLayerMixin):
         if self.cache.evicting:
             self._evict()
         b, h = self.keys.shape[:2]
-        self.store.write(self.length, key_states, value_states, self.seen)
+        self.store.write(self.length, key_states, value_states, self.seen, flush=self.cache.flushing)
         slot = self.length.view(b, 1, 1)
         self.positions.scatter_(2, slot.expand(b, h, 1), self.seen.view(1, 1, 1).expand(b, h, 1))
         for state in self.slot_state.values():
             state.scatter_(2, slot.expand(b, h, 1), 0.0)
         self.length.add_(1)
         self.seen.add_(1)
-        return self.store.read()
+        return self.store.step_kv()
 
     def step_mask(self, query: torch.Tensor, kind: str) -> torch.Tensor:
         """Record the query [b, q_heads, 1, d] and return the mask [b, 1, 1, B + w] over the valid prefix."""
@@ -282,6 +283,7 @@ class StaticLayer(CacheLayerMixin):
             self.evictions += 1
         self.host_length = [n + 1 for n in self.host_length]
         self.host_seen += 1
+        self.store.advance()
         if self.step_bytes is not None:
             self.step_bytes += self.store.row_bytes()
 
@@ -308,6 +310,7 @@ class StaticEvictionCache(Cache):
         self.generators = eager.generators
         self.q_heads = q_heads
         self.evicting = False
+        self.flushing = False  # quantized storage: this step flushes (its own graph variant, as `evicting`)
         self.draws: list[tuple[str, tuple[int, ...]]] = []
         super().__init__(layers=[StaticLayer(self, l) for l in eager.layers])
         if self.policy.stochastic:
@@ -367,12 +370,13 @@ class StaticEvictionCache(Cache):
 
     def begin_step(self) -> list[int]:
         """Host side before a step: the rows that evict in it, with their random draws made and
-        `evicting` (the flag the compiled graph is specialised on) set. After the step: `evicting =
-        False`, then `advance(due)`."""
+        `evicting` and `flushing` (the flags the compiled graph is specialised on) set. After the step:
+        `evicting = False`, then `advance(due)`."""
         due = self.due_rows()
         if due:
             self.prepare(due)
         self.evicting = bool(due)
+        self.flushing = self.layers[0].store.flush_due()  # every layer's store flushes at the same step
         return due
 
     def prepare(self, due: list[int]) -> None:
@@ -457,12 +461,23 @@ def _sdpa_grouped(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out.transpose(1, 2).contiguous(), None
 
 
+def _plain_attention(kwargs: dict) -> bool:
+    """Whether the attention call asks for nothing beyond softmax(q k / scale) v (`StaticQuant.attend`)."""
+    return (not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+            and kwargs.get("position_bias") is None)
+
+
 def _make_static_attention(kernel: str):
     kind = "additive" if kernel == "eager" else "bool"
 
     def vase_static_attention(module, query, key, value, attention_mask, **kwargs):
         cache = _ACTIVE[0]
-        mask = cache.layers[module.layer_idx].step_mask(query, kind)
+        layer = cache.layers[module.layer_idx]
+        mask = layer.step_mask(query, kind)
+        if isinstance(layer.store, StaticQuant):  # `key`/`value` are carriers: attend the stores where they lie
+            if _plain_attention(kwargs):
+                return layer.store.attend(query, layer.length, kwargs.get("scaling")), None
+            key, value = layer.store.read()
         # On a CPU, SDPA with a mask reads grouped heads in place; on CUDA a mask with grouped heads would take
         # the math kernel, so the stock kernel (its copy, then a fused kernel) stays.
         if kernel == "sdpa" and _SDPA_GQA and query.device.type == "cpu" and kwargs.get("position_bias") is None:

@@ -10,8 +10,12 @@ cache's life, and every method below runs inside the compiled step (no host read
   (packed codes for old tokens, full precision for the window and the reserve) with the same
   rules, so the compiled step keeps what the eager quantized cache keeps. The eager storage
   sizes some operations by host reads (`int(m.max())`, `q_hi`); here they run at their upper
-  bound instead (every store entry), and the flush that falls every `flush_every` tokens is
-  computed at each step and selected by a flag tensor (one graph, no host-side branch).
+  bound instead (every store entry). The flush that falls every `flush_every` tokens is its own
+  graph variant: the host knows when it is due (`flush_due`, a host counter, as the eviction
+  schedule) and sets the flag the step is specialised on; the other steps only append.
+  Attention (`attend`) reads the packed codes and the full-precision entries where they lie
+  (entry order, masked by their slot tags), dequantizing inside the reduction, so the compiled
+  step never builds the dequantized [b, h, B + w, d] K/V; only the policy at an eviction does (`read`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,30 @@ def front_index(pads: torch.Tensor, cap: int, src_capacity: int, heads: int) -> 
     return index[:, None, :].expand(pads.shape[0], heads, cap)
 
 
+def plane_order(dim: int, bits: int, device: torch.device) -> torch.Tensor:
+    """The element order of `planes` [dim]: position i * (dim / per) + j holds element per * j + i
+    (per = 8 / bits codes to a byte)."""
+    per = 8 // bits
+    return torch.arange(dim, device=device).view(-1, per).t().reshape(-1)
+
+
+def planes(p: Packed, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`vase.quant.dequantize` of p [..., n] -> float32 [..., d], each value computed as there (zero + q * scale,
+    then times `key_scale` [..., 1, d] when given), the elements in `plane_order`: the codes at bits 0.. of
+    every byte, then those at bits `bits`.., ...; no interleaving, so it vectorizes."""
+    per = 8 // p.bits
+    groups = p.scale.shape[-1]
+    zero, scale = p.zero.float()[..., None], p.scale.float()[..., None]
+    out = []
+    for i in range(per):
+        codes = p.codes if per == 1 else (p.codes >> (i * p.bits)) & ((1 << p.bits) - 1)
+        out.append((zero + codes.view(*codes.shape[:-1], groups, -1).float() * scale).flatten(-2))
+    x = torch.cat(out, -1) if per > 1 else out[0]
+    if key_scale is not None:
+        x = x * key_scale.float().index_select(-1, plane_order(x.shape[-1], p.bits, x.device))
+    return x
+
+
 class StaticDense:
     """Full-precision K/V buffers [b, kv_heads, B + w, d]."""
 
@@ -43,8 +71,9 @@ class StaticDense:
         return cls(gather_slots(src_keys, index).contiguous(), gather_slots(src_values, index).contiguous())
 
     def write(self, slot: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-              seen: torch.Tensor) -> None:
-        """Store one token per row: key/value_states [b, h, 1, d] at slot [b] (`seen`: its sequence index)."""
+              seen: torch.Tensor, flush: bool = False) -> None:
+        """Store one token per row: key/value_states [b, h, 1, d] at slot [b] (`seen`: its sequence index;
+        `flush` is the quantized storage's and means nothing here)."""
         b, h, cap, _ = self.keys.shape
         # index_copy_ into a flat view of whole head_dim rows: inductor writes it in place (a scatter_ over
         # [b, h, 1, d] it did not, and copied both buffers of every layer at every step)
@@ -55,6 +84,14 @@ class StaticDense:
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [b, h, B + w, d] for attention (slots past a row's length are masked by the layer)."""
         return self.keys, self.values
+
+    step_kv = read  # what the layer's `update` hands the attention function: the buffers themselves
+
+    def flush_due(self) -> bool:
+        return False
+
+    def advance(self) -> None:
+        pass
 
     def candidates(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [b, h, n, d] of slots 0 .. n - 1, for the policy."""
@@ -85,7 +122,7 @@ class StaticQuant:
 
     Stores as `QuantStorage`'s: full precision fk, fv [b, h, R + w + F, d], fslot, frank, fn; packed
     qk, qv (codes, scale, zero) [b, h, B + w + 1, ...] (the last entry is the trash that absorbs
-    writes aimed at no slot), qslot, qn; `unflushed` [] tokens since the last flush."""
+    writes aimed at no slot), qslot, qn; `unflushed` (host int) tokens appended since the last flush."""
 
     def __init__(self, src: QuantStorage, pads: torch.Tensor, pad0: list[int], cap: int):
         cfg = src.qcfg
@@ -124,49 +161,70 @@ class StaticQuant:
         self.kscale = src.kscale.clone() if src.kscale is not None else \
             torch.ones(b, h, 1, d, dtype=torch.float16, device=device)
         self.kscale_set = torch.tensor(src.kscale is not None, device=device)
-        self.unflushed = torch.tensor(src.unflushed, dtype=torch.long, device=device)
+        self.unflushed = src.unflushed  # host counter: tokens appended since the last flush (`flush_due`)
         self.pad0 = torch.tensor(pad0, dtype=torch.long, device=device)
+        # `attend`: the query's columns in the keys' plane order, and the values' plane order undone
+        self.k_order = plane_order(d, self.bits, device)
+        self.v_unorder = torch.argsort(plane_order(dv, self.bits, device))
+
+    # -- host side: the flush schedule ---------------------------------------------------------------
+    def flush_due(self) -> bool:
+        """Whether the next step's token makes a flush: as `QuantStorage._ingest`, every `flush_every` tokens
+        (a host counter, the same for every row and layer: no device read)."""
+        return self.unflushed == self.flush_every - 1
+
+    def advance(self) -> None:
+        """After a step: one more token appended, or (a flush step) none left unflushed."""
+        self.unflushed = (self.unflushed + 1) % self.flush_every
 
     # -- the step (traced) ---------------------------------------------------------------------------
     def write(self, slot: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-              seen: torch.Tensor) -> None:
+              seen: torch.Tensor, flush: bool = False) -> None:
         """Store one token per row (`QuantStorage._ingest` of one token): key/value_states [b, h, 1, d] at
-        slot [b], sequence index `seen` []. Appended to the full-precision store, or, every `flush_every`
-        tokens, a flush: the window and the top-R old tokens stay exact, the other old ones are quantized."""
+        slot [b], sequence index `seen` []. Appended to the full-precision store, or, when `flush` (the host's
+        `flush_due`; its own graph), a flush: the window and the top-R old tokens stay exact, the other old
+        ones are quantized."""
         b, h = key_states.shape[:2]
-        n_fp = self.fk.shape[2]
         slots = slot.view(b, 1, 1).expand(b, h, 1)
         rank = value_magnitude(value_states, self.metric)
         rank = rank.masked_fill(((seen - self.pad0) < self.sinks).view(b, 1, 1), float("inf"))
-        flush = self.unflushed == self.flush_every - 1
-        # the plain path: append after each head's live full-precision entries
-        at = self.fn[..., None].clamp(max=n_fp - 1)
-        app_k = self.fk.scatter(2, at[..., None].expand(b, h, 1, self.fk.shape[-1]), key_states)
-        app_v = self.fv.scatter(2, at[..., None].expand(b, h, 1, self.fv.shape[-1]), value_states)
-        app_slot = self.fslot.scatter(2, at, slots.to(self.fslot.dtype))
-        app_rank = self.frank.scatter(2, at, rank)
-        # the flush path (QuantStorage._flush with this row's length after the write)
+        if flush:
+            self._flush(slot, key_states, value_states, slots, rank)
+            return
+        # append after each head's live full-precision entries (index_copy_ into a flat view: in place)
+        n_fp = self.fk.shape[2]
+        flat = flat_slots(self.fn[..., None].clamp(max=n_fp - 1), n_fp)
+        for buf, new in ((self.fk, key_states), (self.fv, value_states)):
+            buf.view(-1, buf.shape[-1]).index_copy_(0, flat, new.reshape(-1, buf.shape[-1]).to(buf.dtype))
+        self.fslot.view(-1).index_copy_(0, flat, slots.reshape(-1).to(self.fslot.dtype))
+        self.frank.view(-1).index_copy_(0, flat, rank.reshape(-1).to(self.frank.dtype))
+        self.fn.add_(1)
+
+    def _flush(self, slot: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, slots: torch.Tensor,
+               rank: torch.Tensor) -> None:
+        """`QuantStorage._flush` with this row's length after the write (the new token [b, h, 1, d] included)."""
+        b, h = key_states.shape[:2]
+        n_fp = self.fk.shape[2]
         ck, cv = torch.cat([self.fk, key_states], 2), torch.cat([self.fv, value_states], 2)
         cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
         keep, quant = flush_split(cs, cr, (slot + 1 - self.window).view(b, 1, 1), self.guard)
         order = left_pack(keep, n_fp)
         kept = keep.gather(-1, order)
-        fl_slot = gather_entries(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
-        self.fk.copy_(torch.where(flush, gather_entries(ck, order), app_k))
-        self.fv.copy_(torch.where(flush, gather_entries(cv, order), app_v))
-        self.fslot.copy_(torch.where(flush, fl_slot, app_slot))
-        self.frank.copy_(torch.where(flush, gather_entries(cr, order), app_rank))
-        self.fn.copy_(torch.where(flush, keep.sum(-1), self.fn + 1))
+        self.fk.copy_(gather_entries(ck, order))
+        self.fv.copy_(gather_entries(cv, order))
+        self.fslot.copy_(gather_entries(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype))
+        self.frank.copy_(gather_entries(cr, order))
+        self.fn.copy_(keep.sum(-1))
         # quantize the old tokens that left (every entry at its upper bound; non-chosen ones go to the trash)
         n_q = cs.shape[2]
         order = left_pack(quant, n_q)
-        chosen = quant.gather(-1, order) & flush
+        chosen = quant.gather(-1, order)
         trash = self.qslot.shape[2] - 1
         dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=cs.device), trash)
         keys, values = gather_entries(ck, order), gather_entries(cv, order)
         if self.key_scale:  # fixed at the first flush that quantizes anything, as the eager storage
             live = ck.float().abs().masked_fill((cs < 0)[..., None], 0)
-            first = flush & ~self.kscale_set & quant.any()
+            first = ~self.kscale_set & quant.any()
             self.kscale.copy_(torch.where(first, live.amax(2, keepdim=True).clamp(min=1e-4).to(torch.float16),
                                           self.kscale))
             self.kscale_set.copy_(self.kscale_set | first)
@@ -178,12 +236,45 @@ class StaticQuant:
                 buf.scatter_(2, dest[..., None].expand(b, h, n_q, buf.shape[-1]), getattr(p, name))
         self.qslot.scatter_(2, dest, gather_entries(cs, order).masked_fill(~chosen, -1).to(self.qslot.dtype))
         self.qslot[:, :, trash] = -1
-        self.qn.add_(torch.where(flush, quant.sum(-1), 0))
-        self.unflushed.copy_(torch.where(flush, 0, self.unflushed + 1))
+        self.qn.add_(quant.sum(-1))
+
+    def step_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the layer's `update` hands the attention function: the zero-stride carriers (shapes and dtype;
+        the static attention function calls `attend`, which reads the stores)."""
+        return self.keys, self.values
+
+    def attend(self, query: torch.Tensor, length: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Attention of the decode query [b, q_heads, 1, d] over what the stores hold: -> [b, 1, q_heads, dv].
+
+        Reads the entries where they lie: the packed store (B + w + 1 entries) and the full-precision
+        store, each entry live where its slot tag is in 0 .. length[r] - 1 (the slots `read` would place
+        and the layer's mask keep). Attention does not depend on the order of its keys, so this is the
+        attention over `read()` without building it (no zero fill, no scatter into slot order). The codes
+        are dequantized plane by plane (`planes`: every element of a byte's low bits, then the next bits,
+        ...), which vectorizes, and the query / output columns are permuted to match. On a CPU inductor
+        runs the two products as GEMM calls (it fuses no dequantization into them): the dequantized
+        planes [b, h, B + w + 1, d] are a temporary of the step, never held. Scores in the query's dtype,
+        softmax in at least float32, as transformers' eager kernel."""
+        b, hq, _, d = query.shape
+        h = self.fk.shape[1]
+        qg = query.reshape(b, h, hq // h, d)  # query head i reads KV head i // g
+        kq = planes(self.qk, self.kscale if self.key_scale else None).to(query.dtype)  # [b, h, E, d], planes
+        vq = planes(self.qv).to(query.dtype)
+        scores = torch.cat([qg.index_select(-1, self.k_order) @ kq.transpose(-1, -2),
+                            qg @ self.fk.transpose(-1, -2)], -1)
+        tags = torch.cat([self.qslot, self.fslot], -1).long()
+        live = (tags >= 0) & (tags < length.view(b, 1, 1))
+        scores = (scores * (scaling if scaling is not None else d ** -0.5)).masked_fill(~live[:, :, None],
+                                                                                        float("-inf"))
+        p = torch.softmax(scores, -1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
+        n_q = kq.shape[2]
+        out = (p[..., :n_q] @ vq).index_select(-1, self.v_unorder) + p[..., n_q:] @ self.fv
+        return out.reshape(b, 1, hq, -1)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [b, h, B + w, d]: dequantized codes and exact full-precision rows (a new tensor per call;
-        empty slots are zero)."""
+        empty slots are zero). The policy's candidates at an eviction, and attention kernels `attend` does
+        not replace."""
         b, h, cap, d = self.keys.shape
         dv = self.values.shape[-1]
         rows = cap + 1  # one spare row per head takes every write aimed at no slot
@@ -249,5 +340,5 @@ class StaticQuant:
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer held between steps (counted, and marked static for CUDA graphs)."""
         out = [self.qk.codes, self.qk.scale, self.qk.zero, self.qv.codes, self.qv.scale, self.qv.zero, self.qslot,
-               self.qn, self.fk, self.fv, self.fslot, self.frank, self.fn, self.unflushed, self.pad0]
+               self.qn, self.fk, self.fv, self.fslot, self.frank, self.fn, self.pad0]
         return out + ([self.kscale, self.kscale_set] if self.key_scale else [])
