@@ -462,7 +462,7 @@ def _sdpa_grouped(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def _plain_attention(kwargs: dict) -> bool:
-    """Whether the attention call asks for nothing beyond softmax(q k / scale) v (`StaticQuant.attend`)."""
+    """Whether the attention call asks for nothing beyond softmax(q k / scale) v (a store's own `attend`)."""
     return (not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and kwargs.get("position_bias") is None)
 
@@ -474,7 +474,7 @@ def _make_static_attention(kernel: str):
         cache = _ACTIVE[0]
         layer = cache.layers[module.layer_idx]
         mask = layer.step_mask(query, kind)
-        if isinstance(layer.store, StaticQuant):  # `key`/`value` are carriers: attend the stores where they lie
+        if layer.store.attends_itself:  # `key`/`value` are carriers: attend the store where it lies
             if _plain_attention(kwargs):
                 return layer.store.attend(query, layer.length, kwargs.get("scaling")), None
             key, value = layer.store.read()

@@ -62,6 +62,9 @@ def planes(p: Packed, key_scale: torch.Tensor | None = None) -> torch.Tensor:
 class StaticDense:
     """Full-precision K/V buffers [b, kv_heads, B + w, d]."""
 
+    #: the compiled attention reads `read()` and runs the stock kernel (True: the store's own `attend`)
+    attends_itself = False
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self.keys, self.values = keys, values
 
@@ -123,6 +126,8 @@ class StaticQuant:
     Stores as `QuantStorage`'s: full precision fk, fv [b, h, R + w + F, d], fslot, frank, fn; packed
     qk, qv (codes, scale, zero) [b, h, B + w + 1, ...] (the last entry is the trash that absorbs
     writes aimed at no slot), qslot, qn; `unflushed` (host int) tokens appended since the last flush."""
+
+    attends_itself = True  # `attend` over the packed store, never the whole dequantized K/V
 
     def __init__(self, src: QuantStorage, pads: torch.Tensor, pad0: list[int], cap: int):
         cfg = src.qcfg
