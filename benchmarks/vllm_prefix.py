@@ -2,7 +2,7 @@
 """Prefix caching with eviction in the vLLM plugin (issue 31), on the embedded SmolLM2-135M (fp32, CPU).
 
     VLLM_CPU_OMP_THREADS_BIND=0 OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
-        python benchmarks/vllm_prefix.py [--scale small|issue]
+        python benchmarks/vllm_prefix.py [--scale small|medium|issue] [--only ttft|samples]
 
 1. `ttft`: R requests sharing an S-token system prompt (+ a 32-token question each), submitted at once,
    eviction on (vase-attnv, B = 128, w = 32), prefix caching on vs off: time to first token (per request,
@@ -12,7 +12,8 @@
    vLLM with prefix caching on.
 
 Writes docs/results/vllm-prefix-ttft.json and docs/results/vllm-prefix-samples.json (vase.provenance) and a CSV
-beside each. `--scale small` (the default) is the issue's setting scaled down to a few minutes on one core.
+beside each (a scale other than small adds `-<scale>` to the names). `--scale small` (the default) is the issue's
+setting scaled down to a few minutes on one core.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ SCALES = {  # the issue's setting, and the one run on the shared 2-core CPU
                   pool_blocks=160),
     "small": dict(requests=16, system=1024, question=32, ttft_new=16, problems=4, n=4, prompt=256, new=256,
                   pool_blocks=48),
+    # the issue's 8 x 8 samples, at 256 new tokens in a pool twice the small one's (4 times the samples)
+    "medium": dict(requests=16, system=1024, question=32, ttft_new=16, problems=8, n=8, prompt=256, new=256,
+                   pool_blocks=96),
 }
 METHOD, BUDGET, WINDOW, BLOCK = "vase-attnv", 128, 32, 32
 
@@ -175,6 +179,7 @@ def main() -> None:
     cmd = ("VLLM_CPU_OMP_THREADS_BIND=0 OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 "
            f"python benchmarks/vllm_prefix.py --scale {a.scale}" + (f" --only {a.only}" if a.only else ""))
     results = ROOT / "docs" / "results"
+    suffix = "" if a.scale == "small" else f"-{a.scale}"  # the small scale's files keep their names
     if a.only in (None, "ttft"):
         rec = provenance(command=cmd, scale=a.scale, model="SmolLM2-135M-Instruct fp32", method=METHOD,
                          budget=BUDGET, window=WINDOW, block_size=BLOCK)
@@ -184,9 +189,9 @@ def main() -> None:
             r["same_tokens_as_caching_off"] = same
         print([{k: v for k, v in r.items() if k != "outputs"} for r in rows], flush=True)
         finish(rec)
-        write_results(results / "vllm-prefix-ttft.json", [{k: v for k, v in r.items() if k != "outputs"}
+        write_results(results / f"vllm-prefix-ttft{suffix}.json", [{k: v for k, v in r.items() if k != "outputs"}
                                                          for r in rows], rec, table=TTFT_TABLE)
-        write_csv(results / "vllm-prefix-ttft.csv", rows)
+        write_csv(results / f"vllm-prefix-ttft{suffix}.csv", rows)
     if a.only in (None, "samples"):
         rec = provenance(command=cmd, scale=a.scale, model="SmolLM2-135M-Instruct fp32", method=METHOD,
                          budget=BUDGET, window=WINDOW, block_size=BLOCK)
@@ -196,9 +201,9 @@ def main() -> None:
             r["same_tokens_as_vase_caching_off"] = (r["outputs"] == rows[1]["outputs"]) if r is not rows[2] else None
         print([{k: v for k, v in r.items() if k != "outputs"} for r in rows], flush=True)
         finish(rec)
-        write_results(results / "vllm-prefix-samples.json", [{k: v for k, v in r.items() if k != "outputs"}
+        write_results(results / f"vllm-prefix-samples{suffix}.json", [{k: v for k, v in r.items() if k != "outputs"}
                                                             for r in rows], rec, table=SAMPLES_TABLE)
-        write_csv(results / "vllm-prefix-samples.csv", rows)
+        write_csv(results / f"vllm-prefix-samples{suffix}.csv", rows)
 
 
 if __name__ == "__main__":

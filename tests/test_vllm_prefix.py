@@ -335,3 +335,39 @@ def test_prefix_caching_beside_sliding_window_layers_is_turned_off_or_refused_in
     with pytest.raises(VaseConfigError, match="set enable_prefix_caching=False") as err:
         check_prefix_caching(hybrid, True)
     assert "\n" not in str(err.value)
+
+
+def test_admission_counts_the_copies_of_a_shared_prompt(tight, plain):
+    """n = 6 samples of one 100-token prompt in the 12-block pool (vase-attnv, seeded, 90 new tokens): the children
+    share the prompt's 3 full blocks, and each will copy 2 of them (its first ceil((B + w) / block) blocks) at its
+    first compaction. vLLM's own admission counts only the blocks a child needs now (1), admits all six and then
+    preempts at their compactions; with the copies counted (`pending_copies`, as vLLM's `reserved_blocks`) fewer
+    run at once and none is preempted. Each child's tokens and kept sets still equal one request alone."""
+    llm = tight
+    llm.reset_prefix_cache()
+    run = Run(llm, "vase-attnv")
+    sched = run.sched
+    kv = sched.kv_cache_manager
+    prompt = ids(100, 6)
+    before = sched.vase_preemptions, kv.vase_copied_blocks, kv.vase_reserve_refusals
+    running_peak = 0
+
+    def note():
+        nonlocal running_peak
+        running_peak = max(running_peak, len(sched.running))
+        return False
+
+    run.add("p", prompt, params(90, seed=3, temperature=0.8, n=6))
+    run.step(until=note)
+    preempted, copied, refused = (a - b for a, b in zip((sched.vase_preemptions, kv.vase_copied_blocks,
+                                                         kv.vase_reserve_refusals), before))
+    # seen here: 0 preemptions, 4 children running at most, 4 blocks copied (without the reserve: 9 preemptions)
+    assert preempted == 0 and refused > 0, (preempted, refused)
+    assert 1 < running_peak < 6 and copied > 0, (running_peak, copied)
+    kept = run.kept()
+    for k in range(6):
+        tokens, reference = alone(plain, "vase-attnv", prompt, params(90, seed=3 + k, temperature=0.8))
+        assert run.tokens[f"{k}_p"] == tokens, k
+        assert kept[f"{k}_p"] == reference, k
+    pool = kv.full_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and not kv.full_manager.req_to_blocks

@@ -70,9 +70,13 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              "a preemption (their replay may start at a prefix-cache hit)", attrs=("resumed_req_ids",)),
     Internal("vllm.v1.request.Request", "EvictingKVCacheManager, VaseScheduler",
              attrs=("request_id", "num_computed_tokens", "num_prompt_tokens", "num_tokens", "resumable",
-                    "is_finished")),
+                    "is_finished", "max_tokens")),
     Internal("vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots", "EvictingKVCacheManager.allocate_slots "
-             "(wraps it)", params=("self", "request", "num_new_tokens")),
+             "(wraps it; passes the copies its running requests will make as `reserved_blocks`, reads the waiting "
+             "path's `new_computed_blocks`)",
+             params=("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+                     "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens",
+                     "full_sequence_must_fit", "reserved_blocks")),
     Internal("vllm.v1.core.kv_cache_manager.KVCacheManager", "EvictingKVCacheManager",
              attrs=("coordinator", "block_pool", "empty_kv_cache_blocks", "create_kv_cache_blocks", "enable_caching")),
     Internal("vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks", "EvictingKVCacheManager."

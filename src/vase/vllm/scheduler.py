@@ -17,6 +17,10 @@ rewrites is copied (the request gets a fresh block, the shared one keeps its con
 it is the request's own and not a whole prompt block (or the pool is short), dropped from the prefix
 cache (`EvictingKVCacheManager.plan_copies`); the new block ids go to the workers in the scheduler
 output (`vase_copies`). A resumed request's prefix-cache hit is cut at max(P0, B) (`max_prefix_hit`).
+Those copies are counted before they are needed: every allocation that is not a compaction (a request admitted
+from the waiting queue, a step of a running one) leaves free the blocks the running requests' first compactions
+will copy (`EvictingKVCacheManager.pending_copies`), through vLLM's own `reserved_blocks` of `allocate_slots`; so
+vLLM admits fewer children of a shared prompt at once instead of preempting them at their first compaction.
 
 A model with sliding-window layers (Gemma 3, gpt-oss) has several KV cache groups
 (`vase.vllm.groups`): all of the above applies to the full-attention group only. Its manager
@@ -25,6 +29,8 @@ sliding-window groups' blocks by the logical length, as without vase.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -87,6 +93,9 @@ class EvictingKVCacheManager:
         self.vase_uncached_blocks = 0  # blocks of its own a request dropped from the prefix cache to rewrite them
         self.vase_hit_tokens = 0  # tokens taken from the prefix cache (after the cut below)
         self.vase_hits_cut = 0  # lookups whose hit was cut at max(P0, B)
+        #: the scheduler's requests by id (set by `VaseScheduler`): who holds which blocks, before its compaction
+        self.requests: dict = {}
+        self.vase_reserve_refusals = 0  # allocations refused while copies were reserved (`pending_copies`)
 
     @property
     def full_manager(self):
@@ -144,6 +153,38 @@ class EvictingKVCacheManager:
         copy = sorted(shared + prompt)
         return copy, [i for i in unwritable if i not in copy]
 
+    def compacts_later(self, request) -> bool:
+        """Whether `request` has its first compaction still ahead (at logical position max(P0, B) + w): not past it,
+        and asked for enough tokens to reach it."""
+        first = schedule.first_limit(request.num_prompt_tokens, self.cfg.budget, self.cfg.window)
+        return (request.num_computed_tokens <= first
+                and request.num_prompt_tokens + getattr(request, "max_tokens", first) > first)
+
+    def pending_copies(self, admitted=None, hit_blocks=()) -> int:
+        """Fresh blocks the running requests will take for copy-on-write at their first compaction (0 with prefix
+        caching off), plus those of request `admitted` about to take `hit_blocks` (its prefix-cache hit, full-attention
+        group) from the cache. A block among the first ceil((B + w) / block) of h such requests that more than one
+        request holds is copied by each of those h: the last holder finds it its own only when the others compacted in
+        an earlier step (in the same step their copies still read it), so h is an upper bound, reached by children of
+        one prompt that compact together."""
+        if not getattr(self._inner, "enable_caching", False):
+            return 0
+        keep = schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size)
+        holders: Counter = Counter()  # block id -> requests holding it among their first `keep`, compaction ahead
+        refs: dict[int, int] = {}  # block id -> references (this step's copy-on-write holds the old blocks too)
+        for rid, blocks in self.full_manager.req_to_blocks.items():
+            request = self.requests.get(rid)
+            if request is None or not self.compacts_later(request):
+                continue
+            for block in blocks[:keep]:
+                holders[block.block_id] += 1
+                refs.setdefault(block.block_id, block.ref_cnt)
+        if admitted is not None and self.compacts_later(admitted):
+            for block in list(hit_blocks)[:keep]:
+                holders[block.block_id] += 1
+                refs[block.block_id] = refs.get(block.block_id, block.ref_cnt) + 1
+        return sum(h for b, h in holders.items() if refs[b] > 1)
+
     def copy_on_write(self, request_id: str, shared: list[int]) -> None:
         """Give request `request_id` a fresh block of its own in place of each shared one (`shared`: indices in its
         block list). The shared blocks are untouched (content, hash) and keep this request's reference until
@@ -172,8 +213,23 @@ class EvictingKVCacheManager:
                 if rid in scheduled}
 
     def allocate_slots(self, request, num_new_tokens: int, *args, **kwargs):
+        """vLLM's `allocate_slots`; a step that evicts is allocated the physical length and its copy-on-write, any
+        other step leaves the running requests' future copies free (`pending_copies`, as vLLM's `reserved_blocks`)."""
         physical = self.physical_after(request, request.num_computed_tokens + num_new_tokens)
+        evicting = evicts_at(request.num_prompt_tokens, request.num_computed_tokens, self.cfg.budget, self.cfg.window)
+        reserve = 0
+        if not evicting:  # a compaction takes its own copies out of the reserve: not counted against itself
+            hits = kwargs.get("new_computed_blocks", args[1] if len(args) > 1 else None)
+            hit_blocks = hits.blocks[self.group] if hits is not None and not self.hybrid else ()
+            reserve = self.pending_copies(request, hit_blocks)  # hits: the waiting path only
         if physical is None:
+            if reserve:
+                base = kwargs.pop("reserved_blocks", 0)
+                result = self._inner.allocate_slots(request, num_new_tokens, *args, reserved_blocks=base + reserve,
+                                                    **kwargs)
+                if result is None:
+                    self.vase_reserve_refusals += 1
+                return result
             return self._inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
         inner = self._inner
         if self.hybrid:  # vLLM allocates every group, the full-attention one for the physical length
@@ -186,6 +242,9 @@ class EvictingKVCacheManager:
         blocks = self.full_manager.req_to_blocks[request.request_id]
         needed = schedule.cdiv(physical, self.block_size) - len(blocks)
         free = inner.block_pool.get_num_free_blocks() - max(needed, 0)
+        if needed > 0 and free < reserve:  # a step after the first compaction: the others' copies come first
+            self.vase_reserve_refusals += 1
+            return None
         copy, uncache = self.plan_copies(request, free)  # the blocks this step's compaction must not write into
         if len(copy) > free:
             return None
@@ -226,6 +285,7 @@ class VaseScheduler(Scheduler):
         self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
         self.kv_cache_manager = EvictingKVCacheManager(self.kv_cache_manager, self.vase_config, self.block_size,
                                                        full_attention_group(kv_cache_config))
+        self.kv_cache_manager.requests = self.requests
         self.vase_blocks_freed = 0
         self.vase_preemptions = 0
 
