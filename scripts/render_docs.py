@@ -101,7 +101,9 @@ def _select(rows: Sequence[Mapping[str, Any]], where: Mapping[str, Any], what: s
 def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
     # Each row names a figure in another results file: one cell ("cell"), the median and range of a column over
     # the matching rows ("median": paired repeats, or what "over" names, e.g. methods), a bench row's median and range ("paired": the column and its
-    # _lo/_hi, as `vase bench --repeats` writes them), or the ratio of one column between two rows ("ratio").
+    # _lo/_hi, as `vase bench --repeats` writes them), or the ratio of one column between two rows ("ratio"; with
+    # "rounds", a column of ';'-separated per-round values such as tok_s_runs: the median and range of the ratios
+    # taken within each round).
     lines = ["| figure | value | spread | measured | results |", "|---|---:|---|---|---|"]
     for r in rows:
         data = json.loads((root / r["file"]).read_text())
@@ -118,6 +120,18 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
             value = format(_number(row[col]), fmt) + r.get("unit", "")
             spread = (f"median of {row['repeats']} paired rounds, range "
                       f"{_number(row[col + '_lo']):{fmt}}..{_number(row[col + '_hi']):{fmt}}")
+        elif "ratio" in r and "rounds" in r["ratio"]:  # two rows of the same alternating rounds: ratio per round
+            spec = r["ratio"]
+            runs = [[_number(v) for v in str(_select(src, spec[k], r["file"])[0][spec["rounds"]]).split(";")]
+                    for k in ("of", "to")]
+            if len(runs[0]) != len(runs[1]):
+                raise ValueError(f"{r['file']}: {spec['rounds']} has {len(runs[0])} rounds in one row, "
+                                 f"{len(runs[1])} in the other")
+            vals = sorted(a / b for a, b in zip(*runs))
+            mid = len(vals) // 2
+            med = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+            value = format(med, fmt) + r.get("unit", "")
+            spread = f"median of {len(vals)} paired rounds, range {vals[0]:{fmt}}..{vals[-1]:{fmt}}"
         elif "ratio" in r:
             num = _number(_select(src, r["ratio"]["of"], r["file"])[0][r["ratio"]["column"]])
             den = _number(_select(src, r["ratio"]["to"], r["file"])[0][r["ratio"]["column"]])

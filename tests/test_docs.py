@@ -112,6 +112,15 @@ def test_summary_rows_compute_the_median_and_range_of_paired_repeats(tmp_path):
     assert "| f | 1.000 | median of 3 methods (each the median of its rounds), range 0.900..1.200 |" in lines[2]
 
 
+def test_summary_ratio_of_two_rows_is_taken_within_each_round(tmp_path):
+    # compiled vase vs eager full from one bench run: each round's ratio, not the ratio of sorted or median rates
+    root = _site(tmp_path, "", rows=[{"method": "vase", "compiled": True, "tok_s_runs": "2;1;4"},
+                                     {"method": "full", "compiled": False, "tok_s_runs": "1;2;2"}])
+    spec = {"of": {"method": "vase"}, "to": {"method": "full"}, "rounds": "tok_s_runs"}
+    lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "ratio": spec, "unit": "x"}], root)
+    assert "| f | 2.00x | median of 3 paired rounds, range 0.50..2.00 |" in lines[2]
+
+
 def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):
     root = _site(tmp_path, "", rows=[{"method": "full", "vs_full": 1.0, "vs_full_lo": 1.0, "vs_full_hi": 1.0, "repeats": 3},
                                      {"method": "snapkv", "vs_full": 1.03, "vs_full_lo": 0.99, "vs_full_hi": 1.081,
