@@ -168,13 +168,13 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
     from ..generation import encode_prompts, forced_log_probs, generate
 
     say = progress or (lambda msg: None)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     for m in methods:
         get_policy(*parse_method(m)[:1], **parse_method(m)[1])  # fail before any work on an unknown method
     compressions = [int(c) if float(c).is_integer() else float(c) for c in compressions]
     for c in compressions:
         sweep_budget(1000, c, window)  # fail before any work on a bad compression
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # after the checks: a refused sweep leaves no folder behind
     start, cpu_start = time.perf_counter(), time.process_time()
     device = next(model.parameters()).device
     cells: dict[tuple, list[dict]] = {}
