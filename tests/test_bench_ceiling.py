@@ -84,15 +84,15 @@ def test_evicting_traffic_by_hand(sizes):
 
 
 def test_quantized_traffic_by_hand(tiny, sizes):
-    # 8 bits, group 16 (= head_dim): K codes 16 B + scale and zero 2 x 2 B = 20 B, V the same, a 1-byte slot tag
-    # (capacity 10 fits int8): 41 B per (token, KV head). Full precision: (16 + 16) x 4 + tag 1 + rank 4 = 133 B.
+    # 8 bits, group 16 (= head_dim): K codes 16 B + scale and zero 2 x 2 B = 20 B, V the same, a 2-byte slot tag
+    # (int16, the narrowest tag): 42 B per (token, KV head). Full precision: (16 + 16) x 4 + tag 2 + rank 4 = 134 B.
     # flush_every 1, guard 1, w 2: 3 entries in full precision once L >= 3, so per row and step
-    # held(L) = 2 layers x 2 heads x (3 x 133 + (L - 3) x 41) = 1104 + 164 L.
+    # held(L) = 2 layers x 2 heads x (3 x 134 + (L - 3) x 42) = 1104 + 168 L.
     quant = QuantBytes.for_model(tiny, get_policy("snapkv"), 4, 2, {"kv_bits": 8, "quant_guard": 1, "flush_every": 1})
     t = decode_traffic(sizes, "evicting", prompt=8, new_tokens=9, batch=1, budget=4, window=2, quant=quant)
-    assert t.kv_read == (8 * 1104 + 164 * 52) / 8
-    assert t.kv_write == 512 + 2 * 2 * 41  # the new token in full precision, its codes when flushed
-    assert t.evict == 3 * ((1104 + 164 * 6) + (1104 + 164 * 4)) / 8
+    assert t.kv_read == (8 * 1104 + 168 * 52) / 8
+    assert t.kv_write == 512 + 2 * 2 * 42  # the new token in full precision, its codes when flushed
+    assert t.evict == 3 * ((1104 + 168 * 6) + (1104 + 168 * 4)) / 8
     with pytest.raises(ValueError, match="evicting caches only"):
         decode_traffic(sizes, "full", 8, 9, 1, quant=quant)
 

@@ -119,6 +119,23 @@ def test_planes_are_the_dequantized_values_in_plane_order(bits):
     assert torch.equal(planes(p, key_scale), (dequantize(p) * key_scale.float()).index_select(-1, order))
 
 
+@pytest.mark.parametrize("cap", [20, 576])
+def test_tag_widening_is_exact(cap):
+    """The quantized stores' slot tags (`slot_dtype`) widened to int64 inside an inductor graph, as `renumber` and
+    `attend` do: the same indices as eager. Fails on AVX2 code (ATEN_CPU_CAPABILITY=avx2, `make test-avx2`)
+    when the tags are int8 or int32: torch 2.13's vectorized widening gives out-of-range indices there."""
+    from vase.quant_cache import slot_dtype
+
+    def lookup(tags: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        wide = tags.long()
+        return table.gather(-1, torch.where(wide >= 0, wide, cap))
+
+    tags = torch.randint(-1, cap, (2, 2, cap), generator=torch.Generator().manual_seed(cap)).to(slot_dtype(cap))
+    table = torch.arange(cap + 1).expand(2, 2, cap + 1).contiguous()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(lookup, backend="inductor", fullgraph=True)(tags, table), lookup(tags, table))
+
+
 def test_quantized_flush_runs_at_the_eager_steps_only(model, monkeypatch):
     """The flush is a graph variant the host picks (`StaticQuant.flush_due`): it runs at exactly the steps where the
     eager storage flushes (its counter back to 0), and the stores' fill (full-precision and packed entries per

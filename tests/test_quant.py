@@ -128,9 +128,9 @@ def test_held_bytes_equal_the_formula():
         # 70 decode tokens after a flush at 30: flushes at 38, 46, ..., 94; 6 unflushed
         n_fp = w + 6
         n_q = T - n_fp
-        # K and V: codes + float16 scale and zero per group, and a 1-byte slot tag (100 slots fit int8)
-        per_q = 2 * (d * bits // 8 + 2 * 2 * (d // 32)) + 1
-        per_fp = 2 * d * 4 + 1 + 4  # K and V in float32, the slot tag, the float32 reserve rank
+        # K and V: codes + float16 scale and zero per group, and a 2-byte slot tag (int16: the narrowest used)
+        per_q = 2 * (d * bits // 8 + 2 * 2 * (d // 32)) + 2
+        per_fp = 2 * d * 4 + 2 + 4  # K and V in float32, the slot tag, the float32 reserve rank
         assert layer.storage.unflushed == 6
         assert cache.stats()["kv_bytes"] == b * h * (n_q * per_q + n_fp * per_fp)
         assert cache.row_stats()[1]["kv_bytes"] == h * (n_q * per_q + n_fp * per_fp)
@@ -336,7 +336,7 @@ def _quant_tensors(store: QuantStorage) -> list[torch.Tensor]:
     return out + [t for p in (store.qk, store.qv) for t in (p.codes, p.scale, p.zero)]
 
 
-@pytest.mark.parametrize("cap,dtype", [(100, torch.int8), (300, torch.int16)])
+@pytest.mark.parametrize("cap,dtype", [(100, torch.int16), (300, torch.int16)])
 def test_slot_tags_are_narrow_and_their_bytes_counted(cap, dtype):
     torch.manual_seed(9)
     b, h, d = 2, 3, 64

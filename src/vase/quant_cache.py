@@ -206,11 +206,11 @@ def place(out_k: torch.Tensor, out_v: torch.Tensor, length: int, slots: torch.Te
 
 
 def slot_dtype(capacity: int) -> torch.dtype:
-    """The narrowest signed integer type that holds the slot tags -1 .. capacity (capacity = the trash entry)."""
-    for dtype in (torch.int8, torch.int16, torch.int32):
-        if capacity <= torch.iinfo(dtype).max:
-            return dtype
-    return torch.int64
+    """The narrowest signed integer type that holds the slot tags -1 .. capacity (capacity = the trash entry),
+    among int16 and int64: inductor's AVX2 code (torch 2.13) widens int8 and int32 tags to int64 wrongly in the
+    compiled step (index out of bounds, or a crash; `tests/test_compile.py::test_tag_widening_is_exact`), int16
+    and int64 correctly. One byte more per entry below 127 slots, four more above 32,767."""
+    return torch.int16 if capacity <= torch.iinfo(torch.int16).max else torch.int64
 
 
 def _itemsize(dtype: torch.dtype) -> int:
