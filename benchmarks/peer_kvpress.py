@@ -38,6 +38,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KVPRESS = "kvpress==0.5.5"
 TORCH = "torch==2.13.0"
+LIBRARIES = ("kvpress", "vase", "vase-compiled")
+VERSION = {"kvpress": KVPRESS, "vase": "vase (this commit)", "vase-compiled": "vase compiled (this commit)"}
+# How scripts/render_docs.py draws the results file in docs/bench.md.
+TABLE = {"columns": ["library", "method", "new tokens", "B / w", "tok/s per CPU second (median)", "tok/s wall (median)",
+                     "vs kvpress per CPU second (paired, range)", "vs kvpress wall (paired, range)", "peak RSS MiB",
+                     "K/V held MiB"],
+         "keys": ["version", "method", "new_tokens", "bw", "cpu_tok_s", "tok_s", "cell_vs_cpu", "cell_vs_wall",
+                  "cell_rss", "cell_kv"],
+         "align": "llrrrrrrrr", "formats": {"cpu_tok_s": ".2f", "tok_s": ".2f"}}
+
+
+def _ratio_cell(ratio: tuple[float, float, float]) -> str:
+    """'1.07x (1.02x-1.12x)': a paired ratio's median and range over the rounds."""
+    return f"{ratio[0]:.2f}x ({ratio[1]:.2f}x-{ratio[2]:.2f}x)"
 
 
 # -- the worker (runs under either interpreter; imports neither library at module level) --------------------------
@@ -85,6 +99,8 @@ def worker(args: argparse.Namespace) -> None:
         from vase.cache import EvictionCache
         from vase.compat import CACHE_KWARG
 
+        if args.worker == "vase-compiled":
+            return _compiled_worker(model, prompt, args)
         cache = EvictionCache(model, args.press, B, w, max_length=P + N)
         from contextlib import nullcontext
 
@@ -113,14 +129,57 @@ def worker(args: argparse.Namespace) -> None:
     else:
         stats = cache.stats()
         kv, stored = stats["kv_bytes"], stats["stored_length"]
+    _report(args.worker, len(generated), N, decode_s, cpu_s, peak, rss_before, kv, stored)
+
+
+def _report(library: str, tokens: int, N: int, decode_s: float, cpu_s: float, peak: int, rss_before: int, kv: int,
+            stored: int) -> None:
+    import torch
     import transformers
 
     print("RESULT " + json.dumps({
-        "library": args.worker, "tokens": len(generated), "decode_s": decode_s, "tok_s": (N - 1) / decode_s,
+        "library": library, "tokens": tokens, "decode_s": decode_s, "tok_s": (N - 1) / decode_s,
         "decode_cpu_s": cpu_s, "cpu_tok_s": (N - 1) / cpu_s,
         "peak_rss_bytes": peak, "rss_before_bytes": rss_before, "peak_rss_delta_bytes": max(0, peak - rss_before),
         "kv_bytes": kv, "stored_length": stored, "transformers": transformers.__version__,
         "torch": torch.__version__}), flush=True)
+
+
+def _compiled_worker(model, prompt, args: argparse.Namespace) -> None:
+    """vase's compiled decode (`vase.compiled.decode_compiled`: the steps over the fixed-size static cache run
+    as torch.compile'd graphs). One untimed run first compiles the plain and the evicting graph; the timed run
+    starts at its first token (the prefill's), as the hand-written loop does, and runs the same N - 1 forwards."""
+    import torch
+
+    from vase.cache import EvictionCache
+    from vase.compiled import decode_compiled
+    from vase.decoding import Sampler
+
+    P, N, B, w = args.prompt_length, args.tokens, args.budget, args.window
+    mask = torch.ones_like(prompt)
+    greedy = Sampler(greedy=True)
+
+    def run(tokens: int, on_token=None) -> list[list[int]]:
+        cache = EvictionCache(model, args.press, B, w, max_length=P + tokens)
+        ids, _, _ = decode_compiled(model, prompt, mask, cache, max_new_tokens=tokens, sampler=greedy, seeds=[0],
+                                    ignore_eos=True, on_token=on_token)
+        return ids
+
+    run(min(N, max(B + 3 * w - P, 2 * w)))  # compiles both graphs (untimed): past the first evictions
+    start: list[float] = []
+
+    def first_token(row: int, token: int) -> None:
+        if not start:
+            start.extend((time.perf_counter(), time.process_time()))
+
+    rss_before = _status("VmRSS")
+    _reset_hwm()
+    ids = run(N, first_token)
+    decode_s, cpu_s = time.perf_counter() - start[0], time.process_time() - start[1]
+    peak = _status("VmHWM")
+    stats = decode_compiled.last_cache.stats()
+    _report("vase-compiled", len(ids[0]), N, decode_s, cpu_s, peak, rss_before, stats["kv_bytes"],
+            stats["stored_length"])
 
 
 # -- the parent ---------------------------------------------------------------------------------------------------
@@ -168,7 +227,10 @@ def main() -> None:
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "vase" / "kvpress-0.5.5")
     ap.add_argument("--results", type=Path, default=None, help="results file (JSON with provenance)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per worker run")
-    ap.add_argument("--worker", choices=("kvpress", "vase"), help=argparse.SUPPRESS)
+    ap.add_argument("--libraries", default="kvpress,vase",
+                    help="comma-separated sides, run in this order each round: kvpress, vase (eager decode), "
+                         "vase-compiled (vase's torch.compile'd decode; compiling is untimed)")
+    ap.add_argument("--worker", choices=LIBRARIES, help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -183,6 +245,10 @@ def main() -> None:
     lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
     if not lengths or min(lengths) < 2 or args.rounds < 1:
         sys.exit("peer_kvpress: --tokens needs lengths >= 2 and --rounds >= 1")
+    libraries = [x.strip() for x in args.libraries.split(",") if x.strip()]
+    if libraries[:1] != ["kvpress"] or len(libraries) < 2 or not set(libraries) <= set(LIBRARIES):
+        sys.exit(f"peer_kvpress: --libraries must start with kvpress, then one or more of vase, vase-compiled "
+                 f"(got {args.libraries!r})")
     record = provenance(threads=args.threads, kvpress=KVPRESS)
     kv_python = str(ensure_venv(args.venv))
     config = Path(os.environ.get("TMPDIR", "/tmp")) / f"peer-kvpress-{os.getpid()}.json"
@@ -191,20 +257,22 @@ def main() -> None:
     rows = []
     try:
         for length in lengths:
-            runs: dict[str, list[dict]] = {"kvpress": [], "vase": []}
-            for rnd, library in alternating(["kvpress", "vase"], args.rounds):
+            runs: dict[str, list[dict]] = {library: [] for library in libraries}
+            for rnd, library in alternating(libraries, args.rounds):
                 r = run_worker(kv_python if library == "kvpress" else sys.executable, library, length, args, config)
                 runs[library].append(r)
                 print(f"{length} tokens, round {rnd}: {library:7s} {r['tok_s']:7.2f} tok/s ({r['cpu_tok_s']:.2f} per CPU "
                       f"second), peak RSS "
                       f"{r['peak_rss_bytes'] / 2**20:7.1f} MiB (+{r['peak_rss_delta_bytes'] / 2**20:.1f}), KV "
                       f"{r['kv_bytes'] / 2**20:.2f} MiB ({r['stored_length']} tokens)", flush=True)
-            ratio = paired_ratio([r["tok_s"] for r in runs["vase"]], [r["tok_s"] for r in runs["kvpress"]])
-            cpu_ratio = paired_ratio([r["cpu_tok_s"] for r in runs["vase"]], [r["cpu_tok_s"] for r in runs["kvpress"]])
-            for library in ("kvpress", "vase"):
+            for library in libraries:
                 rs = runs[library]
+                vs = library != "kvpress"
+                ratio = paired_ratio([r["tok_s"] for r in rs], [r["tok_s"] for r in runs["kvpress"]])
+                cpu_ratio = paired_ratio([r["cpu_tok_s"] for r in rs], [r["cpu_tok_s"] for r in runs["kvpress"]])
                 rows.append({
-                    "library": library, "version": KVPRESS if library == "kvpress" else "vase (this commit)",
+                    "library": library, "version": VERSION[library],
+                    "decode": "compiled" if library == "vase-compiled" else "eager",
                     "transformers": rs[0]["transformers"], "torch": rs[0]["torch"], "method": args.press,
                     "model": f"random:{args.shape}", "dtype": "float32", "batch": 1, "prompt_length": args.prompt_length,
                     "new_tokens": length, "budget": args.budget, "window": args.window, "threads": args.threads,
@@ -214,20 +282,25 @@ def main() -> None:
                     "peak_rss_bytes": int(statistics.median(r["peak_rss_bytes"] for r in rs)),
                     "peak_rss_delta_bytes": int(statistics.median(r["peak_rss_delta_bytes"] for r in rs)),
                     "kv_bytes": rs[-1]["kv_bytes"], "stored_length": rs[-1]["stored_length"],
-                    "vase_vs_kvpress": ratio[0] if library == "vase" else None,
-                    "vase_vs_kvpress_lo": ratio[1] if library == "vase" else None,
-                    "vase_vs_kvpress_hi": ratio[2] if library == "vase" else None,
-                    "vase_vs_kvpress_cpu": cpu_ratio[0] if library == "vase" else None,
-                    "vase_vs_kvpress_cpu_lo": cpu_ratio[1] if library == "vase" else None,
-                    "vase_vs_kvpress_cpu_hi": cpu_ratio[2] if library == "vase" else None,
+                    "vase_vs_kvpress": ratio[0] if vs else None,
+                    "vase_vs_kvpress_lo": ratio[1] if vs else None,
+                    "vase_vs_kvpress_hi": ratio[2] if vs else None,
+                    "vase_vs_kvpress_cpu": cpu_ratio[0] if vs else None,
+                    "vase_vs_kvpress_cpu_lo": cpu_ratio[1] if vs else None,
+                    "vase_vs_kvpress_cpu_hi": cpu_ratio[2] if vs else None,
+                    "bw": f"{args.budget} / {args.window}", "cell_vs_cpu": _ratio_cell(cpu_ratio) if vs else "-",
+                    "cell_vs_wall": _ratio_cell(ratio) if vs else "-",
+                    "cell_rss": f"{statistics.median(r['peak_rss_bytes'] for r in rs) / 2**20:.0f}",
+                    "cell_kv": f"{rs[-1]['kv_bytes'] / 2**20:.2f}",
                 })
-            print(f"{length} tokens: vase / kvpress tok/s, median of {args.rounds} paired rounds: {ratio[0]:.3f} "
-                  f"(range {ratio[1]:.3f}..{ratio[2]:.3f}); by CPU time {cpu_ratio[0]:.3f} ({cpu_ratio[1]:.3f}.."
-                  f"{cpu_ratio[2]:.3f})", flush=True)
+                if vs:
+                    print(f"{length} tokens: {library} / kvpress tok/s, median of {args.rounds} paired rounds: "
+                          f"{ratio[0]:.3f} (range {ratio[1]:.3f}..{ratio[2]:.3f}); by CPU time {cpu_ratio[0]:.3f} "
+                          f"({cpu_ratio[1]:.3f}..{cpu_ratio[2]:.3f})", flush=True)
     finally:
         config.unlink(missing_ok=True)
     if args.results:
-        print(f"wrote {write_results(args.results, rows, finish(record))}")
+        print(f"wrote {write_results(args.results, rows, finish(record), TABLE)}")
 
 
 if __name__ == "__main__":
