@@ -46,8 +46,10 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def profile_config(model, method: str, budget: int | None, window: int, prompt: int, warm: int, steps: int):
-    """Decode `warm` untimed steps, then `steps` under the profiler; returns (ms per step by group, wall ms/step)."""
+def profile_config(model, method: str, budget: int | None, window: int, prompt: int, warm: int, steps: int,
+                   batch: int = 1):
+    """Decode `warm` untimed steps, then `steps` under the profiler, `batch` rows of the same random prompt;
+    returns (ms per step by group, wall ms/step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -56,7 +58,7 @@ def profile_config(model, method: str, budget: int | None, window: int, prompt: 
     from vase.compat import cache_kwargs
 
     vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).expand(batch, prompt)
     if method == "dynamic":
         from transformers import DynamicCache
 
@@ -71,13 +73,15 @@ def profile_config(model, method: str, budget: int | None, window: int, prompt: 
                     _evict(due)
             layer.evict = timed
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(prompt)[None],
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                    position_ids=torch.arange(prompt)[None].expand(batch, prompt),
                     use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
         token = out.logits[:, -1].argmax(-1, keepdim=True)
 
         def step(i: int):
             nonlocal token
-            out = model(input_ids=token, position_ids=torch.tensor([[prompt + i]]), use_cache=True, logits_to_keep=1,
+            out = model(input_ids=token, position_ids=torch.full((batch, 1), prompt + i), use_cache=True,
+                        logits_to_keep=1,
                         **cache_kwargs(cache))
             token = out.logits[:, -1].argmax(-1, keepdim=True)
 
@@ -113,6 +117,7 @@ def main() -> None:
     ap.add_argument("--prompt-length", type=int, default=128)
     ap.add_argument("--full-length", type=int, default=1024, help="tokens the full/dynamic caches hold when profiled")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded together (the same prompt in each)")
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args()
 
@@ -135,17 +140,17 @@ def main() -> None:
     for method, budget in configs:
         if method in ("full", "dynamic"):
             prompt, warm = args.full_length, 0  # a prompt as long as the cache to profile: no decoding to get there
-            traffic = decode_traffic(sizes, method, prompt, args.steps + 1, 1)
+            traffic = decode_traffic(sizes, method, prompt, args.steps + 1, args.batch)
         else:
             prompt, warm = args.prompt_length, budget + 2 * args.window  # past the first evictions
-            traffic = decode_traffic(sizes, "evicting", prompt, warm + args.steps + 1, 1, budget, args.window)
-        groups, wall = profile_config(model, method, budget, args.window, prompt, warm, args.steps)
+            traffic = decode_traffic(sizes, "evicting", prompt, warm + args.steps + 1, args.batch, budget, args.window)
+        groups, wall = profile_config(model, method, budget, args.window, prompt, warm, args.steps, args.batch)
         if model.config._attn_implementation != original:
             model.set_attn_implementation(original)
         memory_ms = traffic.total / bw * 1000
         row = {"method": method, "budget": budget, "window": args.window if budget else None,
                "stored_tokens_at_start": prompt + warm if budget is None else None, "steps": args.steps,
-               "wall_ms_step": wall, "profiled_ms_step": sum(groups.values()),
+               "batch": args.batch, "wall_ms_step": wall, "profiled_ms_step": sum(groups.values()),
                **{f"{g.replace(' ', '_')}_ms": groups[g] for g in GROUPS},
                "bytes_step": traffic.total, "memory_bound_ms": memory_ms, "bandwidth_gbs": bw / 1e9,
                "threads": args.threads, "model": f"random:{args.shape}"}
