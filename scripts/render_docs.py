@@ -118,7 +118,8 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
         elif "paired" in r:  # `vase bench --repeats`: one row holds the median of round ratios and its range
             row, col = _select(src, r.get("where", {}), r["file"])[0], r["paired"]
             value = format(_number(row[col]), fmt) + r.get("unit", "")
-            spread = (f"median of {row['repeats']} paired rounds, range "
+            rounds = row.get("repeats", row.get("rounds"))  # vase bench writes repeats, peer_kvpress rounds
+            spread = (f"median of {rounds} paired rounds, range "
                       f"{_number(row[col + '_lo']):{fmt}}..{_number(row[col + '_hi']):{fmt}}")
         elif "ratio" in r and "rounds" in r["ratio"]:  # two rows of the same alternating rounds: ratio per round
             spec = r["ratio"]
