@@ -246,9 +246,10 @@ def main() -> None:
     if not lengths or min(lengths) < 2 or args.rounds < 1:
         sys.exit("peer_kvpress: --tokens needs lengths >= 2 and --rounds >= 1")
     libraries = [x.strip() for x in args.libraries.split(",") if x.strip()]
-    if libraries[:1] != ["kvpress"] or len(libraries) < 2 or not set(libraries) <= set(LIBRARIES):
-        sys.exit(f"peer_kvpress: --libraries must start with kvpress, then one or more of vase, vase-compiled "
-                 f"(got {args.libraries!r})")
+    if (libraries[:1] != ["kvpress"] or len(libraries) < 2 or not set(libraries) <= set(LIBRARIES)
+            or len(set(libraries)) != len(libraries)):
+        sys.exit(f"peer_kvpress: --libraries must start with kvpress, then one or both of vase, vase-compiled, each "
+                 f"once (got {args.libraries!r})")
     record = provenance(threads=args.threads, kvpress=KVPRESS)
     kv_python = str(ensure_venv(args.venv))
     config = Path(os.environ.get("TMPDIR", "/tmp")) / f"peer-kvpress-{os.getpid()}.json"

@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="rows decoded together (the same prompt in each)")
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args()
+    if args.batch < 1:
+        sys.exit(f"profile_step: --batch must be >= 1 (rows decoded together), got {args.batch}")
 
     import torch
 
