@@ -326,3 +326,54 @@ def test_vllm_bench_takes_repeats_and_a_results_file(capsys, monkeypatch, tmp_pa
                              "8", "--lengths", "16", "--repeats", "3", "--results", "r.json"], capsys)
     assert code == 0, err
     assert got["repeats"] == 3 and str(got["results"]) == "r.json" and "--repeats 3" in " ".join(got["command"])
+
+
+# -- hybrid and mixture-of-experts models (tests/hybrid_models.py: float64, hidden 64, 2 KV heads of 16) -----------
+
+def test_moe_reads_only_the_experts_a_step_is_routed_to():
+    from dataclasses import replace
+
+    from .hybrid_models import hybrid_model
+
+    m = ModelBytes.from_model(hybrid_model("gpt-oss"))  # 4 layers, 4 experts, 2 per token, MLP 32
+    per_layer = (4 * 64 * 2 * 32 + 4 * 2 * 32  # gate_up [E, hidden, 2 x MLP] and its bias
+                 + 4 * 32 * 64 + 4 * 64)  # down [E, MLP, hidden] and its bias; the router is dense
+    assert m.expert_weights == 4 * per_layer * 8 and m.expert_fraction == 0.5
+    assert m.weights_read(1) == m.weights - m.expert_weights / 2  # 2 of 4 experts
+    assert m.weights_read(2) == m.weights - m.expert_weights / 4  # 1 - (1 - 1/2)^2 = 3/4 of them
+    assert decode_traffic(m, "full", 8, 5, 2).weights == m.weights_read(2) + 2 * m.embed_row
+    dense = ModelBytes.from_model(hybrid_model("qwen3.5"))
+    assert (dense.expert_weights, dense.weights_read(3)) == (0, dense.weights)
+    # the same model counted as dense reads every expert: a lower ceiling than the routed count
+    full, bounded = (decode_traffic(m, k, 8, 40, 1, budget=8, window=4) for k in ("full", "evicting"))
+    as_dense = replace(m, expert_weights=0)
+    full_d, bounded_d = (decode_traffic(as_dense, k, 8, 40, 1, budget=8, window=4) for k in ("full", "evicting"))
+    assert full.total / bounded.total > full_d.total / bounded_d.total
+
+
+def test_sliding_layers_and_recurrent_states_cost_every_cache_the_same():
+    from dataclasses import replace
+
+    from .hybrid_models import hybrid_model
+
+    # Gemma 3: 3 sliding layers (window 8: 7 tokens held) and 1 full-attention layer; K/V of one token in one
+    # layer 2 x 2 heads x 16 x 8 bytes = 512.
+    g = ModelBytes.from_model(hybrid_model("gemma3"))
+    assert (g.kv_token, g.sliding_token, g.sliding_held, g.state) == (512, 3 * 512, 7, 0)
+    # P = 4, N = 6: before steps j = 1..5 the sliding layers hold min(7, 4 + j - 1) = 4, 5, 6, 7, 7 tokens
+    full = decode_traffic(g, "full", prompt=4, new_tokens=6, batch=2)
+    assert full.kv_read == 2 * (512 * (5 + 6 + 7 + 8 + 9) / 5 + 1536 * (4 + 5 + 6 + 7 + 7) / 5)
+    assert full.kv_write == 2 * (512 + 1536)
+    plain = replace(g, sliding_token=0, sliding_held=0)
+    for kind in ("dynamic", "evicting"):
+        with_layers = decode_traffic(g, kind, 4, 6, 2, budget=2, window=1)
+        without = decode_traffic(plain, kind, 4, 6, 2, budget=2, window=1)
+        assert with_layers.kv_read - without.kv_read == pytest.approx(2 * 1536 * 29 / 5)
+        assert with_layers.kv_write - without.kv_write == 2 * 1536
+    # Qwen3.5: 3 linear-attention layers; each state: conv (2 x 2 x 8 + 4 x 8) x kernel 4 in float64, and the
+    # recurrent [4 value heads, 8, 8] in float32.
+    q = ModelBytes.from_model(hybrid_model("qwen3.5"))
+    assert (q.sliding_token, q.state) == (0, 3 * (64 * 4 * 8 + 4 * 8 * 8 * 4))
+    t = decode_traffic(q, "full", prompt=4, new_tokens=6, batch=1)
+    t0 = decode_traffic(replace(q, state=0), "full", prompt=4, new_tokens=6, batch=1)
+    assert (t.kv_read - t0.kv_read, t.kv_write - t0.kv_write) == (q.state, q.state)

@@ -80,6 +80,11 @@ SHAPES: dict[str, tuple[type[PreTrainedConfig], dict[str, Any]]] = {
                                          num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
                                          head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
                                          max_position_embeddings=32768)),
+    # Gemma 3 270M: 18 layers (full attention on every sixth, 3 of 18), the 1B's attention on a 640-wide model.
+    "gemma3-270m": (Gemma3TextConfig, dict(vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                                           num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                                           head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+                                           max_position_embeddings=32768)),
     # For tests: a 2-layer GQA Qwen3 (4 query heads, 2 KV heads, head_dim 16) that decodes in microseconds.
     "tiny": (Qwen3Config, dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -171,7 +176,7 @@ def build_random_model(name_or_config_json: str | Path | PreTrainedConfig = "tin
     """A causal LM with the shapes of `name_or_config_json` and random weights, in eval mode.
 
     name_or_config_json: a name from `SHAPES` (qwen3-0.6b, qwen3-4b, qwen3-14b, smollm2-135m, the hybrid
-    qwen3.5-0.8b, qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b and gemma3-1b, tiny), a path to a config.json (or its directory), or a config object.
+    qwen3.5-0.8b, qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b and gemma3-270m, tiny), a path to a config.json (or its directory), or a config object.
     """
     from transformers.initialization import no_init_weights
 

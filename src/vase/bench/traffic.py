@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..hybrid import LINEAR, SLIDING, kv_bytes_per_layer_token, layer_types, recurrent_state_bytes, sliding_window
 from ..quant_cache import QuantBytes
 from ..schedule import first_limit, num_evictions, stored_length_sum, steady_limit
 
@@ -33,13 +34,31 @@ class ModelBytes:
     weights: bytes of the weights one step reads, whatever the batch (a tied embedding is read
         whole once, as the LM head; an untied input embedding is not counted here, only its rows);
     embed_row: bytes of one input-embedding row (read once per batch row);
-    kv_token: bytes of one token's K and V over all layers, full precision;
-    logits_row: bytes of one row's logits (vocab x element bytes)."""
+    kv_token: bytes of one token's K and V over the layers whose cache grows (full attention), full precision;
+    logits_row: bytes of one row's logits (vocab x element bytes);
+    expert_weights: bytes of the routed experts of a mixture-of-experts model (all E of every layer),
+        included in `weights`; a step reads only the experts its tokens are routed to;
+    expert_fraction: experts per token / E (1.0 without experts);
+    sliding_token, sliding_held: a hybrid model's sliding layers: bytes of one token's K and V over all
+        of them, and the most tokens they keep between forwards (window - 1);
+    state: bytes of a hybrid model's recurrent (linear-attention) states, one row: read and rewritten
+        every step, whatever the cache."""
 
     weights: int
     embed_row: int
     kv_token: int
     logits_row: int
+    expert_weights: int = 0
+    expert_fraction: float = 1.0
+    sliding_token: int = 0
+    sliding_held: int = 0
+    state: int = 0
+
+    def weights_read(self, batch: int) -> float:
+        """Weight bytes one step of `batch` rows reads: everything but the routed experts, and of those the
+        expected share a batch hits under uniform routing, 1 - (1 - k/E)^batch."""
+        dense = self.weights - self.expert_weights
+        return dense + self.expert_weights * (1.0 - (1.0 - self.expert_fraction) ** batch)
 
     @classmethod
     def from_model(cls, model) -> "ModelBytes":
@@ -57,8 +76,27 @@ class ModelBytes:
             seen.add(p.data_ptr())
             weights += p.numel() * p.element_size()
         text = model.config.get_text_config()
-        return cls(weights=weights, embed_row=inp.shape[1] * inp.element_size(), kv_token=kv_bytes_per_token(model),
-                   logits_row=int(text.vocab_size) * inp.element_size())
+        experts, fraction = _routed_experts(model, text)
+        element = inp.element_size()
+        types = layer_types(text)
+        window = sliding_window(text) or 1
+        return cls(weights=weights, embed_row=inp.shape[1] * element, kv_token=kv_bytes_per_token(model),
+                   logits_row=int(text.vocab_size) * element, expert_weights=experts, expert_fraction=fraction,
+                   sliding_token=types.count(SLIDING) * kv_bytes_per_layer_token(text, element),
+                   sliding_held=window - 1 if SLIDING in types else 0,
+                   state=types.count(LINEAR) * recurrent_state_bytes(text, element) if LINEAR in types else 0)
+
+
+def _routed_experts(model, text) -> tuple[int, float]:
+    """Bytes of the routed experts' parameters (an `experts` module's tensors with one slice per expert) and
+    experts per token / E; (0, 1.0) for a dense model. A shared expert is dense: read every step."""
+    total = int(getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0)
+    per_token = int(getattr(text, "num_experts_per_tok", None) or 0)
+    if total <= 1 or per_token <= 0:
+        return 0, 1.0
+    experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if ".experts." in f".{name}" and p.dim() >= 2 and p.shape[0] == total)
+    return experts, min(1.0, per_token / total)
 
 
 @dataclass(frozen=True)
@@ -94,7 +132,10 @@ def decode_traffic(mb: ModelBytes, kind: str, prompt: int, new_tokens: int, batc
 
     Each step also writes the new token (and, quantized, its codes once it is flushed); each
     eviction event reads the B + w stored tokens and writes the B survivors. Every row of the
-    batch reads the same weights once. Returns the mean of each term over the N - 1 steps.
+    batch reads the same weights once (of a mixture of experts, the experts it is routed to:
+    `ModelBytes.weights_read`). A hybrid model's other layers cost every kind the same: its sliding
+    layers read min(window - 1, P + j - 1) held tokens and write the new one, its recurrent states are
+    read and rewritten. Returns the mean of each term over the N - 1 steps.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -126,8 +167,13 @@ def decode_traffic(mb: ModelBytes, kind: str, prompt: int, new_tokens: int, batc
             read = (quant.allocated(cap) if compiled else quant.byte_steps(P, steps, cap, B, evicts=True) / steps)
             write = kv + quant.write_bytes(cap)  # the token in full precision, later its stored form
             evict_bytes = events * (quant.held(B + w, 0, cap) + quant.held(B, 0, cap)) / steps
-    return StepTraffic(weights=float(mb.weights + b * mb.embed_row), kv_read=b * float(read), kv_write=b * float(write),
-                       evict=b * float(evict_bytes), logits=2.0 * b * mb.logits_row)
+    if mb.sliding_token:  # held before step j's token: min(window - 1, P + j - 1), j = 1 .. N - 1
+        held = sum(min(mb.sliding_held, P + j - 1) for j in range(1, new_tokens))
+        read += mb.sliding_token * held / steps
+        write += mb.sliding_token
+    read, write = read + mb.state, write + mb.state
+    return StepTraffic(weights=float(mb.weights_read(b) + b * mb.embed_row), kv_read=b * float(read),
+                       kv_write=b * float(write), evict=b * float(evict_bytes), logits=2.0 * b * mb.logits_row)
 
 
 def gain_share(ratio: float | None, ceiling: float | None, min_gain: float = 0.01) -> float | None:

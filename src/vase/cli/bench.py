@@ -34,8 +34,13 @@ def bench(
     no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
     random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
                                                        "qwen3-4b, qwen3-14b, smollm2-135m, the hybrid qwen3.5-0.8b, "
-                                                       "qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b "
+                                                       "qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b, "
+                                                       "gemma3-270m "
                                                        "(docs/models.md), or a config.json.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="With --random-init: only the shape's first N decoder layers "
+                                                  "(its layer-type pattern kept): a shorter model with the same "
+                                                  "per-layer cost, for shapes too large for this machine.",
+                                                  min=1)] = None,
     param: ParamOpt = None,
     kv_bits: Annotated[int, typer.Option("--kv-bits", help="The methods store old K/V in 8, 4 or 2 bits "
                                          "(full and dynamic stay in full precision).")] = 16,
@@ -118,8 +123,10 @@ def bench(
     from ..provenance import finish, provenance
 
     record = provenance(invocation(), threads=torch.get_num_threads())  # before the measurement: its load average too
+    if layers is not None and not random_init:
+        raise UserError("--layers cuts a --random-init shape: add --random-init NAME, or drop --layers")
     if random_init:
-        mdl = random_model(random_init, model)
+        mdl = random_model(random_init, model, layers)
     else:
         mdl, _ = model.load()
     rows = run_bench(mdl, method_list, budget_list, length_list, batch_list, prompt_length=prompt_length,
@@ -132,8 +139,9 @@ def bench(
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
-def random_model(spec: str, model: ModelArgs):
-    """`bench --random-init`: a named shape or a config.json, random weights; one line naming the file if bad."""
+def random_model(spec: str, model: ModelArgs, layers: int | None = None):
+    """`bench --random-init`: a named shape or a config.json (its first `layers` decoder layers), random weights;
+    one line naming the file if bad."""
     from ..bench.shapes import build_random_model, shape_names
     from ..models import resolve_device, resolve_dtype
 
@@ -147,7 +155,7 @@ def random_model(spec: str, model: ModelArgs):
         raise UserError(f"--attn {model.attn}: {e}") from None
     quiet_loading()
     try:
-        return build_random_model(spec, resolve_dtype(model.dtype, dev), dev, model.attn)
+        return build_random_model(spec, resolve_dtype(model.dtype, dev), dev, model.attn, num_layers=layers)
     except Exception as e:  # noqa: BLE001 - any reader's or config class's error means "bad file"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"--random-init {spec}: cannot build a model from it ({type(e).__name__}: {first[:200]}); "
