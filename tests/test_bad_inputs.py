@@ -672,6 +672,10 @@ CASES: list[Case] = [
         setup=lambda c: c["monkeypatch"].setenv("WORLD_SIZE", "abc")),
     cli("random-init-bad-config", r"--random-init .*bad-config.json: cannot build a model from it", "bench",
         "--random-init", "{root}/bad-config.json", "--budgets", "128", "--lengths", "4"),
+    cli("layers-without-random-init", r"--layers cuts a --random-init shape: add --random-init NAME, or drop "
+        r"--layers", "bench", "--layers", "2", "--budgets", "128", "--lengths", "4"),
+    cli("layers-zero", r"Invalid value for .--layers.: Input should be greater than or equal to 1", "bench",
+        "--random-init", "tiny", "--layers", "0", "--lengths", "4", code=2),
     cli("model-empty", r"--model is empty \(''\)", *G, "-m", ""),
     cli("eval-model-empty", r"--model is empty", *E, "-m", " "),
     api("api-model-empty", r"the model is empty \(''\)", lambda c: load_model(""), ModelLoadError),

@@ -243,6 +243,24 @@ def test_cli_writes_results_with_provenance_and_flat_rows(tmp_path, capsys):
     assert "ceiling" in out and "bandwidth 2.0 GB/s" in out
 
 
+def test_cli_layers_cuts_the_random_shape(tmp_path, capsys):
+    from vase.cli import main
+    from vase.provenance import read_results
+
+    kv = {}
+    for layers in (None, 1):
+        results = tmp_path / f"bench-{layers}.json"
+        with pytest.raises(SystemExit) as done:
+            main(["bench", "--random-init", "tiny", "--methods", "vase-attnv", "--budgets", "24", "--window", "8",
+                  "--lengths", "40", "--prompt-length", "8", "--warmup", "0", "--no-dynamic", "--bandwidth", "0",
+                  "--out", str(tmp_path / "out"), "--results", str(results)] + (["--layers", "1"] if layers else []))
+            raise SystemExit(0)
+        assert done.value.code == 0, capsys.readouterr().out
+        _, rows = read_results(results)
+        kv[layers] = next(r for r in rows if r["method"] == "full")["kv_bytes_full"]
+    assert kv[1] * 2 == kv[None] > 0  # the tiny shape has 2 layers: one layer holds half the K/V
+
+
 def test_cpu_clock_times_steps_and_evictions_and_needs_one_thread(tiny, monkeypatch):
     fake = FakeClock()
 
@@ -377,3 +395,24 @@ def test_sliding_layers_and_recurrent_states_cost_every_cache_the_same():
     t = decode_traffic(q, "full", prompt=4, new_tokens=6, batch=1)
     t0 = decode_traffic(replace(q, state=0), "full", prompt=4, new_tokens=6, batch=1)
     assert (t.kv_read - t0.kv_read, t.kv_write - t0.kv_write) == (q.state, q.state)
+
+
+def test_meta_device_shapes_count_as_built_ones():
+    """benchmarks/hybrid_ceilings.py counts shapes too large to build on the meta device: same bytes as built."""
+    from .hybrid_models import hybrid_config
+
+    for cfg in ("tiny", hybrid_config("gpt-oss"), hybrid_config("gemma3"), hybrid_config("qwen3.5")):
+        kwargs = {"attn_implementation": "eager"}
+        built = ModelBytes.from_model(build_random_model(cfg, **kwargs))
+        assert ModelBytes.from_model(build_random_model(cfg, device="meta", **kwargs)) == built
+
+
+def test_gpt_oss_20b_reads_its_published_active_parameters():
+    # OpenAI's model card: gpt-oss-20b has 21B parameters, 3.6B active per token (4 of 32 experts).
+    model = build_random_model("gpt-oss-20b", dtype=torch.bfloat16, device="meta", attn_implementation="eager")
+    total = sum(p.numel() for p in model.parameters())
+    active = ModelBytes.from_model(model).weights_read(1) / 2  # bfloat16: 2 bytes a parameter
+    assert 20.5e9 < total < 21.5e9
+    # 3.61B: the routed 4 of 32 experts, attention, router and LM head; the untied input table is read by rows,
+    # as the card's active count leaves the embedding out
+    assert 3.5e9 < active < 3.7e9, active

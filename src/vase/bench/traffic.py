@@ -67,13 +67,13 @@ class ModelBytes:
 
         inp = model.get_input_embeddings().weight
         out = model.get_output_embeddings()
-        tied = out is not None and out.weight.data_ptr() == inp.data_ptr()
+        tied = out is not None and _storage(out.weight) == _storage(inp)
         seen: set[int] = set()
         weights = 0
         for p in model.parameters():
-            if p.data_ptr() in seen or (p is inp and not tied):
+            if _storage(p) in seen or (p is inp and not tied):
                 continue  # an untied input embedding: only the rows of this step's tokens are read
-            seen.add(p.data_ptr())
+            seen.add(_storage(p))
             weights += p.numel() * p.element_size()
         text = model.config.get_text_config()
         experts, fraction = _routed_experts(model, text)
@@ -85,6 +85,12 @@ class ModelBytes:
                    sliding_token=types.count(SLIDING) * kv_bytes_per_layer_token(text, element),
                    sliding_held=window - 1 if SLIDING in types else 0,
                    state=types.count(LINEAR) * recurrent_state_bytes(text, element) if LINEAR in types else 0)
+
+
+def _storage(p) -> int:
+    """What identifies a parameter's memory: its address, or on the meta device (shapes without memory, as
+    `benchmarks/hybrid_ceilings.py` counts the shapes too large to build) the tensor itself."""
+    return id(p) if p.device.type == "meta" else p.data_ptr()
 
 
 def _routed_experts(model, text) -> tuple[int, float]:
