@@ -72,14 +72,16 @@ def main() -> None:
 
     record = provenance(note="computed by the traffic model, nothing timed")
     rows = ceiling_rows(lengths, args.budget, args.window, args.prompt_length)
-    columns = ["shape", "dtype", "full_attention", "weights_gb"]
+    keys = ["shape", "dtype", "full_attention", "weights_gb"]
+    columns = ["shape", "dtype", "full-attention layers", "weights read a step (GB)"]
     formats = {"weights_gb": ".2f"}
     for n in lengths:
-        columns += [f"kv_full_mb_{n}", f"kv_bounded_mb_{n}", f"ceiling_{n}"]
+        keys += [f"kv_full_mb_{n}", f"kv_bounded_mb_{n}", f"ceiling_{n}"]
+        columns += [f"K/V and states a step at {n:,} tokens, full (MB)", "bounded (MB)", f"ceiling at {n:,}"]
         formats.update({f"kv_full_mb_{n}": ".0f", f"kv_bounded_mb_{n}": ".0f", f"ceiling_{n}": ".3f"})
-    table = {"columns": columns, "align": "lll" + "r" * (len(columns) - 3), "formats": formats}
+    table = {"columns": columns, "keys": keys, "align": "lll" + "r" * (len(columns) - 3), "formats": formats}
     for row in rows:
-        print("  ".join(f"{row[c]:{formats.get(c, '')}}" for c in columns))
+        print("  ".join(f"{row[k]:{formats.get(k, '')}}" for k in keys))
     print(f"wrote {write_results(args.results, rows, finish(record), table=table)}")
 
 
