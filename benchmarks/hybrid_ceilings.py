@@ -22,9 +22,11 @@ sys.path.insert(0, str(ROOT / "src"))
 #: (shape, decoder layers or None for all, dtype): the hybrid shapes as deployed (bfloat16), and the
 #: configurations measured on the development CPU (docs/bench.md), to read their shares against
 SHAPES = (
-    ("qwen3.5-0.8b", None, "bfloat16"), ("qwen3.5-27b", None, "bfloat16"), ("qwen3-next-80b-a3b", None, "bfloat16"),
+    ("qwen3.5-0.8b", None, "bfloat16"), ("qwen3.5-27b", None, "bfloat16"), ("qwen3.5-35b-a3b", None, "bfloat16"),
+    ("qwen3-next-80b-a3b", None, "bfloat16"),
     ("gpt-oss-20b", None, "bfloat16"), ("gemma3-1b", None, "bfloat16"), ("gemma3-270m", None, "bfloat16"),
     ("qwen3.5-0.8b", None, "float32"), ("gemma3-270m", None, "float32"), ("gpt-oss-20b", 4, "bfloat16"),
+    ("qwen3.5-35b-a3b", 4, "bfloat16"),
 )
 
 

@@ -360,6 +360,10 @@ def test_moe_reads_only_the_experts_a_step_is_routed_to():
     assert m.weights_read(1) == m.weights - m.expert_weights / 2  # 2 of 4 experts
     assert m.weights_read(2) == m.weights - m.expert_weights / 4  # 1 - (1 - 1/2)^2 = 3/4 of them
     assert decode_traffic(m, "full", 8, 5, 2).weights == m.weights_read(2) + 2 * m.embed_row
+    # Qwen3-Next: gate_up [E, 2 x 32, hidden] and down [E, hidden, 32] per layer; the shared expert and the router
+    # (gate) are read every step
+    nxt = ModelBytes.from_model(hybrid_model("qwen3-next"))
+    assert (nxt.expert_weights, nxt.expert_fraction) == (4 * 4 * (64 * 64 + 64 * 32) * 8, 0.5)
     dense = ModelBytes.from_model(hybrid_model("qwen3.5"))
     assert (dense.expert_weights, dense.weights_read(3)) == (0, dense.weights)
     # the same model counted as dense reads every expert: a lower ceiling than the routed count

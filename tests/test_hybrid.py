@@ -438,7 +438,7 @@ def test_bench_shapes_of_hybrid_families():
 
     text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
     rows = _table(text, "| shape | full-attention layers |")
-    assert {r["shape"] for r in rows} == {"qwen3.5-0.8b", "qwen3.5-27b", "qwen3-next-80b-a3b", "gpt-oss-20b",
+    assert {r["shape"] for r in rows} == {"qwen3.5-0.8b", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "gpt-oss-20b",
                                           "gemma3-1b", "gemma3-270m"}
     for row in rows:
         cfg = resolve_shape(row["shape"])

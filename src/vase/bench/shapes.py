@@ -23,6 +23,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig,
                           PreTrainedConfig, Qwen3Config, Qwen3NextConfig)
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 __all__ = ["SHAPES", "build_random_model", "resolve_shape", "shape_names"]
 
@@ -64,6 +65,12 @@ SHAPES: dict[str, tuple[type[PreTrainedConfig], dict[str, Any]]] = {
                                             num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
                                             head_dim=256, tie_word_embeddings=False, max_position_embeddings=262144,
                                             rope_parameters=_QWEN35_ROPE)),
+    # Qwen3.5-35B-A3B: the mid-size MoE, 40 layers (30 linear, 10 full), 256 experts, 8 routed + 1 shared per token.
+    "qwen3.5-35b-a3b": (Qwen3_5MoeTextConfig, dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                                                   num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                                   num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                                                   shared_expert_intermediate_size=512, tie_word_embeddings=False,
+                                                   max_position_embeddings=262144, rope_parameters=_QWEN35_ROPE)),
     # Qwen3-Next-80B-A3B: 48 layers (36 linear, 12 full), 512 experts, 10 routed + 1 shared per token.
     "qwen3-next-80b-a3b": (Qwen3NextConfig, dict(vocab_size=151936, hidden_size=2048, intermediate_size=5120,
                                                  num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
@@ -176,7 +183,7 @@ def build_random_model(name_or_config_json: str | Path | PreTrainedConfig = "tin
     """A causal LM with the shapes of `name_or_config_json` and random weights, in eval mode.
 
     name_or_config_json: a name from `SHAPES` (qwen3-0.6b, qwen3-4b, qwen3-14b, smollm2-135m, the hybrid
-    qwen3.5-0.8b, qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b and gemma3-270m, tiny), a path to a config.json (or its directory), or a config object.
+    qwen3.5-0.8b, qwen3.5-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b and gemma3-270m, tiny), a path to a config.json (or its directory), or a config object.
     """
     from transformers.initialization import no_init_weights
 

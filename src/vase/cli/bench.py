@@ -34,7 +34,7 @@ def bench(
     no_dynamic: Annotated[bool, typer.Option("--no-dynamic", help="Skip transformers' DynamicCache.")] = False,
     random_init: Annotated[Optional[str], typer.Option(help="Random weights of a real architecture: qwen3-0.6b, "
                                                        "qwen3-4b, qwen3-14b, smollm2-135m, the hybrid qwen3.5-0.8b, "
-                                                       "qwen3.5-27b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b, "
+                                                       "qwen3.5-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b, "
                                                        "gemma3-270m "
                                                        "(docs/models.md), or a config.json.")] = None,
     layers: Annotated[Optional[int], typer.Option(help="With --random-init: only the shape's first N decoder layers "
