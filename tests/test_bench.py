@@ -95,22 +95,49 @@ def test_kv_bytes_flat_for_an_evicting_method_while_full_grows(rows):
 
 @pytest.mark.parametrize("last,flagged", [(9.4, True), (9.6, False)])
 def test_a_bounded_row_whose_rate_falls_below_0_95_is_flagged(tiny, monkeypatch, last, flagged):
-    """The flat-rate check: an evicting row whose last part runs below 0.95 x its first is flagged, one at
-    0.96 is not, and the growing caches (full, dynamic) are never flagged for slowing down."""
+    """The flat-rate check: an evicting row whose last part runs below 0.95 x its first part after the first
+    eviction is flagged, one at 0.96 is not, a faster fill phase before that eviction (the whole run's first part
+    at 12) does not count, and the growing caches (full, dynamic) are never flagged for slowing down."""
     import vase.bench.runner as runner
 
     real = runner.run_one
 
-    def run_one(*args, **kwargs):  # the real run, its part rates replaced by 10, 10, 10, `last` tok/s
+    def run_one(*args, **kwargs):  # the real run, its part rates replaced: 10, 10, 10, `last` after the eviction
         out = real(*args, **kwargs)
-        return {**out, "seg_tok_s": [10.0, 10.0, 10.0, last]}
+        return {**out, "seg_tok_s": [12.0, 10.0, 10.0, last], "steady_tok_s": [10.0, 10.0, 10.0, last]}
 
     monkeypatch.setattr(runner, "run_one", run_one)
     got = run_bench(tiny, ["snapkv"], [B], [40], [1], prompt_length=P, window=W, warmup=0, repeats=1, segments=4)
     row = pick(got, "snapkv", 40)
-    assert row["seg_ratio"] == pytest.approx(last / 10) and row["eviction_fired"]
-    assert ("rate fell over the output (last/first part %.2f)" % (last / 10) in row["flag"]) is flagged
+    assert row["seg_ratio"] == pytest.approx(last / 12) and row["eviction_fired"]
+    assert row["steady_ratio"] == pytest.approx(last / 10)
+    assert ("rate fell after the first eviction (last/first part %.2f)" % (last / 10) in row["flag"]) is flagged
     assert "rate fell" not in pick(got, "full", 40)["flag"] + pick(got, "dynamic", 40)["flag"]
+
+
+def test_steady_parts_start_after_the_first_eviction(tiny, monkeypatch):
+    """run_one's steady_tok_s covers the steps after the first eviction only: with a clock under which every forward
+    takes 10 ms until the cache has evicted and 20 ms after, the steady parts run at 50 tok/s, the whole run's first
+    part faster; a cache that never evicts has no steady parts."""
+    import vase.bench.runner as runner
+
+    clock = {"now": 0.0}
+
+    def tick(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        evicted = cache is not None and hasattr(cache, "evicting_layers") and cache.evicting_layers[0].evictions > 0
+        clock["now"] += 0.02 if evicted else 0.01
+
+    monkeypatch.setattr(runner, "_now", lambda: clock["now"])
+    handle = tiny.register_forward_pre_hook(tick, with_kwargs=True)
+    try:
+        evicting = runner.run_one(tiny, "snapkv", B, 40, 1, P, W, segments=2)
+        full = runner.run_one(tiny, "full", None, 40, 1, P, W, segments=2)
+    finally:
+        handle.remove()
+    assert evicting["steady_tok_s"] == pytest.approx([50.0, 50.0])
+    assert evicting["seg_tok_s"][0] > 55  # the fill steps (10 ms) are in the whole run's first part
+    assert full["steady_tok_s"] == []
 
 
 def test_flat_rate_range_is_the_spread_of_the_rounds_own_last_first_ratios(tiny, monkeypatch):

@@ -19,7 +19,7 @@ __all__ = ["CSV_COLUMNS", "label", "plot", "print_table", "read_csv", "to_markdo
 #: every column of the CSV, in order (see `vase.bench.runner` for their meaning)
 CSV_COLUMNS = [
     "model", "device", "dtype", "attn", "batch", "method", "compiled", "budget", "window", "prompt_length",
-    "new_tokens", "repeats", "tok_s", "vs_full", "vs_dynamic", "seg_tok_s", "seg_ratio", "step_ms", "decode_s", "prefill_s", "evictions",
+    "new_tokens", "repeats", "tok_s", "vs_full", "vs_dynamic", "seg_tok_s", "seg_ratio", "steady_ratio", "step_ms", "decode_s", "prefill_s", "evictions",
     "expected_evictions", "eviction_fired", "evict_ms", "evict_step_ms", "evict_share", "kv_bytes", "kv_bytes_alloc",
     "kv_bytes_full", "kv_vs_full", "stored_length", "peak_mem_bytes", "peak_mem_delta_bytes", "mem_method", "flag",
     # the ceiling (docs/bench.md) and the paired repeats

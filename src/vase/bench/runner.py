@@ -20,9 +20,11 @@ What is measured (per run; a row reports the median over `repeats` runs after `w
   loop). Prefill is excluded.
 - tok_s = (N - 1) x batch / (last stamp - first stamp); `segments` splits the N - 1 steps into
   equal parts and reports the rate of each (`seg_tok_s`, ';'-joined, first to last);
-  `seg_ratio` = last part's rate / first part's: a bounded cache's step does not grow, so it
-  should be about 1 (rows below 0.95 get a flag). With repeats, `seg_ratio` is taken from the
+  `seg_ratio` = last part's rate / first part's. With repeats, `seg_ratio` is taken from the
   median part rates and `seg_ratio_lo` .. `seg_ratio_hi` is the range of the rounds' own ratios.
+  A bounded cache's step does not grow once it has evicted: `steady_ratio` is the same ratio over
+  the steps after the first eviction only (before it the cache is still filling, holding fewer
+  tokens than later, so faster), and an evicting row below 0.95 gets a flag.
 - Evictions: `cache.stats()["evictions"]` (events per layer; every layer evicts at the same
   step). `expected_evictions` is what the schedule (`vase.schedule`, docs/methods.md) predicts;
   `eviction_fired` is False for an evicting method that never evicted (prompt + output too
@@ -350,6 +352,8 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
         "prefill_s": prefill_s,
         "tok_s": len(steps) * batch / decode_s if decode_s > 0 else math.nan,
         "seg_tok_s": _segment_rates(steps, batch, segments),
+        # the same parts over the steps after the first eviction: the steady state of a bounded cache
+        "steady_tok_s": _segment_rates(steps[evicted.index(True) + 1:], batch, segments) if any(evicted) else [],
         "step_ms": 1000 * statistics.median(steps) if steps else math.nan,
         "evict_step_ms": _evict_step_cost(steps, evicted),
     }
@@ -528,8 +532,12 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
     # each round's own last/first ratio: its spread says whether a flat rate is within the noise
     run_ratios = [r["seg_tok_s"][-1] / r["seg_tok_s"][0] for r in runs
                   if len(r["seg_tok_s"]) > 1 and r["seg_tok_s"][0] > 0]
-    if evicts and fired and seg_ratio < 0.95:
-        flag = (flag + "; " if flag else "") + f"rate fell over the output (last/first part {seg_ratio:.2f})"
+    steady = [_median([r["steady_tok_s"][i] for r in runs if len(r.get("steady_tok_s", [])) > i])
+              for i in range(max(len(r.get("steady_tok_s", [])) for r in runs))]
+    steady_ratio = steady[-1] / steady[0] if len(steady) > 1 and steady[0] > 0 else math.nan
+    if evicts and fired and steady_ratio < 0.95:
+        flag = (flag + "; " if flag else "") + (f"rate fell after the first eviction (last/first part "
+                                                f"{steady_ratio:.2f})")
     return {
         "model": _model_label(model),
         "device": str(device),
@@ -548,6 +556,7 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
         "seg_ratio": seg_ratio,
         "seg_ratio_lo": min(run_ratios) if run_ratios else math.nan,
         "seg_ratio_hi": max(run_ratios) if run_ratios else math.nan,
+        "steady_ratio": steady_ratio,
         "compiled": compiled,
         "step_ms": _median([r["step_ms"] for r in runs]),
         "decode_s": _median([r["decode_s"] for r in runs]),
