@@ -120,18 +120,24 @@ def test_steady_parts_start_after_the_first_eviction(tiny, monkeypatch):
     takes 10 ms until the cache has evicted and 20 ms after, the steady parts run at 50 tok/s, the whole run's first
     part faster; a cache that never evicts has no steady parts."""
     import vase.bench.runner as runner
+    from vase.cache import EvictionLayer
 
-    clock = {"now": 0.0}
+    clock = {"now": 0.0, "evicted": False}
+    evict = EvictionLayer.evict
 
-    def tick(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        evicted = cache is not None and hasattr(cache, "evicting_layers") and cache.evicting_layers[0].evictions > 0
-        clock["now"] += 0.02 if evicted else 0.01
+    def evict_and_note(self, *args, **kwargs):
+        clock["evicted"] = True
+        return evict(self, *args, **kwargs)
 
+    def tick(module, args):
+        clock["now"] += 0.02 if clock["evicted"] else 0.01
+
+    monkeypatch.setattr(EvictionLayer, "evict", evict_and_note)
     monkeypatch.setattr(runner, "_now", lambda: clock["now"])
-    handle = tiny.register_forward_pre_hook(tick, with_kwargs=True)
+    handle = tiny.register_forward_pre_hook(tick)
     try:
         evicting = runner.run_one(tiny, "snapkv", B, 40, 1, P, W, segments=2)
+        clock["evicted"] = False
         full = runner.run_one(tiny, "full", None, 40, 1, P, W, segments=2)
     finally:
         handle.remove()
