@@ -674,6 +674,7 @@ CASES: list[Case] = [
         "--random-init", "{root}/bad-config.json", "--budgets", "128", "--lengths", "4"),
     cli("layers-without-random-init", r"--layers cuts a --random-init shape: add --random-init NAME, or drop "
         r"--layers", "bench", "--layers", "2", "--budgets", "128", "--lengths", "4"),
+    cli("layers-on-vllm", r"--layers is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--random-init", "tiny", "--layers", "2", "--lengths", "4"),
     cli("layers-zero", r"Invalid value for .--layers.: Input should be greater than or equal to 1", "bench",
         "--random-init", "tiny", "--layers", "0", "--lengths", "4", code=2),
     cli("model-empty", r"--model is empty \(''\)", *G, "-m", ""),

@@ -532,8 +532,7 @@ def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int 
     # each round's own last/first ratio: its spread says whether a flat rate is within the noise
     run_ratios = [r["seg_tok_s"][-1] / r["seg_tok_s"][0] for r in runs
                   if len(r["seg_tok_s"]) > 1 and r["seg_tok_s"][0] > 0]
-    steady = [_median([r["steady_tok_s"][i] for r in runs if len(r.get("steady_tok_s", [])) > i])
-              for i in range(max(len(r.get("steady_tok_s", [])) for r in runs))]
+    steady = [_median([r["steady_tok_s"][i] for r in runs]) for i in range(len(runs[0]["steady_tok_s"]))]
     steady_ratio = steady[-1] / steady[0] if len(steady) > 1 and steady[0] > 0 else math.nan
     if evicts and fired and steady_ratio < 0.95:
         flag = (flag + "; " if flag else "") + (f"rate fell after the first eviction (last/first part "

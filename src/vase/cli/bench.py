@@ -85,7 +85,8 @@ def bench(
     if results is not None and (results.name in ("", ".", "..") or results.is_dir()):
         raise UserError(f"--results must name a file (e.g. docs/results/bench.json), got {str(results)!r}")
     if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
-        transformers_only = [f"--{n}" for n in ("clock", "bandwidth") if given(ctx, n)]
+        transformers_only = [f"--{n.replace('_', '-')}" for n in ("clock", "bandwidth", "layers")
+                             if given(ctx, n)]
         if transformers_only:  # the vLLM bench has its own rounds and files: these would be dropped
             raise UserError(f"{', '.join(transformers_only)} {'is' if len(transformers_only) == 1 else 'are'} for "
                             f"the transformers engine's bench only: drop {'it' if len(transformers_only) == 1 else 'them'} "
