@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled runs (e.g. "
                    "reduce-overhead: CUDA graphs); default: inductor's default")
     p.add_argument("--out", default=None)
+    p.add_argument("--source-commit", default=None, help="the commit of the copied tree, recorded when the "
+                   "machine that runs this has no git checkout (a lent GPU machine gets a copy without .git)")
     args = p.parse_args(argv)
     if args.toy:
         args.device = args.device or "cpu"
@@ -266,9 +268,27 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+KEPT_TABLE = {"columns": ["method", "backend", "evictions", "compiled_same_kept", "compiled_max_logit_diff",
+                          "cpu_same_kept"], "align": "llrllr", "formats": {"compiled_max_logit_diff": ".2e"}}
+SPEED_TABLE = {"columns": ["kind", "new_tokens", "tok_s", "tok_s_first", "first_tokens", "step_ms_median", "peak_gib"],
+               "align": "lrrrrrr", "formats": {"tok_s": ".1f", "tok_s_first": ".1f", "step_ms_median": ".2f",
+                                               "peak_gib": ".2f"}}
+
+
 def write(report: dict, out: Path) -> None:
+    """The raw report and its markdown, and one results file per part (vase.provenance) for docs/gpu.md."""
+    from vase.provenance import write_results
+
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     (out / "gpu_check.md").write_text(to_markdown(report))
+    record = report["provenance"]
+    if report.get("check"):
+        write_results(out / "gpu-check-kept.json", report["check"], record, table=KEPT_TABLE)
+    if report.get("speed"):
+        settings = {k: report["settings"][k] for k in ("shape", "batch", "prompt", "budget", "window", "backend")}
+        write_results(out / "gpu-check-speed.json", [r for r in report["speed"] if not r.get("skipped")],
+                      {**record, "settings": settings, "weights_gib": report.get("weights_gib")},
+                      table=SPEED_TABLE)
 
 
 def main(argv=None) -> int:
@@ -287,6 +307,11 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
 
+    from vase.provenance import provenance
+
+    report["provenance"] = provenance()
+    if report["provenance"]["commit"] is None and args.source_commit:
+        report["provenance"].update(commit=args.source_commit, commit_from="--source-commit")
     log(json.dumps({k: report[k] for k in ("device", "gpu", "torch", "transformers")}))
     if not args.skip_check:
         report["check"] = check(str(device), log, None if args.all_methods else args.check_methods, args.backend)
@@ -294,6 +319,9 @@ def main(argv=None) -> int:
     if not args.skip_speed:
         speed(args, device, log, start, out, report)
     report["total_s"] = round(time.perf_counter() - start, 1)
+    from vase.provenance import finish
+
+    finish(report["provenance"])
     write(report, out)
     ok = all(r["compiled_same_kept"] is not False and r["cpu_same_kept"] is not False for r in report.get("check", []))
     log(f"done in {report['total_s']} s; kept sets {'agree' if ok else 'DIFFER'}; wrote {out / 'gpu_check.md'}")
