@@ -152,13 +152,13 @@ def test_fp8_doors_refusals_and_crop(model):
         RequestSpec.of("quest", 32, 8, kv_dtype="fp8").validate()
     assert static_refusal(Fp8Config("fp8")) == "compile=True has no fixed-shape form of the fp8 storage: use " \
                                                "compile=False"
-    # saturation: a value past e4m3's largest finite (448) is stored as 448, not NaN
-    layer = EvictionCache(None, "snapkv", 32, 8, num_layers=1, kv_dtype="fp8").layers[0]
-    k = torch.full((1, 2, 3, 16), 1000.0)
+    # saturation: a value past e5m2's largest finite (57344) is stored as 57344, not inf (a cast alone gives inf)
+    layer = EvictionCache(None, "snapkv", 32, 8, num_layers=1, kv_dtype="fp8_e5m2").layers[0]
+    k = torch.full((1, 2, 3, 16), 1e6)
     layer.update(k, -k)
     layer.awaiting_attention = False
     keys, values = layer.storage.read(3)
-    assert torch.equal(keys, torch.full_like(k, 448.0)) and torch.equal(values, torch.full_like(k, -448.0))
+    assert torch.equal(keys, torch.full_like(k, 57344.0)) and torch.equal(values, torch.full_like(k, -57344.0))
     # speculative decoding composes: prompt lookup over fp8 equals plain greedy over fp8
     outs = [model.generate(torch.tensor([[5, 6, 7, 8, 9, 10] * 2]),
                            **cache_kwargs(EvictionCache(model, "snapkv", budget=B, window=W, kv_dtype="fp8")),
