@@ -430,7 +430,7 @@ def _check_context(ctx, prompt: int, cap: int):
 def _crop(ctx):
     c = cache(ctx)
     gen_cache_fill(ctx, c)
-    c.crop(3)
+    c.crop(-100)  # more than the last forward wrote
 
 
 def gen_cache_fill(ctx, c):

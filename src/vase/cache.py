@@ -43,6 +43,7 @@ from .schedule import first_limit, must_evict, room, steady_limit
 from .spec import RequestSpec
 from .storage import KVStorage
 from .storages import eager_storage
+from .verify import LastForward, Pending, Snapshot, cut_mask
 
 
 class EvictedStateError(RuntimeError):
@@ -70,7 +71,6 @@ class EvictionLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
 
     def __init__(self, cache: "EvictionCache", layer_idx: int):
         self.storage: KVStorage = cache.new_storage(layer_idx)  # first: the base class sets keys/values
@@ -103,6 +103,16 @@ class EvictionLayer(CacheLayerMixin):
         self.row_pad0: list[int] = []  # per row: padding of the prompt (seen - pad0 = real tokens seen)
         self.awaiting_attention = False
         self._served: tuple | None = None  # (data_ptr, shape) of the K the last `update` returned
+        # speculative verification (`vase.verify`): the last multi-token forward, for a crop of its tokens; the
+        # eviction point inside the current forward (real tokens stored at the cut); a deferred eviction
+        self._last: LastForward | None = None
+        self._defer_at: int | None = None
+        self._pending: Pending | None = None
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can remove the last forward's tokens (the storage holds each slot on its own)."""
+        return hasattr(self.storage, "truncate")
 
     # -- storage -------------------------------------------------------------------------------
     # transformers' CacheLayerMixin protocol has `keys` / `values` attributes: they are the storage's
@@ -149,6 +159,10 @@ class EvictionLayer(CacheLayerMixin):
         pos = torch.full((*self.positions.shape[:2], new_cap), -1, dtype=torch.long, device=self.device)
         pos[..., : self.length] = self.positions[..., : self.length]
         self.positions = pos
+        for name, state in self.slot_state.items():
+            grown = state.new_zeros(*state.shape[:2], new_cap)
+            grown[..., : self.length] = state[..., : self.length]
+            self.slot_state[name] = grown
 
     def real_lengths(self) -> list[int]:
         """Real (non-padding) tokens stored per row."""
@@ -171,19 +185,33 @@ class EvictionLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(f"batch of {key_states.shape[0]} rows fed to a cache holding {self.keys.shape[0]}")
+        if self._pending is not None:  # the forward before this one was never cropped: all its tokens stand
+            self._settle()
         q = key_states.shape[2]
         cfg = self.cfg
+        self._last = None
         if cfg.policy.evicts and q > self.until_evict:
             reals = self.real_lengths()
             due = [r for r, n in enumerate(reals) if must_evict(n, q, self.limit[r], cfg.budget)]
-            if due:
+            if due and len(reals) == 1 and reals[0] < self.limit[0] and self.is_croppable:
+                # the eviction point falls after this forward's first token: defer it (`vase.verify`)
+                if reals[0] + q > self.limit[0] + cfg.window:
+                    raise ValueError(f"cannot feed {q} tokens in one forward here: at most w + 1 = {cfg.window + 1} "
+                                     f"fit one eviction point (set prompt_lookup_num_tokens / num_assistant_tokens "
+                                     f"<= w = {cfg.window})")
+                self._defer_at = self.limit[0]
+            elif due:
                 self.evict(due)
         end = self.length + q
         if end > self.capacity:
-            if cfg.policy.evicts:
+            if cfg.policy.evicts and self._defer_at is None:
                 raise ValueError(f"cannot append {q} tokens at once after prefill: at most the window "
                                  f"({cfg.window}) fits between evictions; feed fewer tokens per call")
             self._grow(end)
+        if q > 1:  # a crop may take these tokens back (assisted decoding's prefill carries the first drafts too)
+            ring = self.queries.clone() if self.queries is not None else None
+            self._last = LastForward(start=self.seen, tokens=q, ring=ring, queries_seen=self.queries_seen,
+                                     queries=None)
         self.storage.write(key_states, value_states, self.length, end)
         if q == 1:  # the decode hot path: a scalar fill instead of a new arange
             self.positions[:, :, self.length].fill_(self.seen)
@@ -294,13 +322,67 @@ class EvictionLayer(CacheLayerMixin):
         self.awaiting_attention = False
         if self.pad is None:
             self.observe_padding(attention_mask)
+        selected = self._defer(query, kind) if self._defer_at is not None else None
         if self.cfg.policy.needs_queries:
+            if self._last is not None:
+                self._last.queries = query
             self.record_queries(query)
         mask = self.cache.attention_mask(self, query.shape[2], query.dtype, kind)
-        selected = self.selection_mask(query)  # Quest: per-step page selection, else None
+        quest = self.selection_mask(query)  # Quest: per-step page selection, else None
+        if quest is not None:
+            selected = quest if selected is None else selected & quest
         if selected is not None:
             mask = and_selection(mask, selected, kind, query.dtype)
         return self.storage.attention_mask(mask, query, kind, self.length)
+
+    # -- speculative verification (`vase.verify`) ------------------------------------------------------
+    def _defer(self, query: torch.Tensor, kind: str) -> torch.Tensor:
+        """Run, inside this forward, the eviction token-by-token decoding runs at the cut, without compacting:
+        returns the mask [1, q_heads, q, L] that hides what it drops from the queries at and after the cut."""
+        if kind == "flash":
+            raise ValueError("speculative decoding across an eviction point needs a per-query mask, which "
+                             "flash_attention_2 does not take: load the model with attn_implementation='sdpa' or 'eager'")
+        limit, self._defer_at = self._defer_at, None
+        cfg, q = self.cfg, query.shape[2]
+        pad = self.pad[0]
+        first_cut = limit - (self.length - q - pad)  # this forward's tokens before the cut
+        window = None
+        if cfg.policy.needs_queries:  # the w queries before the cut: the ring's, then this forward's first ones
+            window = torch.cat([self.query_window(), query[:, :, :first_cut]], 2)[:, :, -cfg.window:]
+        # the row's generator is shared by the layers: every layer rewinds it to where the forward's first
+        # deferred selection found it
+        start = self.seen - q
+        if self.cache.rewind is None or self.cache.rewind[0] != start:
+            self.cache.rewind = (start, [g.get_state() for g in self.cache.generators[:1]])
+        snapshot = Snapshot.take(self.cache.rewind[1], self.slot_state, self.layer_state, self.state_ready)
+        n_cand = limit - cfg.window
+        keep = self._select([0], pad, pad + n_cand, queries=window)
+        self._pending = Pending(limit=limit, keep=keep, snapshot=snapshot)
+        return cut_mask(keep, n_cand, pad, self.length, q, first_cut, query.shape[1])
+
+    def _settle(self) -> None:
+        """Apply the deferred eviction when the token at its cut stands (row 0 stores more than `limit` real
+        tokens), else drop it and put the policy's state back."""
+        pending, self._pending = self._pending, None
+        cfg = self.cfg
+        pad, real = self.pad[0], self.length - self.pad[0]
+        if real <= pending.limit:
+            self.state_ready = pending.snapshot.restore(self.cache.generators[:1], self.slot_state, self.layer_state)
+            return
+        B, w, h = cfg.budget, cfg.window, self.keys.shape[1]
+        cut = pad + pending.limit
+        head = keep_index(pending.keep, cut, w, cfg.sort_kept, offset=pad)  # as `evict` at the cut
+        tail = torch.arange(cut, self.length, device=self.device).expand(1, h, -1)
+        self.row_peak_bytes[0] = self.storage.held_bytes(pending.limit, 0)
+        self._compact(torch.cat([head, tail], -1), [0])
+        self.tokens_evicted += (pending.limit - B) * h
+        self.row_evictions[0] += 1
+        self.row_peak[0] = max(self.row_peak[0], pending.limit)
+        self.limit[0] = steady_limit(B, w)
+        self.pad = [0]
+        self.length = B + self.length - cut
+        self._reschedule()
+        self.evictions += 1
 
     # -- eviction ---------------------------------------------------------------------------------
     def evict(self, due: list[int]) -> None:
@@ -337,14 +419,16 @@ class EvictionLayer(CacheLayerMixin):
         self._reschedule()
         self.evictions += 1
 
-    def _select(self, rows: list[int], pad: int, n_cand: int) -> torch.Tensor:
+    def _select(self, rows: list[int], pad: int, n_cand: int, queries: torch.Tensor | None = None) -> torch.Tensor:
         """Ask the policy which real candidates (slots pad..n_cand-1) of `rows` to keep: [len(rows), h, B - w].
 
-        Padding never reaches the policy: it sees real tokens only, sinks first."""
+        Padding never reaches the policy: it sees real tokens only, sinks first. `queries`: the window
+        [len(rows), q_heads, w, d] when it is not the ring's (a deferred eviction's)."""
         cfg, policy = self.cfg, self.cfg.policy
         sel = rows if len(rows) < self.keys.shape[0] else slice(None)
         keys, values = self.storage.candidates(sel, pad, n_cand, self.length)
-        queries = self.query_window()[sel] if policy.needs_queries else None
+        if policy.needs_queries and queries is None:
+            queries = self.query_window()[sel]
         generators = [self.cache.generators[r] for r in rows] if policy.stochastic else None
         extra = {name: state[sel, :, pad:n_cand] for name, state in self.slot_state.items()}
         self._init_layer_state(rows)
@@ -391,8 +475,35 @@ class EvictionLayer(CacheLayerMixin):
         self.__init__(self.cache, self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise EvictedStateError("an evicting cache cannot be cropped: evicted tokens cannot be restored. Disable "
-                                "assisted/speculative decoding, or use method='full'")
+        """Remove the last `-tokens_to_remove` tokens (transformers' speculative decoding drops rejected drafts;
+        a positive value is the legacy form, the length to keep). Only tokens of the last forward can go, none an
+        eviction compacted; the query ring gets back the queries of the tokens that stay (`vase.verify`)."""
+        if not self.is_initialized:
+            return
+        n = -tokens_to_remove if tokens_to_remove <= 0 else max(self.seen - tokens_to_remove, 0)
+        if n > 0:
+            last = self._last
+            if last is None or n > last.tokens - 1 or self.seen != last.start + last.tokens or not self.is_croppable:
+                raise EvictedStateError(
+                    "an evicting cache cannot be cropped: evicted tokens cannot be restored (only the drafts of the "
+                    "last forward can be taken back, on storage that holds each slot on its own). Disable "
+                    "assisted/speculative decoding, or use method='full'")
+            self.length -= n
+            self.seen -= n
+            self.storage.truncate(self.length)
+            if last.queries is not None:  # the ring as before the forward, then the accepted tokens' queries
+                if last.ring is None:
+                    self.queries.zero_()
+                else:
+                    self.queries.copy_(last.ring)
+                self.queries_seen = last.queries_seen
+                self.record_queries(last.queries[:, :, : last.tokens - n])
+            self._last = None
+            if last.start == 0:  # the prefill's drafts: the cache counts what stands as the prompt
+                self.limit = [first_limit(k, self.cfg.budget, self.cfg.window) for k in self.real_lengths()]
+            self._reschedule()
+        if self._pending is not None:
+            self._settle()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise EvictedStateError("beam search is not supported with an evicting cache (each beam would need its "
@@ -476,6 +587,8 @@ class EvictionCache(Cache):
                                max_length=max_length)
         self.seed = seed
         self.generators: list[torch.Generator] | None = None
+        #: (tokens seen before a verification forward, row 0's generator state then): see `EvictionLayer._defer`
+        self.rewind: tuple[int, list[torch.Tensor]] | None = None
         self._mask_memo: tuple | None = None
         #: the quantized storage's validated configuration; None: full precision (`DenseStorage`)
         self.quant: QuantConfig | None = req.quant
@@ -539,6 +652,7 @@ class EvictionCache(Cache):
         # transformers' reset zeroes a sliding layer's tensors but keeps their length: start those afresh
         self.layers = [l if isinstance(l, EvictionLayer) else self._new_layer(i) for i, l in enumerate(self.layers)]
         self.generators = None
+        self.rewind = None
         self._mask_memo = None
 
     # transformers' `generate` marks a cache the caller passed in at the start of every call. A filled

@@ -8,6 +8,10 @@ its own bytes. Two storages implement the protocol:
 - `DenseStorage` (here): preallocated full-precision buffers [b, kv_heads, capacity, d];
 - `vase.quant_cache.QuantStorage`: packed low-bit codes plus a full-precision reserve.
 
+A storage may also have `truncate(length)` (forget the slots from `length` on): the layer's `crop` of
+speculative drafts needs it (`DenseStorage` has it; the quantized storage, whose slots leave the window into
+shared codes, does not, so a cache over it refuses crops).
+
 Which one a cache builds is the storage registry's (`vase.storages`). Torch only: no transformers here, so a storage can be checked or counted without a model.
 """
 
@@ -126,3 +130,8 @@ class DenseStorage:
 
     def capacity_bytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def truncate(self, length: int) -> None:
+        """Forget the slots from `length` on (a crop of the last forward's tokens): nothing to do, each slot is
+        held on its own and the layer's length says which are stored."""
+

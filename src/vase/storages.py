@@ -14,8 +14,9 @@ A storage kind (`StorageKind`) ties together, for one way of holding K/V:
   bench read (`held`, `byte_steps`, `allocated`, `write_bytes`; see `vase.quant_cache.QuantBytes`), or
   None when the storage holds dense bytes per token.
 
-Two kinds are registered here: dense (no spec: full precision, `DenseStorage` / `StaticDense`, bytes per
-token) and quantized (`QuantSpec`: `QuantStorage` / `StaticQuant` / `QuantBytes`). A new storage is its own
+Three kinds are registered here: dense (no spec: full precision, `DenseStorage` / `StaticDense`, bytes per
+token), quantized (`QuantSpec`: `QuantStorage` / `StaticQuant` / `QuantBytes`) and fp8 (`Fp8Spec`, the
+keyword `kv_dtype`: `Fp8Storage` / no static form / `Fp8Bytes`). A new storage is its own
 module plus one `register_storage(...)` call (docs/architecture.md); nothing else names a storage class.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .fp8_cache import Fp8Bytes, Fp8Config, Fp8Spec, Fp8Storage
 from .policies import Policy
 from .quant_cache import QuantBytes, QuantConfig, QuantSpec, QuantStorage
 from .static_storage import StaticDense, StaticQuant
@@ -140,3 +142,9 @@ register_storage(StorageKind(
     static=lambda storage, index, pads, pad0, cap: StaticQuant(storage, pads, pad0, cap),
     static_refusal=_quant_refusal,
     byte_model=QuantBytes.for_model))
+
+
+register_storage(StorageKind(
+    name="fp8", spec=Fp8Spec, config=Fp8Config,
+    eager=lambda config, window, layer_idx: Fp8Storage(config),
+    byte_model=Fp8Bytes.for_model))
