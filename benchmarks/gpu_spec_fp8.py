@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lookup", type=int, default=8, help="prompt_lookup_num_tokens (<= window)")
     p.add_argument("--deadline-s", type=float, default=240.0)
     p.add_argument("--out", default=None, help="default: $OUT, else ./gpu-spec-fp8-results")
+    p.add_argument("--source-commit", default=None, help="the commit whose clean tree was copied to this machine: "
+                   "recorded instead of this checkout's git state (a lent GPU machine's copy has a stale .git)")
     args = p.parse_args(argv)
     if args.toy:
         args.shape, args.dtype, args.prompt_tokens, args.block = "tiny", "fp32", 12, 6
@@ -150,6 +152,8 @@ def main(argv=None) -> int:
     from vase.provenance import provenance
 
     record = provenance(settings={k: v for k, v in vars(args).items()}, device=str(device))
+    if args.source_commit:
+        record.update(commit=args.source_commit, dirty=False, commit_from="--source-commit")
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
