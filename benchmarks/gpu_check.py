@@ -74,8 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled runs (e.g. "
                    "reduce-overhead: CUDA graphs); default: inductor's default")
     p.add_argument("--out", default=None)
-    p.add_argument("--source-commit", default=None, help="the commit of the copied tree, recorded when the "
-                   "machine that runs this has no git checkout (a lent GPU machine gets a copy without .git)")
+    p.add_argument("--source-commit", default=None, help="the commit whose clean tree was copied to this machine: "
+                   "recorded instead of this checkout's git state (a lent GPU machine gets a copy of the working "
+                   "tree whose .git, if any, is not the sender's)")
     args = p.parse_args(argv)
     if args.toy:
         args.device = args.device or "cpu"
@@ -310,8 +311,8 @@ def main(argv=None) -> int:
     from vase.provenance import provenance
 
     report["provenance"] = provenance()
-    if report["provenance"]["commit"] is None and args.source_commit:
-        report["provenance"].update(commit=args.source_commit, commit_from="--source-commit")
+    if args.source_commit:
+        report["provenance"].update(commit=args.source_commit, dirty=False, commit_from="--source-commit")
     log(json.dumps({k: report[k] for k in ("device", "gpu", "torch", "transformers")}))
     if not args.skip_check:
         report["check"] = check(str(device), log, None if args.all_methods else args.check_methods, args.backend)

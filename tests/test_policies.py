@@ -697,3 +697,24 @@ def test_policies_and_schedule_import_without_transformers():
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'); "
             "assert not bad, bad; import vase; vase.EvictionCache; assert 'transformers' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_equal_scores_keep_the_lower_slot():
+    # torch.topk orders exact ties as its kernel likes (CPU and CUDA differ), so a repeated token's equal value
+    # rows in layer 0 kept different slots on different devices; the selection ranks ties by slot instead.
+    scores = torch.tensor([[[0.5, 1.0, 0.2, 1.0, 1.0, 0.1, 1.0, 1.0]]])
+    assert P.base.top_k_indices(scores, 3).tolist() == [[[1, 3, 4]]]
+    ones = torch.ones(1, 1, 40)
+    assert P.base.top_k_indices(ones, 5).tolist() == [[[0, 1, 2, 3, 4]]]
+
+
+def test_value_guard_ties_keep_the_lower_slots():
+    # Every value row equal: the value guard (snapkv-v's reserve) must keep the first slots, on any device.
+    torch.manual_seed(0)
+    n, d = 24, 8
+    keys = torch.randn(1, 1, n, d)
+    values = torch.ones(1, 1, n, d)
+    queries = torch.randn(1, 1, 4, d)
+    policy = get_policy("snapkv-v", n_large=6)
+    kept = policy.select(keys, values, queries, n_keep=10)
+    assert kept[0, 0, :6].tolist() == [0, 1, 2, 3, 4, 5]

@@ -43,6 +43,7 @@ import torch
 from .hybrid import full_attention_layers
 from .masks import causal_padding_mask
 from .policies import Policy, value_magnitude
+from .policies.base import top_k_indices
 from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, bits_problem, check_format, dequantize,  # noqa: F401
                     packed_bytes, quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: importable here
 from .schedule import physical_length, placeholder_budget
@@ -166,7 +167,7 @@ def flush_split(slots: torch.Tensor, rank: torch.Tensor, old_below, guard: int) 
     old = valid & (slots < old_below)
     reserve = torch.zeros_like(old)
     if guard:
-        top = rank.masked_fill(~old, float("-inf")).topk(min(guard, slots.shape[2]), dim=-1).indices
+        top = top_k_indices(rank.masked_fill(~old, float("-inf")), min(guard, slots.shape[2]))
         reserve.scatter_(-1, top, True)
         reserve &= old
     return valid & ~(old & ~reserve), old & ~reserve

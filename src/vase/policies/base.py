@@ -80,6 +80,16 @@ def sample_without_replacement(weights: torch.Tensor, k: int, generator) -> torc
     return gumbel_keys(weights, generator).topk(k, dim=-1).indices
 
 
+def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest entries per row of `scores` [..., n], largest first: LongTensor [..., k].
+
+    Equal scores rank the lower index first. `torch.topk` leaves ties to the kernel, and CPU and CUDA
+    break them differently, so exact ties (the same token's value at layer 0, whose rows are equal) would
+    keep different tokens on different devices; a stable sort keeps the same ones everywhere.
+    """
+    return scores.argsort(dim=-1, descending=True, stable=True)[..., :k]
+
+
 def gumbel_keys(weights: torch.Tensor, generator) -> torch.Tensor:
     """The keys `sample_without_replacement` ranks: log(weights) + Gumbel noise, same shape as `weights`."""
     u = uniform_noise(tuple(weights.shape), generator, weights.device).clamp_(min=1e-20)
@@ -244,7 +254,7 @@ class Policy:
             excluded[..., :n_sinks] = True
         if n_reserve > n_sinks:
             magnitude = value_magnitude(values, self.metric).masked_fill(excluded, float("-inf"))
-            large = magnitude.topk(n_reserve - n_sinks, dim=-1).indices
+            large = top_k_indices(magnitude, n_reserve - n_sinks)
             parts.append(large)
             excluded.scatter_(-1, large, True)
 
@@ -258,7 +268,7 @@ class Policy:
                 weights = weights.masked_fill(excluded, float("-inf"))
                 parts.append(sample_without_replacement(weights, n_rest, generator))
             else:
-                parts.append(scores.masked_fill(excluded, float("-inf")).topk(n_rest, dim=-1).indices)
+                parts.append(top_k_indices(scores.masked_fill(excluded, float("-inf")), n_rest))
         return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0].clone()
 
     def _check_shapes(self, keys, values, queries, n_keep) -> None:
