@@ -137,8 +137,11 @@ def to_markdown(rows: list[dict], args) -> str:
 def write(rows: list[dict], record: dict, out: Path, args) -> None:
     from vase.provenance import write_results
 
-    write_results(out / "gpu_spec_fp8.json", rows, record,
-                  table={"columns": list(COLUMNS)})
+    # rows skipped past the deadline are named in the provenance: a results table holds measured rows only
+    record = {**record, "skipped": [f"{r['cache']} {r['decoding']}" for r in rows if r.get("skipped")]}
+    write_results(out / "gpu_spec_fp8.json", [r for r in rows if not r.get("skipped")], record,
+                  table={"columns": list(COLUMNS), "formats": {"tok_s": ".2f", "tokens_per_forward": ".2f",
+                                                               "kv_mib": ".1f", "peak_gib": ".2f"}})
     (out / "gpu_spec_fp8.md").write_text(to_markdown(rows, args))
 
 
