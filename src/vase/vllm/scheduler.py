@@ -30,15 +30,15 @@ sliding-window groups' blocks by the logical length, as without vase.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from .. import schedule
 from .config import VaseConfigError, VaseVllmConfig
+from .copy_reserve import CopyReserve, scan_reserve
 from .plugin import PREFIX_HYBRID_REFUSAL, STREAMING_REFUSAL
 from .groups import full_attention_group
-from .steps import allocation_length, evicts_at, max_prefix_hit, next_boundary
+from .steps import VaseStepError, allocation_length, evicts_at, max_prefix_hit, next_boundary
 
 
 class PhysicalLengthManager:
@@ -96,6 +96,9 @@ class EvictingKVCacheManager:
         #: the scheduler's requests by id (set by `VaseScheduler`): who holds which blocks, before its compaction
         self.requests: dict = {}
         self.vase_reserve_refusals = 0  # allocations refused while copies were reserved (`pending_copies`)
+        self.reserve = CopyReserve(schedule.max_blocks(cfg.budget, cfg.window, block_size))
+        self.vase_admissions = 0  # waiting requests admitted by their bounded peak (`admits`)
+        self.vase_admissions_refused = 0  # waiting requests whose bounded peak did not fit
 
     @property
     def full_manager(self):
@@ -126,7 +129,7 @@ class EvictingKVCacheManager:
         self.vase_hit_tokens += hits
         return (blocks, hits, *rest)
 
-    def plan_copies(self, request, free: int) -> tuple[list[int], list[int]]:
+    def plan_copies(self, request, free: int, computed: int | None = None) -> tuple[list[int], list[int]]:
         """For a step of `request` that evicts (else ([], [])): which of the blocks its compaction rewrites (its
         first ceil((B + w) / block) blocks) it must not write into, given `free` blocks in the pool beyond the step's
         own need. Returns (to copy, to drop from the prefix cache):
@@ -137,8 +140,10 @@ class EvictingKVCacheManager:
           else dropped from the prefix cache;
         - any other block of its own in the prefix cache (decoded tokens): dropped from the prefix cache, so that
           it is never offered as a hit for tokens it no longer holds (its content is rewritten in place).
-        With prefix caching off every block is the request's alone and uncached: nothing to do."""
-        if not evicts_at(request.num_prompt_tokens, request.num_computed_tokens, self.cfg.budget, self.cfg.window):
+        With prefix caching off every block is the request's alone and uncached: nothing to do. `computed`: where
+        the step starts (its computed tokens by default)."""
+        computed = request.num_computed_tokens if computed is None else computed
+        if not evicts_at(request.num_prompt_tokens, computed, self.cfg.budget, self.cfg.window):
             return [], []
         manager = self.full_manager
         blocks = manager.req_to_blocks.get(request.request_id, ())
@@ -153,37 +158,48 @@ class EvictingKVCacheManager:
         copy = sorted(shared + prompt)
         return copy, [i for i in unwritable if i not in copy]
 
-    def compacts_later(self, request) -> bool:
-        """Whether `request` has its first compaction still ahead (at logical position max(P0, B) + w): not past it,
-        and asked for enough tokens to reach it."""
+    def compacts_later(self, request, computed: int | None = None) -> bool:
+        """Whether `request` has its first compaction still ahead (at logical position max(P0, B) + w): not past it
+        (`computed`: where its next step starts, its computed tokens by default), and asked for enough tokens to
+        reach it."""
         first = schedule.first_limit(request.num_prompt_tokens, self.cfg.budget, self.cfg.window)
-        return (request.num_computed_tokens <= first
-                and request.num_prompt_tokens + getattr(request, "max_tokens", first) > first)
+        computed = request.num_computed_tokens if computed is None else computed
+        return computed <= first and request.num_prompt_tokens + getattr(request, "max_tokens", first) > first
 
-    def pending_copies(self, admitted=None, hit_blocks=()) -> int:
+    def _compacts_later_id(self, rid: str) -> bool:
+        request = self.requests.get(rid)
+        return request is not None and self.compacts_later(request)
+
+    def begin_schedule(self) -> None:
+        """Before vLLM's `schedule()`: count the copy reserve once (`vase.vllm.copy_reserve`)."""
+        if getattr(self._inner, "enable_caching", False):
+            self.reserve.begin(self.full_manager.req_to_blocks, self._compacts_later_id)
+
+    def end_schedule(self) -> None:
+        self.reserve.end()
+
+    def pending_copies(self, admitted=None, hit_blocks=(), computed: int | None = None) -> int:
         """Fresh blocks the running requests will take for copy-on-write at their first compaction (0 with prefix
-        caching off), plus those of request `admitted` about to take `hit_blocks` (its prefix-cache hit, full-attention
-        group) from the cache. A block among the first ceil((B + w) / block) of h such requests that more than one
-        request holds is copied by each of those h: the last holder finds it its own only when the others compacted in
-        an earlier step (in the same step their copies still read it), so h is an upper bound, reached by children of
-        one prompt that compact together."""
+        caching off), plus those of request `admitted` (its next step starting at `computed`) about to take
+        `hit_blocks` (its prefix-cache hit, full-attention group) from the cache. A block among the first
+        ceil((B + w) / block) of h such requests that more than one request holds is copied by each of those h: the
+        last holder finds it its own only when the others compacted in an earlier step (in the same step their
+        copies still read it), so h is an upper bound, reached by children of one prompt that compact together.
+        Inside a `schedule()` the count is kept up to date (O(blocks kept) per call); outside it, scanned."""
         if not getattr(self._inner, "enable_caching", False):
             return 0
-        keep = schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size)
-        holders: Counter = Counter()  # block id -> requests holding it among their first `keep`, compaction ahead
-        refs: dict[int, int] = {}  # block id -> references (this step's copy-on-write holds the old blocks too)
-        for rid, blocks in self.full_manager.req_to_blocks.items():
-            request = self.requests.get(rid)
-            if request is None or not self.compacts_later(request):
-                continue
-            for block in blocks[:keep]:
-                holders[block.block_id] += 1
-                refs.setdefault(block.block_id, block.ref_cnt)
-        if admitted is not None and self.compacts_later(admitted):
-            for block in list(hit_blocks)[:keep]:
-                holders[block.block_id] += 1
-                refs[block.block_id] = refs.get(block.block_id, block.ref_cnt) + 1
-        return sum(h for b, h in holders.items() if refs[b] > 1)
+        compacts = admitted is not None and self.compacts_later(admitted, computed)
+        if self.reserve.active:
+            return self.reserve.with_hits(hit_blocks, compacts)
+        return self.scan_copies(admitted, hit_blocks, computed)
+
+    def scan_copies(self, admitted=None, hit_blocks=(), computed: int | None = None) -> int:
+        """`pending_copies` counted from scratch over every request's first blocks (O(requests x blocks kept))."""
+        if not getattr(self._inner, "enable_caching", False):
+            return 0
+        compacts = admitted is not None and self.compacts_later(admitted, computed)
+        return scan_reserve(self.full_manager.req_to_blocks, self.reserve.keep, self._compacts_later_id,
+                            hit_blocks, compacts)
 
     def copy_on_write(self, request_id: str, shared: list[int]) -> None:
         """Give request `request_id` a fresh block of its own in place of each shared one (`shared`: indices in its
@@ -198,6 +214,8 @@ class EvictingKVCacheManager:
         swaps = self.copies.setdefault(request_id, [])
         for i, block in zip(shared, fresh):
             swaps.append((i, blocks[i], block))
+            if self.reserve.active:
+                self.reserve.swap(request_id, i, blocks[i].block_id, block)
             blocks[i] = block
 
     def release_copies(self, scheduled) -> dict[str, list[tuple[int, int, int]]]:
@@ -212,31 +230,98 @@ class EvictingKVCacheManager:
         return {rid: [(i, a.block_id, b.block_id) for i, a, b in swaps] for rid, swaps in copies.items()
                 if rid in scheduled}
 
-    def allocate_slots(self, request, num_new_tokens: int, *args, **kwargs):
+    def admits(self, request, computed: int, local: int, new_computed_blocks, reserve: int,
+               has_scheduled_reqs: bool = True, num_encoder_tokens: int = 0) -> bool:
+        """vLLM's full-sequence admission gate (`scheduler_reserve_full_isl`) for a bounded request: whether the
+        blocks it holds at the peak of the uninterrupted schedule up to its length now, ceil(min(num_tokens,
+        max(P0, B) + w) / block) (its replay after a preemption never holds more), less its prefix-cache hit, fit
+        in the free blocks less the copy reserve (and vLLM's watermark). vLLM's own gate asked for its whole
+        logical history, so a request preempted after it evicted waited, with the queue behind it, until that fit.
+        `computed`: tokens computed once the hit is taken (`local` of them vLLM's own)."""
+        inner = self._inner
+        full_tokens = min(request.num_tokens, inner.max_model_len)
+        peak = min(full_tokens, schedule.first_limit(request.num_prompt_tokens, self.cfg.budget, self.cfg.window))
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else inner.empty_kv_cache_blocks.blocks
+        kwargs = dict(request_id=request.request_id, new_computed_blocks=hits, num_encoder_tokens=num_encoder_tokens,
+                      total_computed_tokens=min(computed, inner.max_model_len), num_local_computed_tokens=local,
+                      apply_admission_cap=True, prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
+        if self.hybrid:  # the full-attention group counts the peak, the sliding-window groups vLLM's own length
+            full = self.full_manager
+            full.vase_physical[request.request_id] = peak
+            try:
+                need = inner.coordinator.get_num_blocks_to_allocate(num_tokens=full_tokens,
+                                                                    num_tokens_main_model=full_tokens, **kwargs)
+            finally:
+                del full.vase_physical[request.request_id]
+        else:
+            need = inner.coordinator.get_num_blocks_to_allocate(num_tokens=peak, num_tokens_main_model=peak, **kwargs)
+        watermark = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark = inner.watermark_blocks
+        free = inner.block_pool.get_num_free_blocks()
+        if need + watermark <= free - reserve:
+            return True
+        if need + watermark <= free:  # it would fit but for the running requests' future copies
+            self.vase_reserve_refusals += 1
+        return False
+
+    def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0, new_computed_blocks=None,
+                       num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0, **kwargs):
         """vLLM's `allocate_slots`; a step that evicts is allocated the physical length and its copy-on-write, any
-        other step leaves the running requests' future copies free (`pending_copies`, as vLLM's `reserved_blocks`)."""
-        physical = self.physical_after(request, request.num_computed_tokens + num_new_tokens)
-        evicting = evicts_at(request.num_prompt_tokens, request.num_computed_tokens, self.cfg.budget, self.cfg.window)
+        other step leaves the running requests' future copies free (`pending_copies`, as vLLM's `reserved_blocks`).
+        The step starts at the request's computed tokens plus this call's prefix-cache hit (on the waiting path vLLM
+        sets `num_computed_tokens` to the hit only after this call). vLLM's full-sequence gate is replaced by
+        `admits` (the bounded peak)."""
+        local = request.num_computed_tokens + num_new_computed_tokens
+        computed = local + num_external_computed_tokens
+        physical = self.physical_after(request, computed + num_new_tokens)
+        evicting = evicts_at(request.num_prompt_tokens, computed, self.cfg.budget, self.cfg.window)
+        if evicting and (num_new_computed_tokens or num_external_computed_tokens):
+            # its compaction would rewrite hit blocks not yet its own; `max_prefix_hit` keeps hits below the boundary
+            raise VaseStepError(f"vase: request {request.request_id} would take a prefix-cache hit of "
+                                f"{num_new_computed_tokens + num_external_computed_tokens} tokens reaching its eviction "
+                                f"boundary {computed} (prompt {request.num_prompt_tokens}): the hit must end before "
+                                f"max(P0, B) + w")
         reserve = 0
         if not evicting:  # a compaction takes its own copies out of the reserve: not counted against itself
-            hits = kwargs.get("new_computed_blocks", args[1] if len(args) > 1 else None)
-            hit_blocks = hits.blocks[self.group] if hits is not None and not self.hybrid else ()
-            reserve = self.pending_copies(request, hit_blocks)  # hits: the waiting path only
-        if physical is None:
-            if reserve:
-                base = kwargs.pop("reserved_blocks", 0)
-                result = self._inner.allocate_slots(request, num_new_tokens, *args, reserved_blocks=base + reserve,
-                                                    **kwargs)
-                if result is None:
-                    self.vase_reserve_refusals += 1
-                return result
-            return self._inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
+            hit_blocks = new_computed_blocks.blocks[self.group] if new_computed_blocks is not None and not self.hybrid \
+                else ()
+            reserve = self.pending_copies(request, hit_blocks, computed)  # hits: the waiting path only
+        if full_sequence_must_fit:
+            if not self.admits(request, computed, local, new_computed_blocks, reserve,
+                               kwargs.get("has_scheduled_reqs", True), num_encoder_tokens):
+                self.vase_admissions_refused += 1
+                return None
+            self.vase_admissions += 1
+        kwargs.update(num_new_computed_tokens=num_new_computed_tokens, new_computed_blocks=new_computed_blocks,
+                      num_lookahead_tokens=num_lookahead_tokens,
+                      num_external_computed_tokens=num_external_computed_tokens,
+                      delay_cache_blocks=delay_cache_blocks, num_encoder_tokens=num_encoder_tokens,
+                      full_sequence_must_fit=False)
+        result = self._allocate(request, num_new_tokens, physical, reserve, reserved_blocks, computed, kwargs)
+        if result is not None and self.reserve.active:
+            blocks = self.full_manager.req_to_blocks.get(request.request_id, ())
+            self.reserve.sync(request.request_id, blocks, self.compacts_later(request, computed))
+        return result
+
+    def _allocate(self, request, num_new_tokens: int, physical: int | None, reserve: int, reserved_blocks: int,
+                  computed: int, kwargs: dict):
+        """`allocate_slots` after the checks: vLLM's own (logical length, or the full-attention group's physical
+        length beside sliding-window groups), or the physical length with copy-on-write (full attention only)."""
         inner = self._inner
+        if physical is None:
+            result = inner.allocate_slots(request, num_new_tokens, reserved_blocks=reserved_blocks + reserve,
+                                          **kwargs)
+            if result is None and reserve:
+                self.vase_reserve_refusals += 1
+            return result
         if self.hybrid:  # vLLM allocates every group, the full-attention one for the physical length
             full = self.full_manager
             full.vase_physical[request.request_id] = physical
             try:
-                return inner.allocate_slots(request, num_new_tokens, *args, **kwargs)
+                return inner.allocate_slots(request, num_new_tokens, reserved_blocks=reserved_blocks, **kwargs)
             finally:
                 del full.vase_physical[request.request_id]
         blocks = self.full_manager.req_to_blocks[request.request_id]
@@ -245,7 +330,7 @@ class EvictingKVCacheManager:
         if needed > 0 and free < reserve:  # a step after the first compaction: the others' copies come first
             self.vase_reserve_refusals += 1
             return None
-        copy, uncache = self.plan_copies(request, free)  # the blocks this step's compaction must not write into
+        copy, uncache = self.plan_copies(request, free, computed)  # the blocks this step's compaction must not write into
         if len(copy) > free:
             return None
         if copy:
@@ -292,7 +377,11 @@ class VaseScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         """vLLM's schedule, telling the workers the blocks each scheduled request holds now (after this scheduler's
         trims, which the workers' block-table rows never see): `output.vase_blocks` {request id: blocks}."""
-        output = super().schedule(*args, **kwargs)
+        self.kv_cache_manager.begin_schedule()
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self.kv_cache_manager.end_schedule()
         output.vase_blocks = {request_id: self.blocks_held(request_id) for request_id in output.num_scheduled_tokens}
         # copy-on-write: {request id: [(index, old block id, new block id)]}, the worker's block table learns the
         # new ids and its compaction reads the old blocks and writes the new ones this step
@@ -306,6 +395,7 @@ class VaseScheduler(Scheduler):
 
     def _preempt_request(self, request, *args, **kwargs):
         self.vase_preemptions += 1
+        self.kv_cache_manager.reserve.remove(request.request_id)  # its blocks go back now
         return super()._preempt_request(request, *args, **kwargs)
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
