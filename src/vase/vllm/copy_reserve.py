@@ -42,12 +42,24 @@ class CopyReserve:
         self.holders[block_id] += holder
         self.total += self._value(block_id)
 
-    def begin(self, req_to_blocks: dict[str, Sequence], compacts_later: Callable[[str], bool]) -> None:
-        """At the start of a `schedule()`: scan every request's first `keep` blocks once."""
-        self.holders, self.refs, self.members, self.total = Counter(), {}, {}, 0
-        self.active = True
+    def begin(self, req_to_blocks: dict[str, Sequence], holder: Callable[[str], bool]) -> None:
+        """At the start of a `schedule()`: scan the first `keep` blocks of each request whose first compaction is
+        ahead (`holder(request id)`) once; the other requests' references are read off the blocks."""
+        holders: Counter = Counter()
+        refs: dict[int, int] = {}
+        members: dict[str, tuple[list[int], bool]] = {}
+        keep = self.keep
         for rid, blocks in req_to_blocks.items():
-            self.sync(rid, blocks, compacts_later(rid))
+            if not holder(rid):
+                continue
+            first = blocks[:keep]
+            members[rid] = ([b.block_id for b in first], True)
+            for b in first:
+                holders[b.block_id] += 1
+                refs[b.block_id] = b.ref_cnt
+        self.holders, self.refs, self.members = holders, refs, members
+        self.total = sum(h for b, h in holders.items() if refs[b] > 1)
+        self.active = True
 
     def end(self) -> None:
         """After a `schedule()`: inactive until the next one (blocks change outside it: trims, finished requests)."""
@@ -57,10 +69,18 @@ class CopyReserve:
     def sync(self, rid: str, blocks: Sequence, compacts: bool) -> None:
         """Request `rid` holds `blocks` now: count the ones among its first `keep` it did not hold before (a
         request's blocks are only appended to, except by `swap`)."""
-        ids, _ = self.members.setdefault(rid, ([], compacts))
+        member = self.members.get(rid)
+        if member is None:
+            if not compacts:  # not a holder: its references to tracked blocks only
+                for block in blocks[:self.keep]:
+                    if block.block_id in self.refs:
+                        self._change(block.block_id, 0, ref_now=block.ref_cnt)
+                return
+            member = self.members[rid] = ([], True)
+        ids = member[0]
         for block in list(blocks[len(ids):self.keep]):
             ids.append(block.block_id)
-            self._change(block.block_id, int(compacts), ref_now=block.ref_cnt)
+            self._change(block.block_id, 1, ref_now=block.ref_cnt)
 
     def swap(self, rid: str, index: int, old_id: int, new_block) -> None:
         """Copy-on-write gave request `rid` block `new_block` at `index` in place of `old_id` (which keeps the
@@ -73,10 +93,14 @@ class CopyReserve:
         ids[index] = new_block.block_id
         self._change(new_block.block_id, int(compacts), ref_now=new_block.ref_cnt)
 
-    def remove(self, rid: str) -> None:
-        """Request `rid` is about to give its blocks back (preempted): its holds and references go."""
+    def remove(self, rid: str, blocks: Sequence = ()) -> None:
+        """Request `rid` is about to give its blocks back (preempted; `blocks`: those it holds): its holds and
+        references go."""
         member = self.members.pop(rid, None)
-        if member is None:
+        if member is None:  # not a holder: only its references to tracked blocks
+            for block in blocks[:self.keep]:
+                if block.block_id in self.refs:
+                    self._change(block.block_id, 0, -1)
             return
         ids, compacts = member
         for block_id in ids:

@@ -30,6 +30,8 @@ sliding-window groups' blocks by the logical length, as without vase.
 
 from __future__ import annotations
 
+from types import MethodType
+
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
@@ -84,6 +86,8 @@ class EvictingKVCacheManager:
             wrapped = list(managers)
             wrapped[group] = PhysicalLengthManager(managers[group])
             inner.coordinator.single_type_managers = type(managers)(wrapped)
+        self._full = inner.coordinator.single_type_managers[group]
+        self._budget, self._window = cfg.budget, cfg.window
         if self.hybrid and getattr(inner, "enable_caching", False):  # the plugin turns it off first (plugin.py)
             raise VaseConfigError(PREFIX_HYBRID_REFUSAL)
         #: copy-on-write made while this step is scheduled: request id -> [(index, shared block, its new block)];
@@ -96,6 +100,7 @@ class EvictingKVCacheManager:
         #: the scheduler's requests by id (set by `VaseScheduler`): who holds which blocks, before its compaction
         self.requests: dict = {}
         self.vase_reserve_refusals = 0  # allocations refused while copies were reserved (`pending_copies`)
+        self.evicted: list = []  # requests allocated a step that evicts since the last trims
         self.reserve = CopyReserve(schedule.max_blocks(cfg.budget, cfg.window, block_size))
         self.vase_admissions = 0  # waiting requests admitted by their bounded peak (`admits`)
         self.vase_admissions_refused = 0  # waiting requests whose bounded peak did not fit
@@ -103,10 +108,13 @@ class EvictingKVCacheManager:
     @property
     def full_manager(self):
         """The full-attention group's `SingleTypeKVCacheManager`."""
-        return self._inner.coordinator.single_type_managers[self.group]
+        return self._full
 
     def __getattr__(self, name):
-        return getattr(self._inner, name)
+        value = getattr(self._inner, name)
+        if isinstance(value, MethodType):  # vLLM's scheduler calls these per request per step: bound once
+            setattr(self, name, value)
+        return value
 
     def physical_after(self, request, n_tokens: int) -> int | None:
         """Physical length once `n_tokens` (logical) are written, or None while it equals the logical length. The
@@ -167,8 +175,13 @@ class EvictingKVCacheManager:
         return computed <= first and request.num_prompt_tokens + getattr(request, "max_tokens", first) > first
 
     def _compacts_later_id(self, rid: str) -> bool:
+        """`compacts_later` by request id, inline (called per request per step)."""
         request = self.requests.get(rid)
-        return request is not None and self.compacts_later(request)
+        if request is None:
+            return False
+        prompt, budget = request.num_prompt_tokens, self._budget
+        first = (prompt if prompt > budget else budget) + self._window
+        return request.num_computed_tokens <= first and prompt + getattr(request, "max_tokens", first) > first
 
     def begin_schedule(self) -> None:
         """Before vLLM's `schedule()`: count the copy reserve once (`vase.vllm.copy_reserve`)."""
@@ -267,43 +280,76 @@ class EvictingKVCacheManager:
 
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0, new_computed_blocks=None,
                        num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
-                       delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0, **kwargs):
         """vLLM's `allocate_slots`; a step that evicts is allocated the physical length and its copy-on-write, any
         other step leaves the running requests' future copies free (`pending_copies`, as vLLM's `reserved_blocks`).
         The step starts at the request's computed tokens plus this call's prefix-cache hit (on the waiting path vLLM
         sets `num_computed_tokens` to the hit only after this call). vLLM's full-sequence gate is replaced by
-        `admits` (the bounded peak)."""
+        `admits` (the bounded peak). Called per running request per step: kept lean."""
         local = request.num_computed_tokens + num_new_computed_tokens
         computed = local + num_external_computed_tokens
+        prompt, budget, window = request.num_prompt_tokens, self._budget, self._window
+        first = (prompt if prompt > budget else budget) + window  # max(P0, B) + w
+        evicting = computed >= first and (computed - first) % window == 0  # `steps.evicts_at`
+        hit = num_new_computed_tokens + num_external_computed_tokens
+        reserve = self.reserve
+        if not hit and not full_sequence_must_fit and not evicting and computed + num_new_tokens <= first:
+            # a step of a running request before its first eviction: vLLM's allocation, the copies kept free
+            pending = reserve.total if reserve.active else self.pending_copies(request, (), computed)
+            result = self._inner.allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
+                                                reserved_blocks=reserved_blocks + pending, **kwargs)
+            if result is None:
+                self.vase_reserve_refusals += pending > 0
+            elif reserve.active:
+                member = reserve.members.get(request.request_id)
+                if member is not None and len(member[0]) < reserve.keep:  # a holder given a new first block
+                    reserve.sync(request.request_id, self._full.req_to_blocks[request.request_id], True)
+            return result
+        if not hit and not full_sequence_must_fit and not evicting and not self.hybrid:
+            # a step after the first eviction that does not evict: the physical length, no copies
+            end = computed + num_new_tokens
+            physical = budget + (end - first - 1) % window + 1  # `schedule.physical_length` past the first eviction
+            blocks = self._full.req_to_blocks[request.request_id]
+            needed = -(-physical // self.block_size) - len(blocks)
+            if needed <= 0:
+                return self._inner.empty_kv_cache_blocks
+            pending = reserve.total if reserve.active else self.pending_copies(request, (), computed)
+            if self._inner.block_pool.get_num_free_blocks() - needed < reserved_blocks + pending:
+                self.vase_reserve_refusals += pending > 0
+                return None
+            return self._inner.create_kv_cache_blocks(self._inner.coordinator.allocate_new_blocks(
+                request.request_id, physical, physical))
+        if hit and computed > (prompt if prompt > budget else budget):
+            # the waiting path: `get_computed_blocks` cuts hits at max(P0, B), so that the replay computes the queries
+            # its first eviction reads and never starts past it (its compaction would rewrite hit blocks)
+            raise VaseStepError(f"vase: request {request.request_id} would resume at a prefix-cache hit of {hit} "
+                                f"tokens, past max(P0, B) = {max(prompt, budget)} (prompt {prompt}): the scheduler "
+                                f"and vase's hit cut disagree")
         physical = self.physical_after(request, computed + num_new_tokens)
-        evicting = evicts_at(request.num_prompt_tokens, computed, self.cfg.budget, self.cfg.window)
-        if evicting and (num_new_computed_tokens or num_external_computed_tokens):
-            # its compaction would rewrite hit blocks not yet its own; `max_prefix_hit` keeps hits below the boundary
-            raise VaseStepError(f"vase: request {request.request_id} would take a prefix-cache hit of "
-                                f"{num_new_computed_tokens + num_external_computed_tokens} tokens reaching its eviction "
-                                f"boundary {computed} (prompt {request.num_prompt_tokens}): the hit must end before "
-                                f"max(P0, B) + w")
-        reserve = 0
+        pending, hit_blocks = 0, ()
         if not evicting:  # a compaction takes its own copies out of the reserve: not counted against itself
-            hit_blocks = new_computed_blocks.blocks[self.group] if new_computed_blocks is not None and not self.hybrid \
-                else ()
-            reserve = self.pending_copies(request, hit_blocks, computed)  # hits: the waiting path only
+            if new_computed_blocks is not None and not self.hybrid:
+                hit_blocks = new_computed_blocks.blocks[self.group]
+            pending = self.pending_copies(request, hit_blocks, computed)  # hits: the waiting path only
         if full_sequence_must_fit:
-            if not self.admits(request, computed, local, new_computed_blocks, reserve,
-                               kwargs.get("has_scheduled_reqs", True), num_encoder_tokens):
+            if not self.admits(request, computed, local, new_computed_blocks, pending,
+                               kwargs.get("has_scheduled_reqs", True), kwargs.get("num_encoder_tokens", 0)):
                 self.vase_admissions_refused += 1
                 return None
             self.vase_admissions += 1
         kwargs.update(num_new_computed_tokens=num_new_computed_tokens, new_computed_blocks=new_computed_blocks,
                       num_lookahead_tokens=num_lookahead_tokens,
-                      num_external_computed_tokens=num_external_computed_tokens,
-                      delay_cache_blocks=delay_cache_blocks, num_encoder_tokens=num_encoder_tokens,
-                      full_sequence_must_fit=False)
-        result = self._allocate(request, num_new_tokens, physical, reserve, reserved_blocks, computed, kwargs)
-        if result is not None and self.reserve.active:
-            blocks = self.full_manager.req_to_blocks.get(request.request_id, ())
-            self.reserve.sync(request.request_id, blocks, self.compacts_later(request, computed))
+                      num_external_computed_tokens=num_external_computed_tokens)
+        result = self._allocate(request, num_new_tokens, physical, pending, reserved_blocks, computed, kwargs)
+        if evicting and result is not None:
+            self.evicted.append(request)  # its blocks above the bound go back after the step (`trim`)
+        if result is not None and reserve.active:
+            blocks = self._full.req_to_blocks.get(request.request_id, ())
+            member = reserve.members.get(request.request_id)
+            if (request.status != RequestStatus.RUNNING if member is None
+                    else len(member[0]) < min(len(blocks), reserve.keep)):
+                # admitted from the waiting queue, or a holder given a new first block
+                reserve.sync(request.request_id, blocks, self.compacts_later(request, computed))
         return result
 
     def _allocate(self, request, num_new_tokens: int, physical: int | None, reserve: int, reserved_blocks: int,
@@ -327,7 +373,7 @@ class EvictingKVCacheManager:
         blocks = self.full_manager.req_to_blocks[request.request_id]
         needed = schedule.cdiv(physical, self.block_size) - len(blocks)
         free = inner.block_pool.get_num_free_blocks() - max(needed, 0)
-        if needed > 0 and free < reserve:  # a step after the first compaction: the others' copies come first
+        if needed > 0 and free < reserve + reserved_blocks:  # the others' copies come first
             self.vase_reserve_refusals += 1
             return None
         copy, uncache = self.plan_copies(request, free, computed)  # the blocks this step's compaction must not write into
@@ -346,16 +392,14 @@ class EvictingKVCacheManager:
     def trim(self, request) -> int:
         """Return the blocks of an evicting request above ceil((B + w) / block_size) to the pool, in the
         full-attention group only (a sliding-window group's are vLLM's to free); how many."""
-        p = request.num_prompt_tokens
-        if request.num_computed_tokens <= p:
-            return 0  # inside the prompt (or its recompute): nothing evicted
-        if schedule.num_evictions(p, self.cfg.budget, self.cfg.window, request.num_computed_tokens - p) == 0:
-            return 0
-        keep = schedule.max_blocks(self.cfg.budget, self.cfg.window, self.block_size)
-        manager = self.full_manager
+        keep = self.reserve.keep  # ceil((B + w) / block_size)
+        manager = self._full
         blocks = manager.req_to_blocks.get(request.request_id)
         if blocks is None or len(blocks) <= keep:
             return 0
+        p, budget = request.num_prompt_tokens, self.cfg.budget
+        if request.num_computed_tokens <= (p if p > budget else budget) + self.cfg.window:
+            return 0  # not past its first eviction (max(P0, B) + w): nothing evicted yet
         tail = blocks[keep:]
         del blocks[keep:]
         manager.block_pool.free_blocks(reversed(tail))
@@ -382,10 +426,13 @@ class VaseScheduler(Scheduler):
             output = super().schedule(*args, **kwargs)
         finally:
             self.kv_cache_manager.end_schedule()
-        output.vase_blocks = {request_id: self.blocks_held(request_id) for request_id in output.num_scheduled_tokens}
+        held = self.kv_cache_manager.full_manager.req_to_blocks
+        output.vase_blocks = {request_id: len(held.get(request_id, ())) for request_id in output.num_scheduled_tokens}
         # copy-on-write: {request id: [(index, old block id, new block id)]}, the worker's block table learns the
         # new ids and its compaction reads the old blocks and writes the new ones this step
         output.vase_copies = self.kv_cache_manager.release_copies(output.num_scheduled_tokens)
+        # the requests whose step evicts: their blocks above the bound are trimmed once it ran (`update_from_output`)
+        output.vase_evicted, self.kv_cache_manager.evicted = self.kv_cache_manager.evicted, []
         return output
 
     def add_request(self, request) -> None:
@@ -395,13 +442,17 @@ class VaseScheduler(Scheduler):
 
     def _preempt_request(self, request, *args, **kwargs):
         self.vase_preemptions += 1
-        self.kv_cache_manager.reserve.remove(request.request_id)  # its blocks go back now
+        manager = self.kv_cache_manager
+        if manager.reserve.active:  # its blocks go back now
+            manager.reserve.remove(request.request_id, manager.full_manager.req_to_blocks.get(request.request_id, ()))
         return super()._preempt_request(request, *args, **kwargs)
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """vLLM's per-request cut of a step's tokens (called on the running and the waiting path, before blocks
         are allocated), then vase's: a multi-token step (a prefill chunk, a recomputing prefill) ends at the
         request's prompt end or its next eviction boundary, so that the worker can evict between chunks."""
+        if num_new_tokens <= 1 and not self.num_prefill_lookahead:  # a decode step: never crosses a boundary
+            return max(num_new_tokens, 0)
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         end = next_boundary(request.num_prompt_tokens, num_computed_tokens, self.vase_config.budget,
                             self.vase_config.window)
@@ -410,9 +461,8 @@ class VaseScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         manager: EvictingKVCacheManager = self.kv_cache_manager
-        for request_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(request_id)
-            if request is not None and not request.is_finished():
+        for request in getattr(scheduler_output, "vase_evicted", ()):  # the others hold no block above the bound
+            if request.request_id in scheduler_output.num_scheduled_tokens and not request.is_finished():
                 # the worker compacted during this step: the blocks above the bound are free now
                 self.vase_blocks_freed += manager.trim(request)
         return outputs
