@@ -97,3 +97,42 @@ def test_a_resumed_request_and_the_one_behind_it_are_admitted_once_their_bounded
     assert res["outputs"]["r0"] == plain["outputs"]["r0"]
     assert all(res["outputs"][f"r{i}"] == plain["outputs"][f"r{i}"] for i in range(6))
     assert len(res["outputs"]["late"]) == 40
+
+
+def _stub_manager(calls: list):
+    """An `EvictingKVCacheManager` around a stand-in for vLLM's (prefix caching off, one group): records the calls
+    it passes on."""
+    from types import SimpleNamespace as NS
+
+    from vase.vllm import VaseVllmConfig
+    from vase.vllm.scheduler import EvictingKVCacheManager
+
+    def allocate_slots(request, num_new_tokens, **kwargs):
+        calls.append((num_new_tokens, kwargs))
+        return "allocated"
+
+    inner = NS(coordinator=NS(single_type_managers=[NS(req_to_blocks={})]), enable_caching=False,
+               allocate_slots=allocate_slots)
+    return EvictingKVCacheManager(inner, VaseVllmConfig("snapkv", budget=B, window=W), BLOCK)
+
+
+def test_the_waiting_path_reads_the_prefix_hit_from_its_arguments_not_num_computed_tokens():
+    """On the waiting path vLLM passes the prefix hit (`num_new_computed_tokens`) and sets the request's
+    `num_computed_tokens` to it only after `allocate_slots`. A hit within max(P0, B) is passed on; a hit past it
+    (which `get_computed_blocks` never gives: its step would start past the first eviction boundary, the hit blocks
+    holding uncompacted tokens) stops in one line. Reading `num_computed_tokens` (0 here) took such a step for one
+    inside the prompt and allocated it by the logical length."""
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.steps import VaseStepError
+    from vllm.v1.request import RequestStatus
+
+    calls: list = []
+    kv = _stub_manager(calls)
+    request = NS(request_id="r", num_prompt_tokens=10, num_computed_tokens=0, num_tokens=80, max_tokens=400,
+                 status=RequestStatus.PREEMPTED)
+    assert kv.allocate_slots(request, 16, num_new_computed_tokens=32) == "allocated"
+    assert calls[-1][0] == 16 and calls[-1][1]["num_new_computed_tokens"] == 32
+    with pytest.raises(VaseStepError, match="prefix-cache hit of 70 tokens") as err:
+        kv.allocate_slots(request, 1, num_new_computed_tokens=70)
+    assert "\n" not in str(err.value) and len(calls) == 1

@@ -38,7 +38,7 @@ from vllm.v1.request import RequestStatus
 from .. import schedule
 from .config import VaseConfigError, VaseVllmConfig
 from .copy_reserve import CopyReserve, scan_reserve
-from .plugin import PREFIX_HYBRID_REFUSAL, STREAMING_REFUSAL
+from .plugin import PREFIX_HYBRID_REFUSAL, STREAMING_REFUSAL, check_at_start
 from .groups import full_attention_group
 from .steps import VaseStepError, allocation_length, evicts_at, max_prefix_hit, next_boundary
 
@@ -410,6 +410,7 @@ class VaseScheduler(Scheduler):
     """vLLM's scheduler with vase's block accounting (see the module docstring)."""
 
     def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, *args, **kwargs):
+        check_at_start(vllm_config, "scheduler")  # a VllmConfig built by hand skips EngineArgs' checks
         super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size, *args, **kwargs)
         self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
         self.kv_cache_manager = EvictingKVCacheManager(self.kv_cache_manager, self.vase_config, self.block_size,
