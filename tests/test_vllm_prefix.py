@@ -124,6 +124,31 @@ class Run:
         return {rid: dict(evictions) for rid, evictions in self.history.items()}
 
 
+class ReserveCheck:
+    """While installed, every copy reserve the scheduler takes (kept up to date through each `schedule()`,
+    `vase.vllm.copy_reserve`) is compared with the same count scanned from scratch: `calls`, `nonzero` seen."""
+
+    def __init__(self, kv):
+        self.kv, self.calls, self.nonzero = kv, 0, 0
+
+    def __enter__(self):
+        kv, original = self.kv, type(self.kv).pending_copies
+
+        def pending_copies(admitted=None, hit_blocks=(), computed=None):
+            got = original(kv, admitted, hit_blocks, computed)
+            assert kv.reserve.active  # inside a schedule(): the kept count, not a scan
+            assert got == kv.scan_copies(admitted, hit_blocks, computed), (got, admitted and admitted.request_id)
+            self.calls += 1
+            self.nonzero += got > 0
+            return got
+
+        kv.pending_copies = pending_copies
+        return self
+
+    def __exit__(self, *exc):
+        del self.kv.pending_copies
+
+
 def alone(llm, method: str, prompt: list[int], sampling) -> tuple[list[int], dict]:
     """One request on its own (the reference): tokens and kept positions per eviction."""
     run = Run(llm, method)
@@ -254,16 +279,18 @@ def test_a_long_run_under_a_tight_pool_with_prefix_caching(tight, plain, arrival
                     seen_private += 1
 
     step = 0
-    while pending or llm.llm_engine.has_unfinished_requests():
-        if pending and step % 15 == 0:
-            for _ in range(2):
-                rid = pending.pop(0)
-                run.add(rid, prompts[rid], sampling)
-        for out in llm.llm_engine.step():
-            if out.finished:
-                run.tokens[out.request_id] = list(out.outputs[0].token_ids)
-        check()
-        step += 1
+    with ReserveCheck(kv) as reserve:
+        while pending or llm.llm_engine.has_unfinished_requests():
+            if pending and step % 15 == 0:
+                for _ in range(2):
+                    rid = pending.pop(0)
+                    run.add(rid, prompts[rid], sampling)
+            for out in llm.llm_engine.step():
+                if out.finished:
+                    run.tokens[out.request_id] = list(out.outputs[0].token_ids)
+            check()
+            step += 1
+    assert reserve.calls > 100, reserve.calls
     kept = run.kept()
     assert sorted(run.tokens) == sorted(prompts)
     # seen here (pairs / staggered): 3 / 2 preemptions, 8 / 0 blocks copied, 16 / 24 dropped from the prefix
@@ -358,7 +385,9 @@ def test_admission_counts_the_copies_of_a_shared_prompt(tight, plain):
         return False
 
     run.add("p", prompt, params(90, seed=3, temperature=0.8, n=6))
-    run.step(until=note)
+    with ReserveCheck(kv) as reserve:
+        run.step(until=note)
+    assert reserve.nonzero > 0, (reserve.calls, reserve.nonzero)
     preempted, copied, refused = (a - b for a, b in zip((sched.vase_preemptions, kv.vase_copied_blocks,
                                                          kv.vase_reserve_refusals), before))
     # seen here: 0 preemptions, 4 children running at most, 4 blocks copied (without the reserve: 9 preemptions)

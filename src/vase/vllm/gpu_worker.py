@@ -31,6 +31,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from .capture import QueryRing, install
 from .config import VaseConfigError, VaseVllmConfig
 from .layouts import backend_of, split_kv
+from .plugin import check_at_start
 from .refusals import check_attention_layer, v2_runner_reason
 from .requests import VaseRequest
 from .runner_step import VaseStepMixin
@@ -73,6 +74,7 @@ class VaseGPUWorker(Worker):
     """vLLM's GPU worker building `VaseGPUModelRunner` (V1 runner only)."""
 
     def _make_model_runner(self):
+        check_at_start(self.vllm_config, "GPU worker")  # a VllmConfig built by hand skips EngineArgs' checks
         if getattr(self, "use_v2_model_runner", False):  # the config check refuses this first; kept as a backstop
             raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 "
                                   f"because {v2_runner_reason(self.vllm_config)}")

@@ -18,7 +18,8 @@ from .config import VaseConfigError
 
 def full_attention_group(kv_cache_config) -> int:
     """Index of the one full-attention group of `kv_cache_config.kv_cache_groups`; every other group must be a
-    sliding-window group. VaseConfigError in one line otherwise."""
+    sliding-window group, and the full-attention group's spec plain full attention (an allow-list: exactly
+    `FullAttentionSpec`, no window or chunk recorded on it). VaseConfigError in one line otherwise."""
     groups = kv_cache_config.kv_cache_groups
     kinds = [type(g.kv_cache_spec) for g in groups]
     full = [i for i, kind in enumerate(kinds) if kind is FullAttentionSpec]
@@ -27,4 +28,13 @@ def full_attention_group(kv_cache_config) -> int:
         raise VaseConfigError(f"vase evicts in one full-attention KV cache group beside sliding-window groups; this "
                               f"model's groups are {[k.__name__ for k in kinds]}: use a model with full attention "
                               f"(and optionally sliding-window layers)")
+    spec = groups[full[0]].kv_cache_spec
+    local = [f"{field}={getattr(spec, field)}" for field in ("sliding_window", "attention_chunk_size")
+             if getattr(spec, field, None) is not None]
+    if local or getattr(spec, "non_causal", False):
+        # vLLM records a sliding or chunked layer's window on the full-attention spec when its hybrid KV cache manager
+        # is off: those layers would be evicted with the rest, their kernels sliding over physical slots
+        raise VaseConfigError(f"vase evicts the full-attention KV cache group, and this one holds local-attention "
+                              f"layers ({', '.join(local) or 'non_causal'}): leave disable_hybrid_kv_cache_manager "
+                              f"unset (or False), or drop additional_config['vase']")
     return full[0]

@@ -50,9 +50,17 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.envs._is_envs_cache_enabled", "platforms.select_v1_runner: re-read vLLM's environment after "
              "setting VLLM_USE_V2_MODEL_RUNNER", params=()),
     # -- the scheduler (scheduler.py) ---------------------------------------------------------------------
-    Internal(f"{_SCHED}.__init__", "VaseScheduler (scheduler_cls)",
+    Internal(f"{_SCHED}.__init__", "VaseScheduler (scheduler_cls); scheduler_reserve_full_isl: the waiting path "
+             "passes it to allocate_slots as full_sequence_must_fit, which EvictingKVCacheManager.admits replaces by "
+             "the bounded peak; num_prefill_lookahead: 0 lets a decode step skip vLLM's chunk cut",
              params=("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size"),
-             attrs=("kv_cache_manager", "requests", "block_size")),
+             attrs=("kv_cache_manager", "requests", "block_size", "scheduler_reserve_full_isl",
+                    "num_prefill_lookahead", "running")),
+    Internal("vllm.config.scheduler.SchedulerConfig", "EvictingKVCacheManager.admits (scheduler_reserve_full_isl: "
+             "vLLM's full-sequence admission gate, default True, replaced for bounded requests); "
+             "model_refusals.local_layers_refusal (disable_hybrid_kv_cache_manager: local-attention layers would "
+             "join the evicted group)", attrs=("scheduler_reserve_full_isl", "disable_hybrid_kv_cache_manager",
+                                               "max_num_seqs")),
     Internal(f"{_SCHED}.schedule", "VaseScheduler.schedule: adds vase_blocks to the output", params=("self",
                                                                                                      "throttle_prefills")),
     Internal(f"{_SCHED}.add_request", "VaseScheduler.add_request: refuses resumable requests",
@@ -70,7 +78,10 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              "a preemption (their replay may start at a prefix-cache hit)", attrs=("resumed_req_ids",)),
     Internal("vllm.v1.request.Request", "EvictingKVCacheManager, VaseScheduler",
              attrs=("request_id", "num_computed_tokens", "num_prompt_tokens", "num_tokens", "resumable",
-                    "is_finished", "max_tokens")),
+                    "is_finished", "max_tokens", "status")),
+    Internal("vllm.v1.request.RequestStatus", "EvictingKVCacheManager.admits (vLLM's watermark applies to WAITING "
+             "and PREEMPTED requests), allocate_slots (a RUNNING request's step)",
+             attrs=("WAITING", "PREEMPTED", "RUNNING")),
     Internal("vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots", "EvictingKVCacheManager.allocate_slots "
              "(wraps it; passes the copies its running requests will make as `reserved_blocks`, reads the waiting "
              "path's `new_computed_blocks`)",
@@ -78,7 +89,14 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
                      "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens",
                      "full_sequence_must_fit", "reserved_blocks")),
     Internal("vllm.v1.core.kv_cache_manager.KVCacheManager", "EvictingKVCacheManager",
-             attrs=("coordinator", "block_pool", "empty_kv_cache_blocks", "create_kv_cache_blocks", "enable_caching")),
+             attrs=("coordinator", "block_pool", "empty_kv_cache_blocks", "create_kv_cache_blocks", "enable_caching",
+                    "max_model_len", "watermark_blocks")),
+    Internal("vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_blocks_to_allocate", "EvictingKVCacheManager."
+             "admits: the blocks a waiting request needs at its bounded peak (called by keyword, as vLLM's own "
+             "full-sequence gate calls it)", params=("self", "request_id", "num_tokens", "new_computed_blocks",
+                                                     "num_encoder_tokens", "total_computed_tokens",
+                                                     "num_local_computed_tokens", "num_tokens_main_model",
+                                                     "apply_admission_cap", "prefill_end")),
     Internal("vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks", "EvictingKVCacheManager."
              "get_computed_blocks (wraps it: a resumed request's hit cut at max(P0, B)); returns (blocks, tokens, ...)",
              params=("self", "request")),
@@ -108,7 +126,9 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              attrs=("kv_cache_groups",)),
     Internal("vllm.v1.kv_cache_interface.KVCacheGroupSpec", "groups.full_attention_group, both runners: a group's "
              "layers and spec", attrs=("kv_cache_spec", "layer_names")),
-    Internal("vllm.v1.kv_cache_interface.FullAttentionSpec", "groups.full_attention_group: the group evicted"),
+    Internal("vllm.v1.kv_cache_interface.FullAttentionSpec", "groups.full_attention_group: the group evicted; with "
+             "the hybrid manager off vLLM records sliding or chunked layers' windows on it (refused)",
+             attrs=("sliding_window", "attention_chunk_size", "non_causal")),
     Internal("vllm.v1.kv_cache_interface.SlidingWindowSpec", "groups.full_attention_group: groups left to vLLM"),
     Internal("vllm.v1.core.block_pool.BlockPool.free_blocks", "EvictingKVCacheManager.trim, release_copies "
              "(by reference count: a cached block stays in the prefix cache)", params=("self", "ordered_blocks")),
@@ -167,8 +187,8 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.v1.attention.backend.CommonAttentionMetadata", "VaseLogicalLengthsBuilder",
              attrs=("seq_lens", "max_seq_len")),
     Internal("vllm.model_executor.layers.attention.attention.Attention", "both runners: the layers in "
-             "static_forward_context", attrs=("kv_cache", "impl", "num_heads", "head_size", "head_size_v",
-                                               "layer_name")),
+             "static_forward_context; refusals.EVICTABLE_LAYERS: the one layer class evicted (an allow-list)",
+             attrs=("kv_cache", "impl", "num_heads", "head_size", "head_size_v", "layer_name", "sliding_window")),
     Internal("vllm.model_executor.models.utils.extract_layer_index", "VaseRunnerMixin: layer order",
              params=("layer_name", "num_attn_module")),
     Internal("vllm.v1.worker.cpu_model_runner.CPUModelRunner", "VaseCPUModelRunner (subclass)"),

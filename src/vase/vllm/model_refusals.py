@@ -41,6 +41,31 @@ def model_refusal(model_config: Any) -> str | None:
     return None
 
 
+#: What to change when vLLM puts local-attention layers in the evicted group.
+_HYBRID_ON = ("leave disable_hybrid_kv_cache_manager unset (or False) and drop what turned vLLM's hybrid KV cache "
+              "manager off (a KV connector, a non-CUDA/CPU platform's default, ...) or drop additional_config['vase']")
+
+
+def local_layers_refusal(model_config: Any, hybrid_manager_off: bool) -> str | None:
+    """Why the plugin cannot evict when vLLM's hybrid KV cache manager is off (`disable_hybrid_kv_cache_manager`)
+    and the model has local-attention layers (sliding-window: Gemma 3, gpt-oss; chunked-local: Llama 4): vLLM then
+    puts them in the one full-attention KV cache group, where the plugin would evict them too and each kernel would
+    apply its window or chunks to physical slots (silent wrong tokens). One line, or None."""
+    if not hybrid_manager_off:
+        return None
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    types = set(layer_types(text))
+    chunk = getattr(text, "attention_chunk_size", None)
+    local = sorted(t for t in types if t != FULL) + (["chunked local attention"] if chunk else [])
+    if model_config.get_sliding_window() is not None and SLIDING not in local:
+        local.append(SLIDING)
+    if not local:
+        return None
+    return (f"{model_config.model} has {', '.join(local)} layers, and with vLLM's hybrid KV cache manager off they "
+            f"share the full-attention KV cache group vase evicts (their windows would slide over evicted slots): "
+            f"{_HYBRID_ON}")
+
+
 def check_model_layers(model_config: Any) -> None:
     """Raise VaseConfigError with `model_refusal`'s line, if any."""
     problem = model_refusal(model_config)

@@ -21,7 +21,7 @@ from copy import copy
 
 from ..hybrid import SLIDING, layer_types
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
-from .model_refusals import check_model_layers
+from .model_refusals import check_model_layers, local_layers_refusal
 from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
 from .refusals import BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape
 
@@ -99,11 +99,32 @@ def check_vllm_config(vllm_config, prefix_caching_asked: bool | None = None) -> 
     if worker_cls_for(current_platform) == GPU_WORKER_CLS:
         check_gpu_config(vllm_config)
     check_model_layers(model)  # MLA, linear-attention hybrids, every layer sliding: one line each
+    local = local_layers_refusal(model, bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager))
+    if local:  # sliding or chunked layers in the evicted group
+        raise VaseConfigError(local)
     check_prefix_caching(vllm_config, prefix_caching_asked)
     if vllm_config.speculative_config is not None:
         raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop speculative_config")
     check_built_config(vllm_config)
     check_runner_shape(vllm_config)
+
+
+def check_at_start(vllm_config, who: str) -> VaseVllmConfig:
+    """The checks `EngineArgs.create_engine_config` runs, again where vase's scheduler and workers start (`who`): a
+    `VllmConfig` built by hand that names them gets the same refusals. Refuses only (prefix caching beside
+    sliding-window layers is refused here, not turned off: the cache managers are built by then). Returns the
+    vase config."""
+    check_vllm_version()
+    cfg = VaseVllmConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
+    if cfg is None:
+        raise VaseConfigError(f"vase's {who} needs a vase section in the engine's additional_config (e.g. "
+                              f"{{'vase': {{'method': 'snapkv', 'budget': 512}}}}): add one, or drop scheduler_cls "
+                              f"and worker_cls to run stock vLLM")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):  # EngineArgs' kv_cache_dtype check
+        raise VaseConfigError(f"vase needs an unquantised KV cache, got cache_dtype="
+                              f"{vllm_config.cache_config.cache_dtype!r}: use kv_cache_dtype='auto'")
+    check_vllm_config(vllm_config, prefix_caching_asked=True)
+    return cfg
 
 
 def _wrap_create_engine_config(original):

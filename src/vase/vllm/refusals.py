@@ -85,6 +85,33 @@ def check_attention_layer(name: str, impl: Any, model_dtype: Any, sliding: bool 
                               f"eviction: use a model with full attention {_DROP}")
 
 
+#: The attention layer classes the plugin evicts (an allow-list: chunked-local, cross, encoder-only, MLA, linear and
+#: any layer type vLLM adds later are refused in the evicted group).
+EVICTABLE_LAYERS = ("vllm.model_executor.layers.attention.attention.Attention",)
+
+
+def check_evicted_layer(name: str, layer: Any) -> None:
+    """Refuse, once the KV cache groups are known, a layer in the group vase evicts that is not plain full
+    attention: a class outside `EVICTABLE_LAYERS` (chunked-local attention is a subclass, refused), or a sliding
+    window (vLLM puts sliding layers there when its hybrid KV cache manager is off)."""
+    cls = type(layer)
+    kind = f"{cls.__module__}.{cls.__qualname__}"
+    if kind not in EVICTABLE_LAYERS:
+        raise VaseConfigError(f"layer {name} is a {cls.__qualname__} in the KV cache group vase evicts, and vase "
+                              f"evicts plain full attention only ({', '.join(EVICTABLE_LAYERS)}): use a model whose "
+                              f"evicted layers are full attention, leave vLLM's hybrid KV cache manager on "
+                              f"(disable_hybrid_kv_cache_manager unset) {_DROP}")
+    impl = getattr(layer, "impl", None)
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)) or getattr(layer, "sliding_window", None) is not None:
+        raise VaseConfigError(f"layer {name} uses a sliding window but sits in the full-attention KV cache group vase "
+                              f"evicts (vLLM's hybrid KV cache manager is off): leave disable_hybrid_kv_cache_manager "
+                              f"unset (or False) {_DROP}")
+    if getattr(impl, "attention_chunk_size", None) or getattr(layer, "attention_chunk_size", None):
+        raise VaseConfigError(f"layer {name} uses chunked local attention in the KV cache group vase evicts (its "
+                              f"chunks would follow physical slots): use a model with full attention {_DROP}")
+
+
 def check_kv_tensor(name: str, kv_dtype: Any, model_dtype: Any) -> None:
     """Refuse a layer whose allocated KV cache is not in the model's dtype (a quantised cache chosen late)."""
     if kv_dtype != model_dtype:

@@ -21,7 +21,7 @@ from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .groups import full_attention_group
 from .heads import RankHeads, rank_policy
 from .paged import RequestPolicyState
-from .refusals import check_head_sizes, check_kv_tensor
+from .refusals import check_evicted_layer, check_head_sizes, check_kv_tensor
 from .steps import StepPlan, VaseStepError
 
 
@@ -171,7 +171,7 @@ class VaseRunnerMixin:
             raise VaseConfigError(f"vase's GPU worker needs one KV cache group (full attention everywhere), this "
                                   f"model has {len(groups)}: use a model without sliding-window or hybrid layers")
         # the full-attention group, evicted; sliding-window groups are left to vLLM (vase.vllm.groups)
-        self.vase_group = full_attention_group(kv_cache_config) if len(groups) > 1 else 0
+        self.vase_group = full_attention_group(kv_cache_config)  # refuses local attention in the evicted group
         self.vase_layers = sorted(groups[self.vase_group].layer_names, key=extract_layer_index)
         ctx = self.compilation_config.static_forward_context
         first = ctx[self.vase_layers[0]]
@@ -180,6 +180,7 @@ class VaseRunnerMixin:
             raise RuntimeError(f"vase: the KV cache's attention layers {self.vase_layers} are not the ones the query "
                                f"ring was made for at load ({None if self.vase_ring is None else self.vase_ring.layer_names})")
         for name in self.vase_layers:
+            check_evicted_layer(name, ctx[name])  # plain full attention only: an allow-list
             ctx[name].impl.vase_ring = self.vase_ring
             check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
         self.vase_block_size = groups[self.vase_group].kv_cache_spec.block_size  # the scheduler's; a kernel's may be smaller

@@ -36,6 +36,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from .capture import QueryRing
 from .config import VaseConfigError, VaseVllmConfig
 from .paged import Layout
+from .plugin import check_at_start
 from .refusals import check_attention_layer, v2_runner_reason
 from .requests import VaseRequest
 from .runner_step import VaseStepMixin
@@ -185,6 +186,7 @@ class VaseCPUWorker(CPUWorker):
     """vLLM's CPU worker running `VaseCPUModelRunner`."""
 
     def init_device(self):
+        check_at_start(self.vllm_config, "CPU worker")  # a VllmConfig built by hand skips EngineArgs' checks
         super().init_device()
         if getattr(self, "use_v2_model_runner", False):  # the config check refuses this first; kept as a backstop
             raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 "
