@@ -432,8 +432,10 @@ class VaseScheduler(Scheduler):
         # copy-on-write: {request id: [(index, old block id, new block id)]}, the worker's block table learns the
         # new ids and its compaction reads the old blocks and writes the new ones this step
         output.vase_copies = self.kv_cache_manager.release_copies(output.num_scheduled_tokens)
-        # the requests whose step evicts: their blocks above the bound are trimmed once it ran (`update_from_output`)
-        output.vase_evicted, self.kv_cache_manager.evicted = self.kv_cache_manager.evicted, []
+        # the requests whose step evicts: their blocks above the bound are trimmed once it ran (`update_from_output`);
+        # by id, since the output is pickled to the workers of a multiprocess engine and a Request is not picklable
+        output.vase_evicted = [request.request_id for request in self.kv_cache_manager.evicted]
+        self.kv_cache_manager.evicted = []
         return output
 
     def add_request(self, request) -> None:
@@ -462,8 +464,10 @@ class VaseScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         manager: EvictingKVCacheManager = self.kv_cache_manager
-        for request in getattr(scheduler_output, "vase_evicted", ()):  # the others hold no block above the bound
-            if request.request_id in scheduler_output.num_scheduled_tokens and not request.is_finished():
+        for request_id in getattr(scheduler_output, "vase_evicted", ()):  # the others hold no block above the bound
+            request = self.requests.get(request_id)  # None once finished and freed
+            if request is not None and request_id in scheduler_output.num_scheduled_tokens \
+                    and not request.is_finished():
                 # the worker compacted during this step: the blocks above the bound are free now
                 self.vase_blocks_freed += manager.trim(request)
         return outputs
