@@ -37,10 +37,10 @@ class CapturePlan:
 class QueryRing:
     """Per layer, [slots, q_heads, w, head_dim] rings of the last w queries; one slot per running request.
 
-    Allocated once, for `slots` requests (the runner passes vLLM's `max_num_seqs`), when the model is
-    loaded: before vLLM measures memory and sizes the KV pool from what is left, so the rings are inside
-    its budget; never grown. `store=False` (a policy that reads no queries) keeps the slot bookkeeping and
-    allocates nothing."""
+    Allocated once, for `slots` requests: the runner makes it once vLLM has built the KV pool, with one row per
+    request the pool holds at its bounded size (at most `max_num_seqs`; `vase.vllm.ring_size`), after the workers
+    took those rows' bytes from the KV memory; never grown. `store=False` (a policy that reads no queries) keeps
+    the slot bookkeeping and allocates nothing."""
 
     def __init__(self, layer_names: list[str], q_heads: int, head_dim: int, window: int, dtype: torch.dtype,
                  device: torch.device, slots: int = 4, store: bool = True):
@@ -62,11 +62,11 @@ class QueryRing:
         return sum(r.numel() * r.element_size() for r in self.rings)
 
     def acquire(self) -> int:
-        """A ring slot for a request starting its (re)prefill; the rings never grow (vLLM runs at most
-        `max_num_seqs` requests, each holding one slot while it runs)."""
+        """A ring slot for a request starting its (re)prefill; the rings never grow (vase's scheduler runs at most
+        `slots` requests, each holding one slot while it runs)."""
         if not self.free:
-            raise RuntimeError(f"vase: all {self.slots} query-ring slots are taken (one per running request, sized "
-                               f"for max_num_seqs): the worker ran more requests at once than max_num_seqs")
+            raise RuntimeError(f"vase: all {self.slots} query-ring slots are taken (one per running request, as many "
+                               f"as the KV pool holds at the bounded size): the worker ran more requests at once")
         return self.free.pop()
 
     def release(self, slot: int) -> None:
