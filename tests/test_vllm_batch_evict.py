@@ -65,3 +65,14 @@ def test_batched_eviction_is_one_eviction_per_request(name, cow, packed, prior):
         for s in a.layer_state[0]:
             assert torch.equal(a.layer_state[0][s], b.layer_state[0][s])
         assert torch.equal(a.generator.get_state(), b.generator.get_state())  # the same draws, in the same order
+
+
+def test_ring_gather_reads_each_row_as_ring_read():
+    from vase.ring import ring_gather, ring_read
+
+    g = torch.Generator().manual_seed(3)
+    ring = torch.randn(6, H_Q, W, D, generator=g)
+    rows, seen = torch.tensor([4, 0, 2, 5]), torch.tensor([W, 37, 100, W + 3])
+    got = ring_gather(ring, rows, seen)
+    for j in range(4):
+        assert torch.equal(got[j:j + 1], ring_read(ring[int(rows[j]):int(rows[j]) + 1], int(seen[j]), W))

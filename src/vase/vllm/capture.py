@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ring import ring_put, ring_read
+from ..ring import ring_gather, ring_put, ring_read
 
 
 @dataclass
@@ -79,6 +79,11 @@ class QueryRing:
             return
         ring = self.rings[self.index[layer_name]]
         ring_put(ring, plan.slot, plan.pos, query.index_select(0, plan.src))
+
+    def windows_of(self, layer: int, slots: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """The last w queries of k requests (ring rows `slots` [k], `seen` [k] tokens written each), in time
+        order: [k, q_heads, w, head_dim], one indexing op (`vase.ring.ring_gather`)."""
+        return ring_gather(self.rings[layer], slots, seen)
 
     def window_of(self, layer: int, slot: int, seen: int) -> torch.Tensor:
         """The last w queries of a request that has written `seen` tokens, in time order: [1, q_heads, w, head_dim]."""
