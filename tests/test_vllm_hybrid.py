@@ -80,7 +80,7 @@ def _vllm_run(llm, method: str, prompts: list[list[int]], n_new: int) -> tuple[l
         evict(*args, **kwargs)
         after = [ctx[n].kv_cache[ids] for n in ctx if hasattr(ctx[n], "kv_cache")]
         assert len(ids) and all(torch.equal(b, a) for b, a in zip(before, after))
-        seen["evictions"] += 1
+        seen["evictions"] += len(args[0])  # the requests of one length evicted together (their ids)
 
     def check_groups():  # after every step: the sliding groups hold vLLM's count, the full group the bound
         for rid, req in sched.requests.items():

@@ -1,7 +1,10 @@
-"""The query ring: allocated for `max_num_seqs` when the model loads, before vLLM sizes the KV pool, never grown.
+"""The query ring: sized from the KV pool (the requests it holds at their bounded size, at most `max_num_seqs`),
+made once the pool is built, never grown; the scheduler runs no more requests than it has rows.
 
-Before this, the ring was made after the KV pool (outside vLLM's memory budget: Qwen3-4B shapes, w = 64,
-bf16, about 18 MiB per running request) and doubled when full. In-process engine, tiny random Llama (fp32).
+History: the ring was first made after the pool for a few rows and doubled when full (outside vLLM's memory
+budget), then made at load for `max_num_seqs` rows (inside the budget, but 19 GiB at vLLM's 1,024 on large GPUs
+for Qwen3-8B shapes); now the workers take the rows' bytes from the KV memory vLLM measured before it sizes the
+pool (`vase.vllm.ring_size`). In-process engine, tiny random Llama (fp32).
 """
 
 from __future__ import annotations
@@ -15,8 +18,33 @@ import torch  # noqa: E402
 from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 from vase.vllm.capture import QueryRing  # noqa: E402
+from vase.vllm.ring_size import ring_bytes_per_request, ring_reserve, ring_rows  # noqa: E402
 
 SEQS = 4
+BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads, head_dim 32, float32
+
+
+def test_ring_rows_follow_the_pool_not_max_num_seqs():
+    # B = 48, w = 16, blocks of 32: a bounded request holds 2 blocks
+    assert ring_rows(8, 32, 48, 16, 1024) == 4
+    assert ring_rows(9, 32, 48, 16, 1024) == 4
+    assert ring_rows(10_000, 32, 48, 16, 1024) == 1024  # the pool holds more than max_num_seqs
+    assert ring_rows(1, 32, 48, 16, 1024) == 1  # a pool below one bounded request still runs one at a time
+    assert ring_rows(8, 32, 48, 16, 1024, stores=False) == 1024  # nothing stored: vLLM's limit stays
+
+
+def test_the_reserve_covers_the_ring_the_pool_then_calls_for():
+    """Whatever the memory vLLM measured, the ring made from the pool left after the reserve fits in the reserve,
+    and the reserve is at most one row more than that ring."""
+    block_bytes, bounded = 32 * BYTES_PER_TOKEN, 2
+    ring = ring_bytes_per_request(2, 4, 16, 32, 4)
+    for seqs in (4, 256, 1024):
+        for available in range(0, 300 * block_bytes, 997 * 13):
+            reserve = ring_reserve(available, bounded * block_bytes, ring, seqs)
+            rows = ring_rows((available - reserve) // block_bytes, 32, 48, 16, seqs)
+            if available - reserve >= bounded * block_bytes:  # a pool that holds a bounded request
+                assert rows * ring <= reserve <= (rows + 1) * ring, (available, seqs, rows, reserve)
+    assert ring_reserve(10**9, 10**6, 0, 1024) == 0
 
 
 def test_the_ring_is_preallocated_and_never_grows():
@@ -33,7 +61,12 @@ def test_the_ring_is_preallocated_and_never_grows():
 
 
 @pytest.fixture(scope="module")
-def engine_and_order(tmp_path_factory):
+def tiny_path(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def engine_and_order(tiny_path):
     """An engine whose worker notes, when vLLM asks it for the KV pool's memory, what ring the runner holds."""
     from vase.vllm.worker import VaseCPUWorker
 
@@ -47,8 +80,7 @@ def engine_and_order(tmp_path_factory):
 
     VaseCPUWorker.determine_available_memory = determine_available_memory
     try:
-        path = save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-        llm = start_llm(dict(model=path, max_model_len=256, kv_cache_memory_bytes=64 * 32 * 1024, block_size=32,
+        llm = start_llm(dict(model=tiny_path, max_model_len=256, kv_cache_memory_bytes=64 * 32 * 1024, block_size=32,
                              enforce_eager=True, dtype="float32", seed=0, max_num_seqs=SEQS),
                         additional_config("snapkv", 24, 8))
     finally:
@@ -56,11 +88,13 @@ def engine_and_order(tmp_path_factory):
     return llm, seen
 
 
-def test_the_ring_exists_before_the_pool_is_sized_and_a_full_batch_never_allocates(engine_and_order):
+def test_the_ring_is_made_from_the_pool_and_a_full_batch_never_allocates(engine_and_order):
     llm, seen = engine_and_order
     ring = runner(llm).vase_ring
-    # 2 layers x max_num_seqs x 4 query heads x w = 8 x head_dim 32 x fp32, there when the pool was sized
-    assert seen == [(SEQS, 2 * SEQS * 4 * 8 * 32 * 4)]
+    # none when vLLM measured the KV memory; then 2 layers x rows x 4 query heads x w = 8 x head_dim 32 x fp32,
+    # rows = max_num_seqs here: the 64-block pool holds 64 bounded requests (1 block each)
+    assert seen == [None]
+    assert ring.slots == SEQS and ring.nbytes == 2 * SEQS * 4 * 8 * 32 * 4
     ptrs = [r.data_ptr() for r in ring.rings]
     for i in range(SEQS):  # a full batch, several evictions each (P = 10, B = 24, w = 8)
         llm.llm_engine.add_request(f"f{i}", {"prompt_token_ids": list(range(3, 13 + i))}, greedy(60))
@@ -111,3 +145,38 @@ def test_preempted_requests_resume_on_the_fixed_ring(engine_and_order):
         assert all(r.vase_requests[rid].slot is None for rid in waiting if rid not in sched.reset_preempted_req_ids)
         waited += len(waiting)
     assert preempted == 3 and r.vase_recomputes >= 3 and waited >= 3
+
+
+def test_a_ring_smaller_than_max_num_seqs_caps_the_running_requests_and_keeps_tokens_exact(tiny_path):
+    """A pool of 8 blocks of 32 holds 4 requests at their bounded size (B = 48, w = 16: 2 blocks): the ring has 4
+    rows though max_num_seqs is 16, and the scheduler runs at most 4. Short requests (1 block each) would let 8
+    run in those blocks, each needing a ring row; they wait for one instead. Every request's tokens and kept sets
+    equal vase's transformers engine."""
+    from tests.test_vllm_exact import _compare
+    from tests.vllm_tiny import transformers_greedy, vllm_batch
+
+    llm = start_llm(dict(model=tiny_path, max_model_len=192, kv_cache_memory_bytes=8 * 32 * BYTES_PER_TOKEN,
+                         block_size=32, enforce_eager=True, dtype="float32", seed=0, max_num_seqs=16),
+                    additional_config("snapkv", 48, 16))
+    r, sched = runner(llm), core(llm).scheduler
+    assert r.vase_ring.slots == 4 and sched.max_num_active_reqs == 4 and sched.max_num_running_reqs == 16
+    g = torch.Generator().manual_seed(11)
+    short = [torch.randint(3, 90, (6 + i,), generator=g).tolist() for i in range(6)]
+    for i, ids in enumerate(short):
+        llm.llm_engine.add_request(f"s{i}", {"prompt_token_ids": ids}, greedy(20, logprobs=5))
+    outs, peak = {}, []
+    while llm.llm_engine.has_unfinished_requests():
+        for out in llm.llm_engine.step():
+            if out.finished:
+                o = out.outputs[0]
+                outs[out.request_id] = {"tokens": list(o.token_ids), "logprobs": o.logprobs, "kept": {}}
+        peak.append(len(sched.running))
+    assert max(peak) == 4  # 6 short requests, 1 block each (8 would fit in the pool), 4 at a time
+    long = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (20, 33, 7, 41, 12)]
+    outs_long = vllm_batch(llm, "snapkv", long, 90, after_step=lambda: peak.append(len(sched.running)))
+    assert max(peak) == 4 and r.vase_evictions >= 5
+    runs = [(outs[f"s{i}"], ids, 20) for i, ids in enumerate(short)] + [(o, ids, 90) for o, ids in zip(outs_long, long)]
+    for ours, ids, n_new in runs:
+        ref = transformers_greedy(tiny_path, "snapkv", ids, n_new, 48, 16)
+        got = _compare(ours, ref, len(ids))
+        assert got["compared"] >= 10, got

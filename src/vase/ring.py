@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["new_ring", "ring_slots", "ring_write", "ring_put", "ring_read"]
+__all__ = ["new_ring", "ring_slots", "ring_write", "ring_put", "ring_read", "ring_gather"]
 
 
 def new_ring(rows: int, q_heads: int, window: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
@@ -51,3 +51,11 @@ def ring_read(ring: torch.Tensor, seen: int | torch.Tensor, n: int | None = None
     if n is None:
         n = min(int(seen), w)
     return ring.index_select(2, ring_slots(seen, n, w, ring.device))
+
+
+def ring_gather(ring: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """The last w recorded queries of ring rows `rows` [k] (each having recorded `seen` [k] queries, >= w), in time
+    order: [k, q_heads, w, head_dim], `ring_read` of each row at once."""
+    w = ring.shape[2]
+    slots = (seen[:, None] - w + torch.arange(w, device=ring.device)) % w  # [k, w]
+    return ring[rows[:, None], :, slots].permute(0, 2, 1, 3)  # advanced indices first: [k, w, q_heads, d]

@@ -38,12 +38,19 @@ def window_attention(keys: torch.Tensor, queries: torch.Tensor, temperature: flo
 def key_redundancy(keys: torch.Tensor) -> torch.Tensor:
     """R-KV's redundancy: softmax over candidates of the mean cosine similarity to the others.
 
-    keys [b, kv_heads, n, d] -> [b, kv_heads, n] float32 (the diagonal counts as 0 in the mean).
+    keys [b, kv_heads, n, d] -> [b, kv_heads, n] float32 (the diagonal counts as 0 in the mean, which runs
+    over all n). Computed in O(n * d) memory, never the [n, n] similarity matrix: with unit keys u_i,
+    sum_{j != i} u_i . u_j = u_i . (sum_j u_j) - u_i . u_i (the last term is 1, or 0 for a zero key).
+    In float64, so the cancellation costs nothing and the row sum's order (which depends on the batch
+    shape) cannot move a float32 score.
     """
-    k = F.normalize(keys.float(), dim=-1)
-    cos = torch.matmul(k, k.transpose(-1, -2))
-    cos.diagonal(dim1=-2, dim2=-1).zero_()
-    return cos.mean(-1).softmax(-1)
+    n = keys.shape[2]
+    # One float64 copy (never the caller's keys), normalised in place as F.normalize does: k / max(||k||, 1e-12).
+    u = keys.to(torch.float64, copy=True)
+    u.div_(torch.linalg.vector_norm(u, dim=-1, keepdim=True).clamp_(min=1e-12))
+    total = u.sum(-2, keepdim=True)  # [b, h, 1, d]
+    others = torch.matmul(u, total.transpose(-1, -2)).squeeze(-1) - u.square().sum(-1)  # [b, h, n]
+    return (others / n).softmax(-1).float()
 
 
 @dataclass(frozen=True)

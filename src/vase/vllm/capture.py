@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ring import ring_put, ring_read
+from ..ring import ring_gather, ring_put, ring_read
 
 
 @dataclass
@@ -37,10 +37,10 @@ class CapturePlan:
 class QueryRing:
     """Per layer, [slots, q_heads, w, head_dim] rings of the last w queries; one slot per running request.
 
-    Allocated once, for `slots` requests (the runner passes vLLM's `max_num_seqs`), when the model is
-    loaded: before vLLM measures memory and sizes the KV pool from what is left, so the rings are inside
-    its budget; never grown. `store=False` (a policy that reads no queries) keeps the slot bookkeeping and
-    allocates nothing."""
+    Allocated once, for `slots` requests: the runner makes it once vLLM has built the KV pool, with one row per
+    request the pool holds at its bounded size (at most `max_num_seqs`; `vase.vllm.ring_size`), after the workers
+    took those rows' bytes from the KV memory; never grown. `store=False` (a policy that reads no queries) keeps
+    the slot bookkeeping and allocates nothing."""
 
     def __init__(self, layer_names: list[str], q_heads: int, head_dim: int, window: int, dtype: torch.dtype,
                  device: torch.device, slots: int = 4, store: bool = True):
@@ -62,11 +62,11 @@ class QueryRing:
         return sum(r.numel() * r.element_size() for r in self.rings)
 
     def acquire(self) -> int:
-        """A ring slot for a request starting its (re)prefill; the rings never grow (vLLM runs at most
-        `max_num_seqs` requests, each holding one slot while it runs)."""
+        """A ring slot for a request starting its (re)prefill; the rings never grow (vase's scheduler runs at most
+        `slots` requests, each holding one slot while it runs)."""
         if not self.free:
-            raise RuntimeError(f"vase: all {self.slots} query-ring slots are taken (one per running request, sized "
-                               f"for max_num_seqs): the worker ran more requests at once than max_num_seqs")
+            raise RuntimeError(f"vase: all {self.slots} query-ring slots are taken (one per running request, as many "
+                               f"as the KV pool holds at the bounded size): the worker ran more requests at once")
         return self.free.pop()
 
     def release(self, slot: int) -> None:
@@ -79,6 +79,11 @@ class QueryRing:
             return
         ring = self.rings[self.index[layer_name]]
         ring_put(ring, plan.slot, plan.pos, query.index_select(0, plan.src))
+
+    def windows_of(self, layer: int, slots: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """The last w queries of k requests (ring rows `slots` [k], `seen` [k] tokens written each), in time
+        order: [k, q_heads, w, head_dim], one indexing op (`vase.ring.ring_gather`)."""
+        return ring_gather(self.rings[layer], slots, seen)
 
     def window_of(self, layer: int, slot: int, seen: int) -> torch.Tensor:
         """The last w queries of a request that has written `seen` tokens, in time order: [1, q_heads, w, head_dim]."""

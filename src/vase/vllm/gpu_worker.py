@@ -79,3 +79,9 @@ class VaseGPUWorker(Worker):
             raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 "
                                   f"because {v2_runner_reason(self.vllm_config)}")
         return VaseGPUModelRunner(self.vllm_config, self.device)
+
+    def determine_available_memory(self) -> int:
+        """vLLM's measured KV memory less the query ring of the requests the pool will hold (`vase.vllm.ring_size`):
+        the ring is made after the pool, from it, and paid for by it."""
+        available = super().determine_available_memory()
+        return available - self.model_runner._vase_ring_reserve(available)

@@ -122,8 +122,9 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks",
              "PhysicalLengthManager: allocates for the physical length",
              params=("self", "request_id", "num_tokens", "num_tokens_main_model")),
-    Internal("vllm.v1.kv_cache_interface.KVCacheConfig", "groups.full_attention_group, both runners",
-             attrs=("kv_cache_groups",)),
+    Internal("vllm.v1.kv_cache_interface.KVCacheConfig", "groups.full_attention_group, both runners; the query "
+             "ring's rows and its share of the pool (VaseRunnerMixin._vase_make_ring, VaseScheduler)",
+             attrs=("kv_cache_groups", "num_blocks", "kv_cache_tensors")),
     Internal("vllm.v1.kv_cache_interface.KVCacheGroupSpec", "groups.full_attention_group, both runners: a group's "
              "layers and spec", attrs=("kv_cache_spec", "layer_names")),
     Internal("vllm.v1.kv_cache_interface.FullAttentionSpec", "groups.full_attention_group: the group evicted; with "
@@ -145,9 +146,9 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              params=("self", "scheduler_output", "num_scheduled_tokens")),
     Internal(f"{_RUNNER}.execute_model", "VaseRunnerMixin: clears the capture plan",
              params=("self", "scheduler_output", "intermediate_tensors")),
-    Internal(f"{_RUNNER}.load_model", "VaseRunnerMixin, both runners: query ring, attention class swap",
+    Internal(f"{_RUNNER}.load_model", "both runners: attention class swap",
              params=("self", "load_dummy_weights")),
-    Internal(f"{_RUNNER}.initialize_kv_cache", "both runners: attach layers to the ring",
+    Internal(f"{_RUNNER}.initialize_kv_cache", "both runners: the query ring made from the pool, layers attached",
              params=("self", "kv_cache_config")),
     Internal(_RUNNER, "both runners: the step's prepared inputs, made physical",
              attrs=("input_batch", "requests", "query_start_loc", "seq_lens", "optimistic_seq_lens_cpu",
@@ -209,4 +210,19 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              params=_IMPL_FORWARD),
     Internal("vllm.v1.attention.backends.flashinfer.FlashInferImpl.forward", "capture (GPU)", params=_IMPL_FORWARD,
              source_only=True),
+    # -- the query ring, sized from the KV pool (ring_size.py) ----------------------------------------------
+    Internal(_SCHED, "VaseScheduler.__init__: no more running requests than the query ring has rows",
+             attrs=("max_num_active_reqs", "max_num_running_reqs")),
+    Internal("vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory", "VaseCPUWorker: the ring's rows "
+             "taken from the KV memory before the pool is sized", params=("self",)),
+    Internal("vllm.v1.worker.gpu_worker.Worker.determine_available_memory", "VaseGPUWorker: the ring's rows taken "
+             "from the measured KV memory before the pool is sized", params=("self",)),
+    Internal(f"{_RUNNER}.get_kv_cache_spec", "VaseRunnerMixin._vase_ring_reserve: the full-attention layers' "
+             "page sizes", params=("self",)),
+    Internal("vllm.v1.kv_cache_interface.FullAttentionSpec", "VaseRunnerMixin._vase_ring_reserve: a layer's bytes "
+             "per block", attrs=("block_size", "page_size_bytes")),
+    Internal("vllm.v1.kv_cache_interface.KVCacheTensor", "VaseRunnerMixin._vase_make_ring: the pool's bytes",
+             attrs=("size",)),
+    Internal("vllm.config.cache.CacheConfig", "VaseRunnerMixin._vase_ring_reserve: no reserve when the user gave "
+             "the KV memory", attrs=("kv_cache_memory_bytes",)),
 )

@@ -144,3 +144,67 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
         moved[:, :, :budget] = gather_slots(tensor, index)
         slot_state[name] = moved
     return index
+
+
+@dataclass
+class EvictionJob:
+    """One request of a batched eviction (`evict_paged_batch`): its blocks [n_blocks], where its kept slots go
+    (None: in place; else the fresh blocks of copy-on-write) and its policy state."""
+
+    block_ids: torch.Tensor
+    state: RequestPolicyState
+    target_block_ids: torch.Tensor | None = None
+
+
+def evict_paged_batch(key_cache: torch.Tensor, value_cache: torch.Tensor, jobs: list[EvictionJob], length: int,
+                      queries: torch.Tensor | None, policy: Policy, budget: int, window: int, layer: int,
+                      sort_kept: bool = False, layout: Layout | None = None,
+                      block_size: int | None = None) -> torch.Tensor:
+    """Evict k requests of one length in one layer at once: one gather of all their slots, one policy call over a
+    batch of k rows, one scatter of all survivors. Each row is `evict_paged` of that request (same kept slots,
+    same draws from its own generator, same state hooks); the requests' blocks never overlap where written.
+
+    jobs: the k requests, each with `length` stored slots; queries: [k, q_heads, w, head_dim] in time order (None
+    when the policy needs none). Returns the kept slot indices [k, kv_heads, B] (in their new order)."""
+    cache_bs = key_cache.shape[2]
+    bs = block_size or cache_bs
+    k, n_cand = len(jobs), length - window
+    where_k, where_v = (None, None) if layout is None else (layout.key, layout.value)
+    where = [slot_index(job.block_ids, length, bs, cache_bs) for job in jobs]
+    blocks, offsets = torch.cat([w[0] for w in where]), torch.cat([w[1] for w in where])
+
+    def rows_of(cache, where_x):  # [1, h, k * length, d] -> [k, h, length, d]
+        rows = gather(cache, where_x, blocks, offsets)[0]
+        return rows.reshape(rows.shape[0], k, length, -1).transpose(0, 1).contiguous()
+
+    keys, values = rows_of(key_cache, where_k), rows_of(value_cache, where_v)
+    h, device = keys.shape[1], keys.device
+    extra: dict[str, torch.Tensor] = {}
+    for name in policy.slot_state:  # per-slot state: each request's own, stacked (a copy, written back below)
+        for job in jobs:
+            if name not in job.state.slot_state.setdefault(layer, {}):
+                job.state.slot_state[layer][name] = torch.zeros(1, h, length, dtype=torch.float32, device=device)
+        extra[name] = torch.cat([job.state.slot_state[layer][name][:, :, :n_cand] for job in jobs])
+    for job in jobs:  # hook 2: drawn once per layer and request, right before its first eviction there
+        if layer not in job.state.layer_state:
+            job.state.layer_state[layer] = policy.init_layer_state(1, h, keys.shape[-1], [job.state.generator], device)
+    for name in jobs[0].state.layer_state[layer]:
+        extra[name] = torch.cat([job.state.layer_state[layer][name] for job in jobs])
+    generators = [job.state.generator for job in jobs]
+    kept = choose(policy, keys[:, :, :n_cand], values[:, :, :n_cand], queries, budget, window, generators, extra)
+    index = keep_index(kept, length, window, sort_kept)  # [k, h, B]
+    targets = [(w[0][:budget], w[1][:budget]) if job.target_block_ids is None
+               else slot_index(job.target_block_ids, budget, bs, cache_bs) for job, w in zip(jobs, where)]
+    new_blocks, new_offsets = torch.cat([t[0] for t in targets]), torch.cat([t[1] for t in targets])
+    # Every survivor is read (the gather above) before any is written: targets overlap the sources.
+    for cache, where_x, rows in ((key_cache, where_k, keys), (value_cache, where_v, values)):
+        survivors = gather_slots(rows, index)  # [k, h, B, d]
+        scatter(cache, where_x, new_blocks, new_offsets, survivors.transpose(0, 1).reshape(h, k * budget, -1))
+    for name in policy.slot_state:
+        for j, job in enumerate(jobs):
+            tensor = job.state.slot_state[layer][name]
+            tensor[:, :, :n_cand] = extra[name][j:j + 1]  # the policy's in-place update, back to the request
+            moved = torch.zeros_like(tensor)
+            moved[:, :, :budget] = gather_slots(tensor, index[j:j + 1])
+            job.state.slot_state[layer][name] = moved
+    return index

@@ -5,11 +5,14 @@
 `VaseRequest` per running request (created at its prefill, renewed at a recomputing prefill,
 dropped when it finishes), calls the runner's `_vase_step` after vLLM prepares a step's inputs,
 clears the query capture plan after each step, and checks the invariant every write relies on.
-It also attaches the attention layers to one query ring once vLLM has built the KV cache.
+It also makes the query ring once vLLM has built the KV pool, sized from it (`vase.vllm.ring_size`), and
+attaches the evicted layers to it.
 The runners bring vLLM's classes; from vLLM only its layer numbering is read here.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -22,7 +25,10 @@ from .groups import full_attention_group
 from .heads import RankHeads, rank_policy
 from .paged import RequestPolicyState
 from .refusals import check_evicted_layer, check_head_sizes, check_kv_tensor
+from .ring_size import ring_bytes_per_request, ring_log_line, ring_reserve, ring_rows
 from .steps import StepPlan, VaseStepError
+
+logger = logging.getLogger("vase.vllm")
 
 
 def eviction_seed(config_seed: int, request_seed: int | None, extra_args: dict | None) -> int:
@@ -77,10 +83,6 @@ class VaseRunnerMixin:
         return rank_policy(self.vase_config.policy, heads)
 
     # -- vLLM's hooks ---------------------------------------------------------------------------------
-    def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
-        self._vase_make_ring()
-
     def _update_states(self, scheduler_output):
         # the blocks the scheduler holds for each scheduled request now (after its trims; `VaseScheduler.schedule`)
         self.vase_owned = getattr(scheduler_output, "vase_blocks", None)
@@ -150,21 +152,51 @@ class VaseRunnerMixin:
                 check_head_sizes(name, layer)  # FlashAttention/Triton take value heads of another size; eviction not
                 yield name, impl
 
-    def _vase_make_ring(self) -> None:
-        """After the model is loaded, before vLLM measures memory and sizes the KV pool: the query ring for
-        `max_num_seqs` running requests, every attention layer (nothing stored for a policy that reads no
-        queries). Never grown afterwards."""
-        layers = sorted((name for name, _ in self._vase_attention_impls()), key=extract_layer_index)
-        first = self.compilation_config.static_forward_context[layers[0]]
-        self.vase_ring = QueryRing(layers, first.num_heads, first.head_size, self.vase_config.window,
-                                   self.model_config.dtype, self.device,
-                                   slots=int(self.vllm_config.scheduler_config.max_num_seqs),
-                                   store=bool(self.vase_policy.needs_queries))
+    def _vase_ring_layers(self) -> tuple[list, int, int]:
+        """(the full-attention layers' KV specs, query heads, head size) from vLLM's `get_kv_cache_spec` and the
+        attention layers: what the ring and its reserve are sized by (sliding-window layers have no ring row)."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        specs = [spec for spec in self.get_kv_cache_spec().values() if type(spec) is FullAttentionSpec]
+        ctx = self.compilation_config.static_forward_context
+        first = next(ctx[name] for name, _ in self._vase_attention_impls())
+        return specs, int(first.num_heads), int(first.head_size)
+
+    def _vase_ring_reserve(self, available: int) -> int:
+        """Bytes the workers take from the KV memory vLLM measured, before it sizes the pool: the ring of the
+        requests the pool will hold at their bounded size (`vase.vllm.ring_size`). 0 when the policy reads no
+        queries, or when the KV memory was given (`kv_cache_memory_bytes`: the user sized the pool; the ring
+        then sits outside it, as vLLM's activations do)."""
+        if not self.vase_policy.needs_queries or self.vllm_config.cache_config.kv_cache_memory_bytes is not None:
+            return 0
+        cfg = self.vase_config
+        specs, q_heads, head_size = self._vase_ring_layers()
+        kv = sum(s.page_size_bytes * schedule.max_blocks(cfg.budget, cfg.window, s.block_size) for s in specs)
+        ring = ring_bytes_per_request(len(specs), q_heads, cfg.window, head_size, self.model_config.dtype.itemsize)
+        return ring_reserve(int(available), kv, ring, int(self.vllm_config.scheduler_config.max_num_seqs))
+
+    def _vase_make_ring(self, kv_cache_config) -> None:
+        """After vLLM sized the KV pool: the query ring of the evicted layers (`vase_layers`), one row per request
+        the pool holds at its bounded size, at most `max_num_seqs` (`vase.vllm.ring_size.ring_rows`; the scheduler
+        admits no more running requests than that). Nothing stored for a policy that reads no queries. Never grown;
+        one log line gives its bytes as a share of the pool."""
+        cfg, max_seqs = self.vase_config, int(self.vllm_config.scheduler_config.max_num_seqs)
+        block_size = kv_cache_config.kv_cache_groups[self.vase_group].kv_cache_spec.block_size
+        stores = bool(self.vase_policy.needs_queries)
+        rows = ring_rows(kv_cache_config.num_blocks, block_size, cfg.budget, cfg.window, max_seqs, stores)
+        first = self.compilation_config.static_forward_context[self.vase_layers[0]]
+        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, cfg.window,
+                                   self.model_config.dtype, self.device, slots=rows, store=stores)
+        if stores:
+            pool = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
+            bounded = schedule.max_blocks(cfg.budget, cfg.window, block_size)
+            logger.info(ring_log_line(rows, kv_cache_config.num_blocks // bounded, max_seqs, self.vase_ring.nbytes,
+                                      pool, bounded))
 
     def _vase_attach_layers(self, kv_cache_config, hybrid: bool = False):
         """After vLLM's `initialize_kv_cache`: the full-attention group (`vase_group`; `hybrid`: other groups may be
         sliding-window ones) and its attention layers in order (`vase_layers`), attached to the query ring made
-        at load (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
+        here from the pool (`vase_ring`), the KV tensors checked, the scheduler's block size (`vase_block_size`).
         Returns the first attention layer (its head size and heads are every layer's)."""
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1 and not hybrid:
@@ -175,10 +207,7 @@ class VaseRunnerMixin:
         self.vase_layers = sorted(groups[self.vase_group].layer_names, key=extract_layer_index)
         ctx = self.compilation_config.static_forward_context
         first = ctx[self.vase_layers[0]]
-        # the ring was made at load for every attention layer (sliding ones included: their windows go unread)
-        if self.vase_ring is None or not set(self.vase_layers) <= set(self.vase_ring.layer_names):
-            raise RuntimeError(f"vase: the KV cache's attention layers {self.vase_layers} are not the ones the query "
-                               f"ring was made for at load ({None if self.vase_ring is None else self.vase_ring.layer_names})")
+        self._vase_make_ring(kv_cache_config)  # sized from the pool vLLM just built
         for name in self.vase_layers:
             check_evicted_layer(name, ctx[name])  # plain full attention only: an allow-list
             ctx[name].impl.vase_ring = self.vase_ring

@@ -4,8 +4,9 @@ Both model runners, vLLM's CPU one (`vase.vllm.worker`) and its GPU one (`vase.v
 take `VaseStepMixin`: after vLLM's `_prepare_inputs` (through `VaseRunnerMixin`), `_vase_step`
 
 1. plans each request's step (`vase.vllm.offsets.plan_batch`) and checks its blocks hold it;
-2. evicts each request whose step starts on an eviction boundary in every layer of the
-   full-attention group (`_vase_evict`: `vase.vllm.paged.evict_paged`, the eviction kernel);
+2. evicts the requests whose step starts on an eviction boundary in every layer of the
+   full-attention group, those of one length together (`_vase_evict`: `vase.vllm.paged.evict_paged_batch`,
+   one gather, one policy call and one scatter per layer for all of them);
 3. plans the step's query-window copies into the ring (`capture_rows`);
 4. makes the full-attention group's sequence lengths and slot mapping physical (RoPE positions
    stay logical); sliding-window groups (CPU) keep vLLM's logical slots, and their metadata
@@ -23,7 +24,7 @@ import torch
 
 from .capture import CapturePlan
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
-from .paged import Layout, evict_paged
+from .paged import EvictionJob, Layout, evict_paged_batch
 from .requests import VaseRequest, VaseRunnerMixin
 
 
@@ -53,9 +54,14 @@ class VaseStepMixin(VaseRunnerMixin):
         for i, (req, plan) in enumerate(zip(reqs, plans)):
             self._vase_check_room(req_ids[i], req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size,
                                   int(computed[i]), int(scheduled[i]))
+        # the requests evicting this step, by (length, kept): each group in one batch per layer
+        groups: dict[tuple[int, int], list[int]] = {}
         for i, plan in enumerate(plans):
             if plan.evict_from:
-                self._vase_evict(req_ids[i], reqs[i], i, plan.evict_from, plan.evict_to, seen=int(computed[i]))
+                groups.setdefault((plan.evict_from, plan.evict_to), []).append(i)
+        for (length, keep), rows in groups.items():
+            self._vase_evict([req_ids[i] for i in rows], [reqs[i] for i in rows], rows, length, keep,
+                             [int(computed[i]) for i in rows])
         self._vase_check_copies()
         as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
         # the last w queries of this step join each request's window
@@ -79,24 +85,34 @@ class VaseStepMixin(VaseRunnerMixin):
         (table if hybrid else tables).compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1],
                                                            physical)
 
-    def _vase_evict(self, req_id: str, req: VaseRequest, index: int, length: int, keep: int, seen: int) -> None:
-        """Bring request `index` from `length` stored tokens to `keep` (B) in every layer of the full-attention
-        group, in place or, for blocks shared with other requests, into the fresh blocks the scheduler gave it this
-        step (copy-on-write; sliding-window groups are vLLM's). `seen`: logical tokens written so far."""
+    def _vase_evict(self, req_ids: list[str], reqs: list[VaseRequest], indices: list[int], length: int, keep: int,
+                    seen: list[int]) -> None:
+        """Bring the k requests `req_ids` (rows `indices`, each with `length` stored tokens) to `keep` (B) in every
+        layer of the full-attention group, all k at once per layer (`evict_paged_batch`: one gather, one policy
+        call, one scatter), in place or, for blocks shared with other requests, into the fresh blocks the
+        scheduler gave this step (copy-on-write; sliding-window groups are vLLM's). `seen`: logical tokens written
+        so far, per request."""
         cfg = self.vase_config
-        block_ids, target = self._vase_eviction_blocks(req_id, index)  # target: None, or fresh blocks for shared ones
+        jobs = []
+        for req_id, req, index in zip(req_ids, reqs, indices):
+            block_ids, target = self._vase_eviction_blocks(req_id, index)  # target: None, or fresh blocks
+            jobs.append(EvictionJob(block_ids, req.state, target))
+        reads = self.vase_policy.needs_queries
+        if reads:
+            slots = torch.tensor([req.slot for req in reqs], dtype=torch.int64, device=self.device)
+            seen_t = torch.tensor(seen, dtype=torch.int64, device=self.device)
         kept = []
         for layer, name in enumerate(self.vase_layers):  # the full-attention group's layers only
             keys, values = self._kv_views(name)
-            ring = self.vase_ring.index[name]
-            queries = self.vase_ring.window_of(ring, req.slot, seen) if self.vase_policy.needs_queries else None
-            kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window,
-                                    req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
-                                    block_size=self.vase_block_size, target_block_ids=target))
-        req.state.evictions += 1
-        self.vase_evictions += 1
-        if self.vase_record is not None:
-            self._vase_record_eviction(req_id, req, kept, length, seen)
+            queries = self.vase_ring.windows_of(self.vase_ring.index[name], slots, seen_t) if reads else None
+            kept.append(evict_paged_batch(keys, values, jobs, length, queries, self.vase_policy, keep, cfg.window,
+                                          layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
+                                          block_size=self.vase_block_size))
+        for j, (req_id, req) in enumerate(zip(req_ids, reqs)):
+            req.state.evictions += 1
+            self.vase_evictions += 1
+            if self.vase_record is not None:
+                self._vase_record_eviction(req_id, req, [k[j:j + 1] for k in kept], length, seen[j])
 
     def _vase_record_eviction(self, req_id: str, req: VaseRequest, kept: list[torch.Tensor], length: int,
                               seen: int) -> None:

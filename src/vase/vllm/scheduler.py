@@ -40,6 +40,7 @@ from .config import VaseConfigError, VaseVllmConfig
 from .copy_reserve import CopyReserve, scan_reserve
 from .plugin import PREFIX_HYBRID_REFUSAL, STREAMING_REFUSAL, check_at_start
 from .groups import full_attention_group
+from .ring_size import ring_rows
 from .steps import VaseStepError, allocation_length, evicts_at, max_prefix_hit, next_boundary
 
 
@@ -416,6 +417,11 @@ class VaseScheduler(Scheduler):
         self.kv_cache_manager = EvictingKVCacheManager(self.kv_cache_manager, self.vase_config, self.block_size,
                                                        full_attention_group(kv_cache_config))
         self.kv_cache_manager.requests = self.requests
+        # no more running requests than the workers' query ring has rows: those the pool holds at their bounded size
+        full = kv_cache_config.kv_cache_groups[full_attention_group(kv_cache_config)].kv_cache_spec
+        self.max_num_active_reqs = min(self.max_num_active_reqs, ring_rows(
+            kv_cache_config.num_blocks, full.block_size, self.vase_config.budget, self.vase_config.window,
+            self.max_num_running_reqs, self.vase_config.policy.needs_queries))
         self.vase_blocks_freed = 0
         self.vase_preemptions = 0
 

@@ -192,3 +192,8 @@ class VaseCPUWorker(CPUWorker):
             raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 "
                                   f"because {v2_runner_reason(self.vllm_config)}")
         self.model_runner = VaseCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+    def determine_available_memory(self) -> int:
+        """vLLM's KV memory less the query ring of the requests the pool will hold (`vase.vllm.ring_size`)."""
+        available = super().determine_available_memory()
+        return available - self.model_runner._vase_ring_reserve(available)
