@@ -674,7 +674,9 @@ CASES: list[Case] = [
         "--random-init", "{root}/bad-config.json", "--budgets", "128", "--lengths", "4"),
     cli("layers-without-random-init", r"--layers cuts a --random-init shape: add --random-init NAME, or drop "
         r"--layers", "bench", "--layers", "2", "--budgets", "128", "--lengths", "4"),
-    cli("layers-on-vllm", r"--layers is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--random-init", "tiny", "--layers", "2", "--lengths", "4"),
+    cli("layers-on-vllm", r"--layers is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--layers", "2", "--lengths", "4"),
+    cli("random-init-on-vllm", r"--random-init is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--random-init", "gemma3-270m", "--lengths", "4"),
+    cli("bench-vllm-transformers-flags", r"--batch-sizes, --warmup, --warmup-tokens, --no-dynamic are for the transformers engine's bench only: drop them with --engine vllm", "bench", "--engine", "vllm", "--batch-sizes", "2", "--warmup", "0", "--warmup-tokens", "4", "--no-dynamic"),
     cli("layers-zero", r"Invalid value for .--layers.: Input should be greater than or equal to 1", "bench",
         "--random-init", "tiny", "--layers", "0", "--lengths", "4", code=2),
     cli("model-empty", r"--model is empty \(''\)", *G, "-m", ""),

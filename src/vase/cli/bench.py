@@ -85,8 +85,11 @@ def bench(
     if results is not None and (results.name in ("", ".", "..") or results.is_dir()):
         raise UserError(f"--results must name a file (e.g. docs/results/bench.json), got {str(results)!r}")
     if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
-        transformers_only = [f"--{n.replace('_', '-')}" for n in ("clock", "bandwidth", "layers")
-                             if given(ctx, n)]
+        # Every flag the vLLM bench does not read (it benches --model, so --random-init would be written into a
+        # results file that measured another model).
+        transformers_only = [f"--{n.replace('_', '-')}" for n in ("random_init", "layers", "clock", "bandwidth",
+                                                                  "batch_sizes", "warmup", "warmup_tokens",
+                                                                  "no_dynamic") if given(ctx, n)]
         if transformers_only:  # the vLLM bench has its own rounds and files: these would be dropped
             raise UserError(f"{', '.join(transformers_only)} {'is' if len(transformers_only) == 1 else 'are'} for "
                             f"the transformers engine's bench only: drop {'it' if len(transformers_only) == 1 else 'them'} "

@@ -26,7 +26,7 @@ from vase.engines.registry import ENGINES
 from vase.errors import SpecError
 from vase.policies import Policy, UnknownMethodError, get_policy
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
-from vase.storages import spec_from_options
+from vase.storages import kind_of, spec_from_options
 from vase.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
 from vase.textfiles import decode_utf8
 
@@ -457,8 +457,7 @@ def identity(config: EvalConfig, problems: Sequence[Any] | None = None) -> dict[
         "limit": config.limit,
         "seed": config.seed,
         # Sorted: the order methods and budgets are listed in changes no result.
-        "methods": {label: {"method": s.method, "params": _jsonable(s.policy.params())}
-                    for label, s in sorted(specs.items())},
+        "methods": {label: _method_identity(s) for label, s in sorted(specs.items())},
         "budgets": sorted(config.budgets),
         "window": config.window,
         "samples": config.samples,
@@ -471,6 +470,16 @@ def identity(config: EvalConfig, problems: Sequence[Any] | None = None) -> dict[
         "dtype": str(config.dtype),
         "engine": config.engine,
     }
+
+
+def _method_identity(spec: MethodSpec) -> dict[str, Any]:
+    """A method's part of the identity: its method, full parameters and (when not dense) its storage, so a
+    ``kv_bits=4`` run never shares a folder with the dense run of the same settings. Dense adds no key, so the
+    names of dense runs made before storage entered the identity stay the same."""
+    out = {"method": spec.method, "params": _jsonable(spec.policy.params())}
+    if spec.storage is not None:
+        out["storage"] = {"kind": kind_of(spec.storage).name, **_jsonable(spec.storage.options())}
+    return out
 
 
 #: Identity fields found from the environment rather than typed by the user. They do not enter the run
