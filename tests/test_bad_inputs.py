@@ -50,6 +50,12 @@ def world(tmp_path_factory) -> dict[str, Any]:
     model.save_pretrained(chat)
     tok.save_pretrained(chat)
     w["plain"], w["chat"] = str(plain), str(chat)
+    from tests.hybrid_models import hybrid_model  # a linear-attention hybrid (3 gated-delta-net layers, 1 full)
+
+    hybrid = root / "hybrid-model"
+    hybrid_model("qwen3.5", dtype=torch.float32).save_pretrained(hybrid)
+    tiny_tokenizer().save_pretrained(hybrid)
+    w["hybrid"] = str(hybrid)
     (root / "no-config").mkdir()
     (root / "notes.txt").write_text("not a model\n")
     (root / "garbage.gguf").write_bytes(b"this is not a gguf file" * 50)
@@ -150,6 +156,17 @@ def _second_generate(ctx):
     enc = tok(["hello world"], return_tensors="pt")
     model.generate(**enc, **vase.cache_kwargs(c), max_new_tokens=20, do_sample=False)
     model.generate(**enc, **vase.cache_kwargs(c), max_new_tokens=20, do_sample=False)
+
+
+def _check_inspect_hybrid(ctx):
+    report = json.loads((ctx["tmp"] / "insp" / "inspect.json").read_text())
+    assert [row["layer"] for row in report["values"]] == [3]  # the one full-attention layer, by its own index
+
+
+def _check_randomness_hybrid(ctx):
+    report = json.loads((ctx["tmp"] / "rand" / "randomness.json").read_text())
+    assert report["config"]["attn_layers"] == [3]
+    assert all(len(row["attn_err_per_layer"]) in (0, 1) for row in report["methods"])
 
 
 def _write_run(path: Path, name: str, text: str) -> None:
@@ -698,6 +715,13 @@ CASES: list[Case] = [
         setup=_dangling),
     cli("sweep-unknown-task", r"--tasks: unknown task 'nosuch': choose from retrieval, ", "analyze", "sweep", "--tasks",
         "nosuch"),
+    # -- tracebacks before (issue 40): a linear-attention hybrid is supported by the analyses ------------------------
+    cli("inspect-hybrid", None, "inspect", "hi", "--model", "{hybrid}", "--budget", "24", "--window", "8",
+        "--max-new-tokens", "12", "--out", "{tmp}/insp", code=0, check=_check_inspect_hybrid),
+    cli("randomness-hybrid", None, "analyze", "randomness", "--model", "{hybrid}", "--limit", "1", "--budget", "24",
+        "--window", "8", "--seeds", "2", "--max-new-tokens", "24", "--loop-tokens", "0", "--out", "{tmp}/rand",
+        code=0, check=_check_randomness_hybrid,
+        setup=lambda c: c["monkeypatch"].setattr("vase.cli.err_console.print", lambda *a, **k: None)),  # progress
     # -- the Python API: types at the door -------------------------------------------------------------------------------
     api("cache-budget-str", r"^budget must be an integer, got 'abc' \(str\)$", lambda c: cache(c, budget="abc"),
         TypeError),
