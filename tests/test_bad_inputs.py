@@ -666,6 +666,10 @@ CASES: list[Case] = [
         "--inspect", "/nonexistent/insp", warn=r"--inspect /nonexistent/insp: no such folder; ignored"),
     cli("threads-zero", r"--threads must be >= 1, got 0", "--threads", "0", "methods"),
     cli("threads-negative", r"--threads must be >= 1, got -2", "--threads", "-2", "methods"),
+    cli("threads-huge", r"--threads 100000 is more than this machine can use: at most \d+ \(4 per CPU core",
+        "--threads", "100000", "methods"),  # issue 40: torch took it and the process died (SIGSEGV)
+    cli("threads-past-int64", r"--threads 99999999999999999999 is more than this machine can use", "--threads",
+        "99999999999999999999", "methods"),  # was "Overflow when unpacking long long"
     cli("prompt-past-context", r"prompt 0 is \d+ tokens, longer than the model's context \(2048 tokens", "generate",
         "--file", "{root}/long.txt", "--model", "{plain}", "--budget", "24", "--window", "8", "--no-chat"),
     api("prompt-and-cap-past-context", None, lambda c: _check_context(c, 100, 2000), (),
