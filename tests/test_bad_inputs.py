@@ -75,6 +75,10 @@ def world(tmp_path_factory) -> dict[str, Any]:
     for name, text in configs.items():
         (root / name).write_text(text)
     (root / "latin1.yaml").write_bytes(b"limit: 3\n# caf\xe9\n")
+    (root / "dup.yaml").write_text("limit: 3\nbudgets: [128]\nlimit: 5\n")
+    (root / "dup-nested.yaml").write_text("methods: [snapkv]\nbudgets: [128]\nmethod_params:\n  snapkv: {n_large: 1, "
+                                          "n_large: 2}\n")
+    (root / "dup.json").write_text('{"limit": 3, "budgets": [128], "limit": 5}')
     more = {
         "budget-float.yaml": "budgets: [32.5]\n", "samples-bool.yaml": "samples: true\nbudgets: [128]\n",
         "window-float.yaml": "window: 8.9\nbudgets: [128]\n", "snapkv.yaml": "methods: [snapkv]\nbudgets: [128]\n",
@@ -726,6 +730,37 @@ CASES: list[Case] = [
         "--window", "8", "--seeds", "2", "--max-new-tokens", "24", "--loop-tokens", "0", "--out", "{tmp}/rand",
         code=0, check=_check_randomness_hybrid,
         setup=lambda c: c["monkeypatch"].setattr("vase.cli.err_console.print", lambda *a, **k: None)),  # progress
+    # -- silent before (issue 40): each now one line -----------------------------------------------------------------
+    api("cache-sinks-unprotected", r"^sinks \(8\) does nothing for 'h2o': it does not protect sinks .*add "
+        r"protect_sinks=true", lambda c: cache(c, method="h2o", sinks=8), ValueError),
+    cli("generate-sinks-unprotected", r"sinks \(100\) does nothing for 'tova'", *G, "--method", "tova", "-p",
+        "sinks=100", "-m", "/nonexistent/model"),
+    cli("eval-sinks-unprotected", r"snapkv: sinks \(2\) does nothing for 'snapkv'", *E, "--methods", "snapkv",
+        "--budgets", "128", "-p", "sinks=2", "-m", "/nonexistent/model"),
+    cli("param-twice", r"--param sinks is given twice \(-p sinks=2 and -p sinks=3\): give it once", *G, "-p",
+        "sinks=2", "-p", "sinks=3", "-m", "/nonexistent/model"),
+    cli("config-key-twice-yaml", r"dup.yaml: the key 'limit' is given twice \(line 3\)", *E, "-c",
+        "{root}/dup.yaml", "-m", "/nonexistent/model"),
+    cli("config-key-twice-nested", r"dup-nested.yaml: the key 'n_large' is given twice", *E, "-c",
+        "{root}/dup-nested.yaml", "-m", "/nonexistent/model"),
+    cli("config-key-twice-json", r"dup.json: the key 'limit' is given twice", *E, "-c", "{root}/dup.json", "-m", "/nonexistent/model"),
+    cli("question-field-without-file", r"question_field \(--question-field\) is not read by 'arith', a task "
+        r"generated in vase", *E, "--question-field", "q", "-m", "/nonexistent/model"),
+    cli("data-dir-on-arith", r"data_dir \(--data-dir\) is not read by 'arith'", *E, "--data-dir", "{root}", "-m", "/nonexistent/model"),
+    cli("data-dir-with-task-file", r"data_dir \(--data-dir\) is not read with a task file", *E, "--task-file",
+        "{root}/good.jsonl", "--data-dir", "{root}", "-m", "/nonexistent/model"),
+    cli("randomness-loop-tokens-negative", r"--loop-tokens must be >= 0, got -1", "analyze", "randomness",
+        "--loop-tokens", "-1", "-m", "/nonexistent/model"),
+    cli("randomness-seeds-huge", r"--seeds must be in 1..256 .*got 99999999999", "analyze", "randomness", "--seeds",
+        "99999999999", "-m", "/nonexistent/model"),
+    cli("report-config-not-json", r"run/config.json is not valid JSON at line 1, column 2: it holds the run's "
+        r"settings", "report", "{tmp}/run", setup=lambda c: (_samples(c, [GOOD]), _write_run(c["tmp"], "run", "{oops"))),
+    cli("summarize-config-not-object", r"run/config.json holds list, not the run's settings", "summarize", "{tmp}/run",
+        setup=lambda c: (_samples(c, [GOOD]), _write_run(c["tmp"], "run", "[1]"))),
+    cli("sweep-out-empty", r"--out '.' is the current folder: give a folder of its own", "analyze", "sweep", "--out",
+        "", "-m", "/nonexistent/model"),
+    cli("sweep-compressions-twice", r"--compressions lists 2 twice: give each once", "analyze", "sweep",
+        "--compressions", "2,2", "-m", "/nonexistent/model"),
     # -- the Python API: types at the door -------------------------------------------------------------------------------
     api("cache-budget-str", r"^budget must be an integer, got 'abc' \(str\)$", lambda c: cache(c, budget="abc"),
         TypeError),

@@ -333,9 +333,9 @@ def test_config_toml_yaml_and_overrides(tmp_path):
     a, b = load_config(toml), load_config(yaml)
     assert a == b and a.methods == ["snapkv", "vase-attnv"] and a.max_new_tokens == 100
     assert run_name(a) == run_name(b)
-    c = load_config(toml, {"limit": 2, "budgets": "96", "samples": None, "method_params": {"snapkv": {"sinks": 2}}})
+    c = load_config(toml, {"limit": 2, "budgets": "96", "samples": None, "method_params": {"snapkv": {"n_large": 2}}})
     assert c.limit == 2 and c.budgets == [96] and c.samples == 1  # flags win; an unset flag does not
-    assert c.method_params == {"snapkv": {"smooth_kernel": 3, "sinks": 2}}
+    assert c.method_params == {"snapkv": {"smooth_kernel": 3, "n_large": 2}}
     with pytest.raises(ConfigError, match="max_new_tokenz"):
         load_config(toml, {"max_new_tokenz": 3})
 

@@ -307,6 +307,8 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
 
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if loop_tokens is not None and loop_tokens < 0:
+        raise ValueError(f"loop_tokens must be >= 0 (0 skips the free generation), got {loop_tokens}")
     stochastic = {a.label for a in arms if a.stochastic}
     if controls is None:
         controls = [c for c in DEFAULT_CONTROLS if c.versus in stochastic and seeds > 1]
