@@ -702,6 +702,13 @@ CASES: list[Case] = [
     cli("layers-on-vllm", r"--layers is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--layers", "2", "--lengths", "4"),
     cli("random-init-on-vllm", r"--random-init is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--random-init", "gemma3-270m", "--lengths", "4"),
     cli("bench-vllm-transformers-flags", r"--batch-sizes, --warmup, --warmup-tokens, --no-dynamic are for the transformers engine's bench only: drop them with --engine vllm", "bench", "--engine", "vllm", "--batch-sizes", "2", "--warmup", "0", "--warmup-tokens", "4", "--no-dynamic"),
+    cli("layers-past-depth", r"--layers 100: qwen3-0.6b has 28 decoder layers: give 1..28, got 100", "bench",
+        "--random-init", "qwen3-0.6b", "--layers", "100", "--lengths", "4", "--budgets", "128"),  # was IndexError
+    cli("layers-no-full-attention", r"--layers 2: the first 2 of qwen3.5-0.8b's layers hold no full-attention layer "
+        r"\(the first is layer 3\), so nothing would be evicted: give at least 4", "bench", "--random-init",
+        "qwen3.5-0.8b", "--layers", "2", "--lengths", "4", "--budgets", "128"),
+    cli("random-init-gpt-oss-sdpa", r"--attn sdpa: gpt-oss-20b does not run with it .*add --attn eager", "bench",
+        "--random-init", "gpt-oss-20b", "--layers", "2", "--lengths", "4", "--budgets", "128"),
     cli("layers-zero", r"Invalid value for .--layers.: Input should be greater than or equal to 1", "bench",
         "--random-init", "tiny", "--layers", "0", "--lengths", "4", code=2),
     cli("model-empty", r"--model is empty \(''\)", *G, "-m", ""),
@@ -759,6 +766,10 @@ CASES: list[Case] = [
         setup=lambda c: (_samples(c, [GOOD]), _write_run(c["tmp"], "run", "[1]"))),
     cli("sweep-out-empty", r"--out '.' is the current folder: give a folder of its own", "analyze", "sweep", "--out",
         "", "-m", "/nonexistent/model"),
+    api("cache-max-length-negative", r"^max_length must be a positive number of tokens, got -1$",
+        lambda c: cache(c, method="full", budget=None, max_length=-1), ValueError),
+    api("cache-max-length-float", r"^max_length must be an integer, got 2.5", lambda c: cache(c, max_length=2.5),
+        TypeError),
     cli("sweep-compressions-twice", r"--compressions lists 2 twice: give each once", "analyze", "sweep",
         "--compressions", "2,2", "-m", "/nonexistent/model"),
     # -- the Python API: types at the door -------------------------------------------------------------------------------

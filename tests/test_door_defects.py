@@ -306,3 +306,14 @@ def test_serve_failure_line_reads_through_vllms_log_prefix():
     assert failure_line(no_import) == ("pydantic_core._pydantic_core.ValidationError: 1 validation error for "
                                        "ModelConfig: Model architectures ['Qwen3_5ForCausalLM'] failed to be "
                                        "inspected. [type=value_error]")
+
+
+def test_max_length_is_the_full_caches_first_allocation():
+    """max_length=5 'generated 40 tokens': it sizes the full cache's first allocation (honoured below), it does not
+    cap generation (max_new_tokens does); -1 was accepted and ignored, and is refused (tests/test_bad_inputs.py)."""
+    model, tok = tiny_model(), tiny_tokenizer()
+    ids = tok(["hello world"], return_tensors="pt").input_ids
+    for max_length, capacity in ((64, 64), (None, ids.shape[1]), (1, ids.shape[1])):
+        cache = EvictionCache(model, "full", None, 8, max_length=max_length)
+        model(input_ids=ids, **vase.cache_kwargs(cache), use_cache=True)
+        assert cache.layers[0].capacity == capacity, (max_length, cache.layers[0].capacity)

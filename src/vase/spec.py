@@ -70,6 +70,11 @@ def _whole(name: str, value: Any, maximum: int = INT_MAX) -> int:
     return value
 
 
+def whole_tokens(name: str, value: Any, maximum: int = INT_MAX) -> int:
+    """`value` as a positive number of tokens (a budget, a window, a length), else SpecError naming `name`."""
+    return _whole(name, value, maximum)
+
+
 def _seed(seed: Any) -> None:
     seeds = list(seed) if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)) else [seed]
     if not seeds:
