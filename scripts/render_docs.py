@@ -41,12 +41,48 @@ def doc_files(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
-def _cell(v: Any, fmt: str | None) -> str:
+def _cell(v: Any, fmt: str | None, column: str = "") -> str:
     if v is None:
         return "-"
     if fmt and isinstance(v, (int, float)) and not isinstance(v, bool):
         return format(v, fmt)
+    if fmt:  # a column with a number format holds numbers: "fast" there is a broken results file, not a figure
+        raise ValueError(f"column {column!r} holds {v!r}, not a number (its format is {fmt!r})")
     return str(v)
+
+
+def load_results(results: str, root: Path = ROOT) -> dict[str, Any]:
+    """The results file `results` (a path from the repository root) as a dict with "provenance" and a non-empty
+    "rows" list; ValueError / FileNotFoundError in one line naming the file otherwise (missing, empty, truncated,
+    not UTF-8, not JSON, not an object, rows not a list or empty)."""
+    path = root / results
+    if not path.is_file():
+        raise FileNotFoundError(f"results file {results} does not exist")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise ValueError(f"{results}: the file is empty: rerun the measurement that writes it")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{results}: not UTF-8 (byte {e.start}): rewrite it with vase.provenance.write_results") \
+            from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{results}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}; a truncated "
+                         f"file?): rerun the measurement that writes it") from None
+    if not isinstance(data, dict) or "provenance" not in data or "rows" not in data:
+        raise ValueError(f"{results}: not a results file (expected an object with keys 'provenance' and 'rows')")
+    if not isinstance(data["rows"], list) or not all(isinstance(r, dict) for r in data["rows"]):
+        raise ValueError(f"{results}: 'rows' must be a list of objects, got {type(data['rows']).__name__}")
+    if not data["rows"]:
+        raise ValueError(f"{results}: 'rows' is empty: there is no figure to draw; rerun the measurement, or remove "
+                         f"the block that shows it")
+    if not isinstance(data.get("table") or {}, dict):
+        raise ValueError(f"{results}: 'table' must be an object, got {type(data['table']).__name__}")
+    if not isinstance(data["provenance"], dict):
+        raise ValueError(f"{results}: 'provenance' must be an object, got {type(data['provenance']).__name__}")
+    return data
 
 
 def _plain_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> list[str]:
@@ -64,7 +100,7 @@ def _plain_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> 
         missing = [k for k in keys if k not in r]
         if missing:
             raise ValueError(f"a row lacks the columns {missing}: {dict(r)}")
-        lines.append("| " + " | ".join(_cell(r[k], formats.get(k)) for k in keys) + " |")
+        lines.append("| " + " | ".join(_cell(r[k], formats.get(k), k) for k in keys) + " |")
     return lines
 
 
@@ -106,7 +142,7 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
     # taken within each round).
     lines = ["| figure | value | spread | measured | results |", "|---|---:|---|---|---|"]
     for r in rows:
-        data = json.loads((root / r["file"]).read_text())
+        data = load_results(r["file"], root)
         prov, src = data["provenance"], data["rows"]
         fmt = r.get("format", ".2f")
         if "median" in r:
@@ -191,12 +227,17 @@ def provenance_line(prov: Mapping[str, Any], link: str) -> str:
 def render_block(results: str, doc: Path, root: Path = ROOT) -> str:
     """The text between the markers for `results` (a path from the repository root) in `doc`."""
     path = root / results
-    if not path.is_file():
-        raise FileNotFoundError(f"{doc.relative_to(root)}: results file {results} does not exist")
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict) or "provenance" not in data or "rows" not in data:
-        raise ValueError(f"{results}: not a results file (expected keys 'provenance' and 'rows')")
+    data = load_results(results, root)
     spec = data.get("table") or {}
+    try:
+        return _render_rows(data, spec, results, path, doc, root)
+    except (KeyError, TypeError, ValueError) as e:  # a row or table spec the renderer cannot read: name the file
+        what = f"a row lacks the key {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(what if what.startswith(results) else f"{results}: {what}") from None
+
+
+def _render_rows(data: Mapping[str, Any], spec: Mapping[str, Any], results: str, path: Path, doc: Path,
+                 root: Path) -> str:
     if spec.get("render") == "eval":
         lines = _eval_table(data["rows"])
     elif spec.get("render") == "summary":
@@ -264,19 +305,25 @@ def check(root: Path = ROOT) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale or unmarked")
+    ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)  # another checkout (tests)
     args = ap.parse_args(argv)
+    root = args.root
     if args.check:
-        problems = check()
+        problems = check(root)
         for p in problems:
             print(p, file=sys.stderr)
         return 1 if problems else 0
-    for doc in doc_files():
+    for doc in doc_files(root):
         text = doc.read_text()
-        new = render_text(text, doc)
+        try:
+            new = render_text(text, doc, root)
+        except (OSError, ValueError) as e:  # one line naming the page and the file, not a traceback
+            print(f"render_docs: error: {doc.relative_to(root)}: {e}", file=sys.stderr)
+            return 1
         if new != text:
             doc.write_text(new)
-            print(f"rendered {doc.relative_to(ROOT)}")
-    problems = [p for p in check() if "no results marker" in p]
+            print(f"rendered {doc.relative_to(root)}")
+    problems = [p for p in check(root) if "no results marker" in p]
     for p in problems:
         print(p, file=sys.stderr)
     return 1 if problems else 0

@@ -50,6 +50,12 @@ def world(tmp_path_factory) -> dict[str, Any]:
     model.save_pretrained(chat)
     tok.save_pretrained(chat)
     w["plain"], w["chat"] = str(plain), str(chat)
+    from tests.hybrid_models import hybrid_model  # a linear-attention hybrid (3 gated-delta-net layers, 1 full)
+
+    hybrid = root / "hybrid-model"
+    hybrid_model("qwen3.5", dtype=torch.float32).save_pretrained(hybrid)
+    tiny_tokenizer().save_pretrained(hybrid)
+    w["hybrid"] = str(hybrid)
     (root / "no-config").mkdir()
     (root / "notes.txt").write_text("not a model\n")
     (root / "garbage.gguf").write_bytes(b"this is not a gguf file" * 50)
@@ -69,6 +75,10 @@ def world(tmp_path_factory) -> dict[str, Any]:
     for name, text in configs.items():
         (root / name).write_text(text)
     (root / "latin1.yaml").write_bytes(b"limit: 3\n# caf\xe9\n")
+    (root / "dup.yaml").write_text("limit: 3\nbudgets: [128]\nlimit: 5\n")
+    (root / "dup-nested.yaml").write_text("methods: [snapkv]\nbudgets: [128]\nmethod_params:\n  snapkv: {n_large: 1, "
+                                          "n_large: 2}\n")
+    (root / "dup.json").write_text('{"limit": 3, "budgets": [128], "limit": 5}')
     more = {
         "budget-float.yaml": "budgets: [32.5]\n", "samples-bool.yaml": "samples: true\nbudgets: [128]\n",
         "window-float.yaml": "window: 8.9\nbudgets: [128]\n", "snapkv.yaml": "methods: [snapkv]\nbudgets: [128]\n",
@@ -150,6 +160,17 @@ def _second_generate(ctx):
     enc = tok(["hello world"], return_tensors="pt")
     model.generate(**enc, **vase.cache_kwargs(c), max_new_tokens=20, do_sample=False)
     model.generate(**enc, **vase.cache_kwargs(c), max_new_tokens=20, do_sample=False)
+
+
+def _check_inspect_hybrid(ctx):
+    report = json.loads((ctx["tmp"] / "insp" / "inspect.json").read_text())
+    assert [row["layer"] for row in report["values"]] == [3]  # the one full-attention layer, by its own index
+
+
+def _check_randomness_hybrid(ctx):
+    report = json.loads((ctx["tmp"] / "rand" / "randomness.json").read_text())
+    assert report["config"]["attn_layers"] == [3]
+    assert all(len(row["attn_err_per_layer"]) in (0, 1) for row in report["methods"])
 
 
 def _write_run(path: Path, name: str, text: str) -> None:
@@ -649,6 +670,10 @@ CASES: list[Case] = [
         "--inspect", "/nonexistent/insp", warn=r"--inspect /nonexistent/insp: no such folder; ignored"),
     cli("threads-zero", r"--threads must be >= 1, got 0", "--threads", "0", "methods"),
     cli("threads-negative", r"--threads must be >= 1, got -2", "--threads", "-2", "methods"),
+    cli("threads-huge", r"--threads 100000 is more than this machine can use: at most \d+ \(4 per CPU core",
+        "--threads", "100000", "methods"),  # issue 40: torch took it and the process died (SIGSEGV)
+    cli("threads-past-int64", r"--threads 99999999999999999999 is more than this machine can use", "--threads",
+        "99999999999999999999", "methods"),  # was "Overflow when unpacking long long"
     cli("prompt-past-context", r"prompt 0 is \d+ tokens, longer than the model's context \(2048 tokens", "generate",
         "--file", "{root}/long.txt", "--model", "{plain}", "--budget", "24", "--window", "8", "--no-chat"),
     api("prompt-and-cap-past-context", None, lambda c: _check_context(c, 100, 2000), (),
@@ -674,7 +699,16 @@ CASES: list[Case] = [
         "--random-init", "{root}/bad-config.json", "--budgets", "128", "--lengths", "4"),
     cli("layers-without-random-init", r"--layers cuts a --random-init shape: add --random-init NAME, or drop "
         r"--layers", "bench", "--layers", "2", "--budgets", "128", "--lengths", "4"),
-    cli("layers-on-vllm", r"--layers is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--random-init", "tiny", "--layers", "2", "--lengths", "4"),
+    cli("layers-on-vllm", r"--layers is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--layers", "2", "--lengths", "4"),
+    cli("random-init-on-vllm", r"--random-init is for the transformers engine's bench only: drop it with --engine vllm", "bench", "--engine", "vllm", "--random-init", "gemma3-270m", "--lengths", "4"),
+    cli("bench-vllm-transformers-flags", r"--batch-sizes, --warmup, --warmup-tokens, --no-dynamic are for the transformers engine's bench only: drop them with --engine vllm", "bench", "--engine", "vllm", "--batch-sizes", "2", "--warmup", "0", "--warmup-tokens", "4", "--no-dynamic"),
+    cli("layers-past-depth", r"--layers 100: qwen3-0.6b has 28 decoder layers: give 1..28, got 100", "bench",
+        "--random-init", "qwen3-0.6b", "--layers", "100", "--lengths", "4", "--budgets", "128"),  # was IndexError
+    cli("layers-no-full-attention", r"--layers 2: the first 2 of qwen3.5-0.8b's layers hold no full-attention layer "
+        r"\(the first is layer 3\), so nothing would be evicted: give at least 4", "bench", "--random-init",
+        "qwen3.5-0.8b", "--layers", "2", "--lengths", "4", "--budgets", "128"),
+    cli("random-init-gpt-oss-sdpa", r"--attn sdpa: gpt-oss-20b does not run with it .*add --attn eager", "bench",
+        "--random-init", "gpt-oss-20b", "--layers", "2", "--lengths", "4", "--budgets", "128"),
     cli("layers-zero", r"Invalid value for .--layers.: Input should be greater than or equal to 1", "bench",
         "--random-init", "tiny", "--layers", "0", "--lengths", "4", code=2),
     cli("model-empty", r"--model is empty \(''\)", *G, "-m", ""),
@@ -696,6 +730,48 @@ CASES: list[Case] = [
         setup=_dangling),
     cli("sweep-unknown-task", r"--tasks: unknown task 'nosuch': choose from retrieval, ", "analyze", "sweep", "--tasks",
         "nosuch"),
+    # -- tracebacks before (issue 40): a linear-attention hybrid is supported by the analyses ------------------------
+    cli("inspect-hybrid", None, "inspect", "hi", "--model", "{hybrid}", "--budget", "24", "--window", "8",
+        "--max-new-tokens", "12", "--out", "{tmp}/insp", code=0, check=_check_inspect_hybrid),
+    cli("randomness-hybrid", None, "analyze", "randomness", "--model", "{hybrid}", "--limit", "1", "--budget", "24",
+        "--window", "8", "--seeds", "2", "--max-new-tokens", "24", "--loop-tokens", "0", "--out", "{tmp}/rand",
+        code=0, check=_check_randomness_hybrid,
+        setup=lambda c: c["monkeypatch"].setattr("vase.cli.err_console.print", lambda *a, **k: None)),  # progress
+    # -- silent before (issue 40): each now one line -----------------------------------------------------------------
+    api("cache-sinks-unprotected", r"^sinks \(8\) does nothing for 'h2o': it does not protect sinks .*add "
+        r"protect_sinks=true", lambda c: cache(c, method="h2o", sinks=8), ValueError),
+    cli("generate-sinks-unprotected", r"sinks \(100\) does nothing for 'tova'", *G, "--method", "tova", "-p",
+        "sinks=100", "-m", "/nonexistent/model"),
+    cli("eval-sinks-unprotected", r"snapkv: sinks \(2\) does nothing for 'snapkv'", *E, "--methods", "snapkv",
+        "--budgets", "128", "-p", "sinks=2", "-m", "/nonexistent/model"),
+    cli("param-twice", r"--param sinks is given twice \(-p sinks=2 and -p sinks=3\): give it once", *G, "-p",
+        "sinks=2", "-p", "sinks=3", "-m", "/nonexistent/model"),
+    cli("config-key-twice-yaml", r"dup.yaml: the key 'limit' is given twice \(line 3\)", *E, "-c",
+        "{root}/dup.yaml", "-m", "/nonexistent/model"),
+    cli("config-key-twice-nested", r"dup-nested.yaml: the key 'n_large' is given twice", *E, "-c",
+        "{root}/dup-nested.yaml", "-m", "/nonexistent/model"),
+    cli("config-key-twice-json", r"dup.json: the key 'limit' is given twice", *E, "-c", "{root}/dup.json", "-m", "/nonexistent/model"),
+    cli("question-field-without-file", r"question_field \(--question-field\) is not read by 'arith', a task "
+        r"generated in vase", *E, "--question-field", "q", "-m", "/nonexistent/model"),
+    cli("data-dir-on-arith", r"data_dir \(--data-dir\) is not read by 'arith'", *E, "--data-dir", "{root}", "-m", "/nonexistent/model"),
+    cli("data-dir-with-task-file", r"data_dir \(--data-dir\) is not read with a task file", *E, "--task-file",
+        "{root}/good.jsonl", "--data-dir", "{root}", "-m", "/nonexistent/model"),
+    cli("randomness-loop-tokens-negative", r"--loop-tokens must be >= 0, got -1", "analyze", "randomness",
+        "--loop-tokens", "-1", "-m", "/nonexistent/model"),
+    cli("randomness-seeds-huge", r"--seeds must be in 1..256 .*got 99999999999", "analyze", "randomness", "--seeds",
+        "99999999999", "-m", "/nonexistent/model"),
+    cli("report-config-not-json", r"run/config.json is not valid JSON at line 1, column 2: it holds the run's "
+        r"settings", "report", "{tmp}/run", setup=lambda c: (_samples(c, [GOOD]), _write_run(c["tmp"], "run", "{oops"))),
+    cli("summarize-config-not-object", r"run/config.json holds list, not the run's settings", "summarize", "{tmp}/run",
+        setup=lambda c: (_samples(c, [GOOD]), _write_run(c["tmp"], "run", "[1]"))),
+    cli("sweep-out-empty", r"--out '.' is the current folder: give a folder of its own", "analyze", "sweep", "--out",
+        "", "-m", "/nonexistent/model"),
+    api("cache-max-length-negative", r"^max_length must be a positive number of tokens, got -1$",
+        lambda c: cache(c, method="full", budget=None, max_length=-1), ValueError),
+    api("cache-max-length-float", r"^max_length must be an integer, got 2.5", lambda c: cache(c, max_length=2.5),
+        TypeError),
+    cli("sweep-compressions-twice", r"--compressions lists 2 twice: give each once", "analyze", "sweep",
+        "--compressions", "2,2", "-m", "/nonexistent/model"),
     # -- the Python API: types at the door -------------------------------------------------------------------------------
     api("cache-budget-str", r"^budget must be an integer, got 'abc' \(str\)$", lambda c: cache(c, budget="abc"),
         TypeError),

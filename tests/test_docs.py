@@ -128,3 +128,36 @@ def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):
     lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "where": {"method": "snapkv"},
                                 "paired": "vs_full", "unit": "x"}], root)
     assert "| f | 1.03x | median of 3 paired rounds, range 0.99..1.08 |" in lines[2]
+
+
+_BROKEN = {  # issue 40: each ended `make docs` in a Python traceback, or drew a table it should not have
+    "truncated": (b'{"provenance": {"date": "2026", "command": "x"}, "rows": [{"a": 1', r"not valid JSON .*truncated"),
+    "empty": (b"", r"the file is empty"),
+    "listless": (b'{"provenance": {"date": "2026"}}', r"not a results file"),
+    "list-shaped": (b'[{"a": 1}]', r"not a results file"),
+    "rows-not-list": (b'{"provenance": {}, "rows": {"a": 1}}', r"'rows' must be a list of objects, got dict"),
+    "non-utf8": (b'{"provenance": {}, "rows": [{"a": "caf\xe9"}]}', r"not UTF-8"),
+    "empty-rows": (b'{"provenance": {"date": "2026", "commit": "abc"}, "rows": []}', r"'rows' is empty"),
+    "not-a-number": (b'{"provenance": {"date": "2026", "commit": "abc"}, "rows": [{"m": "a", "r": "fast"}], '
+                     b'"table": {"formats": {"r": ".2f"}}}', r"column 'r' holds 'fast', not a number"),
+    "missing": (None, r"results file docs/results/x.json does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BROKEN))
+def test_a_broken_results_file_is_one_line_naming_it(case, tmp_path, capsys):
+    content, want = _BROKEN[case]
+    root = _site(tmp_path, "x\n\n<!-- results: docs/results/x.json -->\n<!-- /results -->\n")
+    readme = (root / "README.md").read_text()
+    path = root / "docs" / "results" / "x.json"
+    if content is None:
+        path.unlink()
+    else:
+        path.write_bytes(content)
+    assert rd.main(["--root", str(root)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("render_docs: error: README.md: "), err
+    assert "docs/results/x.json" in err[0] and __import__("re").search(want, err[0]), err
+    assert (root / "README.md").read_text() == readme  # nothing drawn from it
+    [problem] = rd.check(root)  # --check names it the same way
+    assert problem.startswith("README.md:3: ") and __import__("re").search(want, problem), problem

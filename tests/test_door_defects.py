@@ -7,6 +7,7 @@ start replaced by a marker), so the file runs in seconds.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -237,3 +238,82 @@ def test_messages_name_the_right_flag(capsys, tmp_path):
     (tmp_path / "c.yaml").write_text("output_dir: 5\nbudgets: [128]\n")
     code, err = cli(["eval", "-c", str(tmp_path / "c.yaml")], capsys)
     assert err == ["vase: error: output_dir must be a folder path, got 5: write it as text (in quotes)"], err
+
+
+# ----------------------------------------------------------------------------- issue 40: a model vLLM cannot load
+
+
+def _model_vllm_cannot_import(tmp_path, monkeypatch) -> str:
+    """A tiny model folder whose architecture vLLM's registry maps to a module that imports a missing package
+    (as Qwen3.5's does with torchvision absent)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.registry import _LazyRegisteredModel
+
+    folder = tmp_path / "needs-pkg"
+    tiny_model().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["VaseNeedsPkgForCausalLM"]}))
+    (tmp_path / "vase_needs_pkg_model.py").write_text("import vase_no_such_package_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(ModelRegistry.models, "VaseNeedsPkgForCausalLM",
+                        _LazyRegisteredModel(module_name="vase_needs_pkg_model", class_name="Model"))
+    return str(folder)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
+def test_generate_on_vllm_names_the_missing_package(capsys, monkeypatch, tmp_path):
+    """vLLM printed its 55-line traceback and "1 validation error for ModelConfig"; the cause is one line."""
+    folder = _model_vllm_cannot_import(tmp_path, monkeypatch)
+    monkeypatch.setattr("vllm.LLM", _raise_reached)  # past the check, vLLM would start here
+    code, err = cli(["generate", "--engine", "vllm", "--model", folder, "--budget", "24", "--window", "8",
+                     "--max-new-tokens", "4", "hi"], capsys)
+    err = [ln for ln in err if ln.startswith("vase:")]
+    assert code == 1 and err == [f"vase: error: vLLM cannot load {folder} (VaseNeedsPkgForCausalLM): its model code "
+                                 f"(vase_needs_pkg_model) needs the package 'vase_no_such_package_xyz', which is not "
+                                 f"installed: pip install vase_no_such_package_xyz, or run it with --engine "
+                                 f"transformers"], err
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
+def test_serve_names_the_missing_package_before_vllm_starts(tmp_path, monkeypatch):
+    import socket
+
+    import vase.vllm.serve as sv
+
+    folder = _model_vllm_cannot_import(tmp_path, monkeypatch)
+    monkeypatch.setattr(sv.subprocess, "Popen", _raise_reached)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    with pytest.raises(sv.ServeError, match=r"needs the package 'vase_no_such_package_xyz', which is not installed"):
+        sv.run_serve([sys.executable, "-m", "vllm", "--model", folder, "--port", str(free)],
+                     log_path=str(tmp_path / "log"))
+
+
+def test_serve_failure_line_reads_through_vllms_log_prefix():
+    """The traceback vLLM logs (each line behind its `(pid) ERROR date [file]` prefix) ends in the missing package;
+    a pydantic ValidationError says its reason."""
+    from vase.vllm.serve import failure_line
+
+    pre = "(APIServer pid=7) ERROR 12-04 18:23:45 [registry.py:1120] "
+    log = "\n".join([f"{pre}Traceback (most recent call last):", f"{pre}  File \"x.py\", line 1, in <module>",
+                     f"{pre}ModuleNotFoundError: No module named 'torchvision'", f"{pre}",
+                     "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+                     "  Value error, Model architectures ['Qwen3_5ForCausalLM'] failed to be inspected. [type=value_error]"])
+    assert failure_line(log) == "ModuleNotFoundError: No module named 'torchvision'"
+    no_import = "\n".join(log.splitlines()[4:])
+    assert failure_line(no_import) == ("pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+                                       "ModelConfig: Model architectures ['Qwen3_5ForCausalLM'] failed to be "
+                                       "inspected. [type=value_error]")
+
+
+def test_max_length_is_the_full_caches_first_allocation():
+    """max_length=5 'generated 40 tokens': it sizes the full cache's first allocation (honoured below), it does not
+    cap generation (max_new_tokens does); -1 was accepted and ignored, and is refused (tests/test_bad_inputs.py)."""
+    model, tok = tiny_model(), tiny_tokenizer()
+    ids = tok(["hello world"], return_tensors="pt").input_ids
+    for max_length, capacity in ((64, 64), (None, ids.shape[1]), (1, ids.shape[1])):
+        cache = EvictionCache(model, "full", None, 8, max_length=max_length)
+        model(input_ids=ids, **vase.cache_kwargs(cache), use_cache=True)
+        assert cache.layers[0].capacity == capacity, (max_length, cache.layers[0].capacity)

@@ -333,9 +333,9 @@ def test_config_toml_yaml_and_overrides(tmp_path):
     a, b = load_config(toml), load_config(yaml)
     assert a == b and a.methods == ["snapkv", "vase-attnv"] and a.max_new_tokens == 100
     assert run_name(a) == run_name(b)
-    c = load_config(toml, {"limit": 2, "budgets": "96", "samples": None, "method_params": {"snapkv": {"sinks": 2}}})
+    c = load_config(toml, {"limit": 2, "budgets": "96", "samples": None, "method_params": {"snapkv": {"n_large": 2}}})
     assert c.limit == 2 and c.budgets == [96] and c.samples == 1  # flags win; an unset flag does not
-    assert c.method_params == {"snapkv": {"smooth_kernel": 3, "sinks": 2}}
+    assert c.method_params == {"snapkv": {"smooth_kernel": 3, "n_large": 2}}
     with pytest.raises(ConfigError, match="max_new_tokenz"):
         load_config(toml, {"max_new_tokenz": 3})
 
@@ -374,6 +374,67 @@ def test_run_name_is_deterministic_and_covers_results():
     ident = identity(cfg)
     assert ident["methods"]["vase-attnv"]["params"]["value_guard"] == 0.25  # full parameters, defaults too
     assert len(identity_hash(ident)) == 64
+
+
+#: Every EvalConfig setting, by how a change of it alone is kept apart from the run made before it (issue 40: a
+#: kv_bits=4 run reused the dense run's folder). A new setting must be placed here, so its effect is decided.
+_NAMED = {"task": "arith-5", "limit": 5, "seed": 1, "methods": ["snapkv", "rkv"], "budgets": [96],
+          "window": 32, "samples": 2, "max_new_tokens": 100, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+          "greedy": True, "chat_template": False, "numeric_fallback": True, "end_marker": "END", "model": "other",
+          "dtype": "float32", "engine": "vllm", "method_params": {"snapkv": {"smooth_kernel": 3}}}
+_DATA = ("data_dir", "task_file", "question_field", "answer_field")  # the problems they load: the data digest
+_RUNTIME = {"device": "device", "attn_implementation": "attn_kernel"}  # refused on resume (RUNTIME_FIELDS)
+_NO_RESULT = ("batch_size", "fidelity", "output_dir", "name")  # the same samples: the same run
+
+
+def test_every_setting_that_changes_results_names_a_new_run(tmp_path):
+    from dataclasses import fields
+
+    from vase.eval.config import RUNTIME_FIELDS
+    from vase.storages import storage_keywords
+
+    placed = set(_NAMED) | set(_DATA) | set(_RUNTIME) | set(_NO_RESULT)
+    assert {f.name for f in fields(EvalConfig)} == placed  # a new setting is placed in one of the tables above
+    base = dict(task="arith", limit=6, methods=["snapkv"], budgets=[128], samples=1)
+    name = run_name(EvalConfig(**base))
+    for key, value in _NAMED.items():
+        assert run_name(EvalConfig(**{**base, key: value})) != name, key
+    for key in _NO_RESULT:
+        value = {"batch_size": 3, "fidelity": True, "output_dir": str(tmp_path)}.get(key)
+        if value is not None:
+            assert run_name(EvalConfig(**{**base, key: value})) == name, key
+    assert set(_RUNTIME.values()) <= set(RUNTIME_FIELDS)
+    # The problems: another field of the same file, or another file, is other data.
+    rows = [{"q": f"{i} + 1?", "a": str(i + 1), "p": f"{i} + 2?", "b": str(i + 2)} for i in range(3)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "u.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    file_base = dict(base, task=None, task_file=str(tmp_path / "t.jsonl"), question_field="q", answer_field="a")
+    file_name = run_name(EvalConfig(**file_base))
+    for key, value in (("task_file", str(tmp_path / "u.jsonl")), ("question_field", "p"), ("answer_field", "b")):
+        assert run_name(EvalConfig(**{**file_base, key: value})) != file_name, key
+    # The storage: kv_bits (the CLI's --kv-bits is -p kv_bits, which lands here) and every other storage
+    # keyword changed alone.
+    dense = run_name(EvalConfig(**base))
+    q4 = dict(base, method_params={"snapkv": {"kv_bits": 4}})
+    assert run_name(EvalConfig(**q4)) != dense
+    other = {"kv_bits": 8, "quant_guard": 8, "quant_group": 16, "quant_select": "random", "flush_every": 8,
+             "quant_key_scale": True}
+    assert set(other) == set(storage_keywords())
+    for key, value in other.items():
+        changed = dict(base, method_params={"snapkv": {"kv_bits": 4, key: value}})
+        assert run_name(EvalConfig(**changed)) != run_name(EvalConfig(**q4)), key
+
+
+def test_a_quantized_run_never_resumes_the_dense_one(tmp_path, tiny):
+    model, tok = tiny
+    cfg = EvalConfig(task="arith", limit=2, methods=["snapkv"], budgets=[24], window=8, model="tiny",
+                     output_dir=str(tmp_path))
+    dense = run_eval(cfg, model, tok, generate_fn=fake_generate, progress=False)
+    q4 = EvalConfig(**{**cfg.to_dict(), "method_params": {"snapkv": {"kv_bits": 4}}})
+    assert run_eval(q4, model, tok, generate_fn=fake_generate, progress=False) != dense
+    with pytest.raises(RunConflictError, match="storage"):  # the same folder by name: refused, naming the storage
+        run_eval(EvalConfig(**{**q4.to_dict(), "name": dense.name}), model, tok, generate_fn=fake_generate,
+                 progress=False)
 
 
 def fake_generate(model, tokenizer, prompts, *, seed, max_new_tokens, **kw):

@@ -40,7 +40,7 @@ from .ring import new_ring, ring_read, ring_write
 from .policies import Policy
 from .quant_cache import QuantConfig, QuantSpec
 from .schedule import first_limit, must_evict, room, steady_limit
-from .spec import RequestSpec
+from .spec import RequestSpec, whole_tokens
 from .storage import KVStorage
 from .storages import eager_storage
 from .verify import LastForward, Pending, Snapshot, cut_mask
@@ -552,7 +552,9 @@ class EvictionCache(Cache):
     window:      w, recent tokens never evicted; also the eviction interval and query window.
     seed:        one seed, or one per batch row; row r of an int seed uses seed + r.
     sort_kept:   store kept tokens in position order instead of the policy's order.
-    max_length:  prompt + new tokens, to preallocate the `full` cache once.
+    max_length:  prompt + new tokens, to preallocate the `full` cache once (a capacity, not a length cap:
+                 generation stops at `max_new_tokens`; a longer sequence grows the cache). Evicting methods hold
+                 B + w slots and do not read it.
     storage:     how K/V are held: None (full precision), or `vase.quant_cache.QuantSpec(bits=8 | 4 | 2,
                  guard=R, ...)`: tokens leaving the window are stored as packed codes, except the R old
                  tokens per KV head ranked first by the value guard's ranking (sinks first); see
@@ -573,6 +575,8 @@ class EvictionCache(Cache):
         policy, budget = req.policy, req.budget
         if not isinstance(sort_kept, bool):
             raise SpecError(f"sort_kept must be True or False, got {sort_kept!r} ({type(sort_kept).__name__})")
+        if max_length is not None:  # a capacity, so -1 or 2.5 is no size (it was accepted and ignored)
+            max_length = whole_tokens("max_length", max_length)
         if model is not None:
             install(model)  # the cache needs vase's attention function to mask and score
             num_layers = model.config.get_text_config().num_hidden_layers

@@ -70,6 +70,11 @@ def _whole(name: str, value: Any, maximum: int = INT_MAX) -> int:
     return value
 
 
+def whole_tokens(name: str, value: Any, maximum: int = INT_MAX) -> int:
+    """`value` as a positive number of tokens (a budget, a window, a length), else SpecError naming `name`."""
+    return _whole(name, value, maximum)
+
+
 def _seed(seed: Any) -> None:
     seeds = list(seed) if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)) else [seed]
     if not seeds:
@@ -157,6 +162,7 @@ class RequestSpec:
             raise SpecError(f"storage must be None (full precision) or a vase.quant_cache.QuantSpec, "
                             f"got {self.storage!r}")
         policy = self.build_policy()
+        self._sinks_used(policy)
         budget = self.budget
         if budget is None:
             if policy.evicts or policy.selects:
@@ -205,6 +211,16 @@ class RequestSpec:
             raise
         except (TypeError, ValueError) as exc:  # a policy's own range checks (sinks must be >= 0, ...)
             raise SpecError(str(exc)) from None
+
+    def _sinks_used(self, policy: Policy) -> None:
+        """A `sinks` the caller set is read: the method protects its sinks, attends them (Quest), or the quantized
+        storage keeps them in full precision. Otherwise it would change nothing, silently."""
+        sinks = self.params.get("sinks") if isinstance(self.params, Mapping) else None
+        if not sinks or not policy.evicts or policy.protect_sinks or policy.selects or self.storage is not None:
+            return
+        raise SpecError(f"sinks ({sinks}) does nothing for {policy.name!r}: it does not protect sinks "
+                        f"(protect_sinks=false); add protect_sinks=true (-p protect_sinks=true) to keep the first "
+                        f"{sinks} tokens, or drop sinks")
 
     def _reserves(self, policy: Policy, budget: int, window: int) -> None:
         """The reserve rule: what a method reserves fits in what the budget leaves (else it would be clamped)."""

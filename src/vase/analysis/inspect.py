@@ -12,6 +12,7 @@ from ..cache import EvictionCache
 from ..compat import cache_kwargs
 from ..checks import check_flags, check_prompts, check_sampling, check_seed
 from ..generation import Sampler, decode, eos_ids, prepare_prompts
+from ..hybrid import full_attention_layers
 from .kept import kept_map, plot_kept_map
 from .loops import loop_onset
 from .values import value_statistics
@@ -25,7 +26,8 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
     """Generate once under `method`, then write `kept.png` and `inspect.json` into `out_dir`.
 
     Returns the report: the text, cache stats, the loop onset (token index or None), the share
-    of positions each layer kept, and the value statistics of the full sequence's values.
+    of positions each layer kept, and the value statistics of the full sequence's values (a hybrid model's
+    full-attention layers only, as `kept_map`, each named by its index in the model).
     """
     # generate's checks, in generate's order: the prompt, the sampling and length, the seed, the switches, then
     # the prompt against the model's context and the request spec (in the cache), all before the folder is made
@@ -48,7 +50,10 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
     full = DynamicCache(config=model.config)
     sequence = torch.cat([ids, torch.tensor([tokens], device=ids.device, dtype=ids.dtype)], dim=1)
     model(input_ids=sequence, **cache_kwargs(full), use_cache=True, logits_to_keep=1)
-    values = [layer.values for layer in full.layers]
+    # The full-attention layers only, as the kept map (a hybrid's linear-attention layers hold a recurrent state,
+    # its sliding ones a window: neither is the sequence's values).
+    attention = full_attention_layers(model.config)
+    values = [full.layers[i].values for i in attention]
     report = {
         "method": repr(cache.policy),
         "budget": budget,
@@ -59,7 +64,7 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
         "stats": cache.stats(),
         "loop_onset_token": loop_onset(tokens, lambda t: tokenizer.decode(t, skip_special_tokens=True)),
         "kept_share_per_layer": [round(float(x), 4) for x in kept.float().mean(dim=(1, 2))],
-        "values": value_statistics(values),
+        "values": value_statistics(values, layer_ids=attention),
     }
     (out_dir / "inspect.json").write_text(json.dumps(report, indent=2))
     return report

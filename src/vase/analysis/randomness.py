@@ -181,7 +181,8 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
     (same chunks, same evictions, same log-probs), observing each chunk to record kept sets and
     attention outputs.
 
-    reference: [layers, T - 1, hidden] attention outputs of a full run; the trace then holds the
+    reference: [layers, T - 1, hidden] attention outputs of a full run (layers: the modules of
+    `attention_modules`, in order); the trace then holds the
     relative error per layer and fed target. keep_outputs: keep this run's own outputs (for full).
     """
     from ..generation import forced_log_probs
@@ -196,6 +197,8 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
     outputs = torch.zeros(n_layers, T - 1, hidden) if keep_outputs else None
     errors = torch.zeros(n_layers, T - 1) if reference is not None else None
     fed = [-1]  # targets fed before the current chunk; -1 outside the chunks (the prompt)
+    # The row of each hooked module: a hybrid's attention layers are not 0..n-1 (Qwen3.5: 3, 7, ...).
+    row = {m.layer_idx: i for i, m in enumerate(mods)}
 
     def hook(module, args, output):
         if fed[0] < 0:
@@ -203,9 +206,9 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
         out = (output[0] if isinstance(output, tuple) else output)[0].detach().float().cpu()  # [q, hidden]
         a, b = fed[0], fed[0] + out.shape[0]
         if outputs is not None:
-            outputs[module.layer_idx, a:b] = out
+            outputs[row[module.layer_idx], a:b] = out
         if errors is not None:
-            errors[module.layer_idx, a:b] = relative_error(out, reference[module.layer_idx, a:b])
+            errors[row[module.layer_idx], a:b] = relative_error(out, reference[row[module.layer_idx], a:b])
 
     trace = Trace(log_probs=torch.empty(0), attn_out=None, attn_err=None)
 
@@ -304,6 +307,8 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
 
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if loop_tokens is not None and loop_tokens < 0:
+        raise ValueError(f"loop_tokens must be >= 0 (0 skips the free generation), got {loop_tokens}")
     stochastic = {a.label for a in arms if a.stochastic}
     if controls is None:
         controls = [c for c in DEFAULT_CONTROLS if c.versus in stochastic and seeds > 1]
@@ -396,7 +401,8 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
 
     report = _summarise(per_arm, arms, loops, problems, dict(
         budget=budget, window=window, seeds=seeds, max_new_tokens=max_new_tokens, loop_tokens=loop_tokens,
-        seed=seed, prompts=len(prompts), eos=eos_ids(model, tokenizer)))
+        seed=seed, prompts=len(prompts), eos=eos_ids(model, tokenizer),
+        attn_layers=[m.layer_idx for m in attention_modules(model)]))  # what attn_err_per_layer's entries are
     report["controls"], report["comparisons"] = _controls(mixed, controls, budget, seed)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # wall time depends on the machine's load

@@ -133,13 +133,24 @@ def resolve_shape(name_or_config_json: str | Path | PreTrainedConfig,
             config = AutoConfig.for_model(data.pop("model_type"), **data)
             config.name_or_path = f"random:{path}"
     if num_layers is not None:
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         text = config.get_text_config()
+        depth = int(text.num_hidden_layers)
+        shape = str(getattr(config, "name_or_path", "") or type(config).__name__).removeprefix("random:")
+        if not 1 <= num_layers <= depth:  # more would build a deeper model than the shape (or fail on its layer types)
+            raise LayersError(f"{shape} has {depth} decoder layers: give 1..{depth}, got {num_layers}")
+        types = list(getattr(text, "layer_types", None) or [])
+        if types and "full_attention" in types and "full_attention" not in types[:num_layers]:
+            first = types.index("full_attention")
+            raise LayersError(f"the first {num_layers} of {shape}'s layers hold no full-attention layer (the first is "
+                              f"layer {first}), so nothing would be evicted: give at least {first + 1}")
         text.num_hidden_layers = num_layers
-        if getattr(text, "layer_types", None):
-            text.layer_types = list(text.layer_types)[:num_layers]
+        if types:
+            text.layer_types = types[:num_layers]
     return config
+
+
+class LayersError(ValueError):
+    """A layer count (`num_layers`, the bench's --layers) the shape cannot be cut to."""
 
 
 _POOL = 1_000_003  # a prime: consecutive rows of a weight matrix get different slices of the pool

@@ -14,7 +14,10 @@ from ..checks import check_sampling
 from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_out_dir, check_range, checked_params,
                      console, err_console, model_options, split_list, warn)
 
-__all__ = ["inspect", "analyze_app", "analysis_prompts"]
+__all__ = ["inspect", "analyze_app", "analysis_prompts", "MAX_SEEDS"]
+
+#: `vase analyze randomness --seeds` at most (99999999999 ran until killed).
+MAX_SEEDS = 256
 
 analyze_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                           help="Studies: why sampling helps (randomness); eviction vs selection (sweep).")
@@ -100,6 +103,11 @@ def analyze_randomness(
     model: ModelArgs = ModelArgs(),
 ) -> None:
     """Deterministic vs stochastic eviction (snapkv vs snapkv-sample, vase-attnv top-k vs sampled)."""
+    if not 1 <= seeds <= MAX_SEEDS:  # each seed is one more teacher-forced run of every stochastic arm and problem
+        raise UserError(f"--seeds must be in 1..{MAX_SEEDS} (each is one more run of every stochastic method on every "
+                        f"problem), got {seeds}")
+    check_range("--max-new-tokens", max_new_tokens, minimum=1)
+    check_range("--loop-tokens", loop_tokens, minimum=0)  # 0 skips the free generation; -1 skipped it silently
     checked_params(["snapkv", "vase-attnv"], None, budgets=[budget], window=window)  # before the model loads
     prompts = analysis_prompts(task, data_dir=data_dir, limit=limit)
     from ..analysis.randomness import print_report, run_randomness
@@ -136,6 +144,13 @@ def analyze_sweep(
 
     names = split_list(tasks, str, "--tasks")
     compression_list = split_list(compressions, float, "--compressions")
+    for flag, items in (("--tasks", names), ("--compressions", compression_list)):
+        twice = sorted({x for x in items if items.count(x) > 1}, key=items.index)
+        if twice:  # each would be computed (and shown) twice
+            raise UserError(f"{flag} lists {', '.join(f'{x:g}' if isinstance(x, float) else x for x in twice)} "
+                            f"twice: give each once")
+    check_range("--max-new-tokens", max_new_tokens, minimum=1)
+    check_range("--retrieval-tokens", retrieval_tokens, minimum=1)
     prompts = {t: analysis_prompts(t, limit=limit, data_dir=data_dir, seed=seed, flag="--tasks") for t in names}
     caps = {t: retrieval_tokens if t == "retrieval" else max_new_tokens for t in names}
     mdl, tok = model.load()

@@ -85,8 +85,11 @@ def bench(
     if results is not None and (results.name in ("", ".", "..") or results.is_dir()):
         raise UserError(f"--results must name a file (e.g. docs/results/bench.json), got {str(results)!r}")
     if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
-        transformers_only = [f"--{n.replace('_', '-')}" for n in ("clock", "bandwidth", "layers")
-                             if given(ctx, n)]
+        # Every flag the vLLM bench does not read (it benches --model, so --random-init would be written into a
+        # results file that measured another model).
+        transformers_only = [f"--{n.replace('_', '-')}" for n in ("random_init", "layers", "clock", "bandwidth",
+                                                                  "batch_sizes", "warmup", "warmup_tokens",
+                                                                  "no_dynamic") if given(ctx, n)]
         if transformers_only:  # the vLLM bench has its own rounds and files: these would be dropped
             raise UserError(f"{', '.join(transformers_only)} {'is' if len(transformers_only) == 1 else 'are'} for "
                             f"the transformers engine's bench only: drop {'it' if len(transformers_only) == 1 else 'them'} "
@@ -143,7 +146,7 @@ def bench(
 def random_model(spec: str, model: ModelArgs, layers: int | None = None):
     """`bench --random-init`: a named shape or a config.json (its first `layers` decoder layers), random weights;
     one line naming the file if bad."""
-    from ..bench.shapes import build_random_model, shape_names
+    from ..bench.shapes import LayersError, build_random_model, shape_names
     from ..models import resolve_device, resolve_dtype
 
     from ..models.errors import ModelLoadError
@@ -157,7 +160,13 @@ def random_model(spec: str, model: ModelArgs, layers: int | None = None):
     quiet_loading()
     try:
         return build_random_model(spec, resolve_dtype(model.dtype, dev), dev, model.attn, num_layers=layers)
+    except LayersError as e:
+        raise UserError(f"--layers {layers}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any reader's or config class's error means "bad file"
+        if "does not support" in str(e) and "attention" in str(e):  # the shape is fine, the kernel is not (gpt-oss
+            # has no sdpa in transformers): name --attn, not --random-init
+            raise UserError(f"--attn {model.attn}: {spec} does not run with it ({str(e).splitlines()[0][:160]}): "
+                            f"add --attn eager") from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"--random-init {spec}: cannot build a model from it ({type(e).__name__}: {first[:200]}); "
                         f"give a transformers config.json (with model_type) or one of "

@@ -88,6 +88,9 @@ def check_out_dir(path: Path | None, flag: str) -> None:
     """An output folder that can be created or used: not a file, not a dangling symlink (checked before work)."""
     if path is None:
         return
+    if flag == "--out" and str(path) in ("", "."):  # `--out ''` is Path("."): the files would land in the current folder
+        raise UserError(f"{flag} {str(path)!r} is the current folder: give a folder of its own (it is created), e.g. "
+                        f"{flag} out")
     if path.is_symlink() and not path.exists():
         raise UserError(f"{flag} {path} is a symbolic link to nothing ({os.readlink(path)}): remove the link or "
                         f"give another folder")
@@ -100,13 +103,17 @@ def check_out_dir(path: Path | None, flag: str) -> None:
 
 def parse_params(items: list[str] | None) -> dict:
     """`KEY=VALUE` strings to a dict, values parsed as YAML scalars (64 -> int, true -> bool)."""
-    params = {}
+    params, given_as = {}, {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UserError(f"--param takes KEY=VALUE, got {item!r}")
+        name = key.strip().replace("-", "_")
+        if name in params:  # the last would win silently
+            raise UserError(f"--param {name} is given twice (-p {given_as[name]} and -p {item}): give it once")
+        given_as[name] = item
         try:
-            params[key.strip().replace("-", "_")] = yaml.safe_load(value)
+            params[name] = yaml.safe_load(value)
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise UserError(f"--param {item!r}: the value is not a valid YAML scalar ({problem}); quote it or fix "

@@ -163,6 +163,9 @@ def check_run_dir(run_dir: Path) -> None:
                         f"'results:'")
     if not run_dir.is_dir():
         raise UserError(f"no such run folder: {run_dir}")
+    from ..eval.config import read_run_config
+
+    read_run_config(run_dir)  # a config.json that is not JSON: one line, not a page without its settings
 
 
 def report(

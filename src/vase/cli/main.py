@@ -35,9 +35,22 @@ def _options(threads: Annotated[Optional[int], typer.Option(help="CPU threads fo
     if threads is not None:
         if threads < 1:
             raise UserError(f"--threads must be >= 1, got {threads}")
+        cap = max_threads()
+        if threads > cap:  # torch accepts 100000 and the process dies (SIGSEGV) on its first parallel region
+            raise UserError(f"--threads {threads} is more than this machine can use: at most {cap} (4 per CPU core, "
+                            f"{cap // 4} cores here)")
         import torch
 
         torch.set_num_threads(threads)
+
+
+def max_threads() -> int:
+    """The most torch threads `--threads` accepts: 4 per CPU core this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return 4 * max(cores, 1)
 
 
 app.command()(methods)

@@ -23,6 +23,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -93,10 +94,12 @@ def engine_args(model_path: str, *, dtype: str, max_model_len: int, seed: int, s
 
 
 def start_llm(args: dict[str, Any]):
-    """``vllm.LLM(**args)``: an offline engine for ``LLM.generate`` (args from :func:`engine_args`)."""
+    """``vllm.LLM(**args)``: an offline engine for ``LLM.generate`` (args from :func:`engine_args`). A model whose
+    code vLLM cannot import, or a configuration vLLM refuses, is one RuntimeError line naming the cause."""
     from vllm import LLM
 
-    return LLM(**args)
+    with _one_line_start(args["model"]):
+        return LLM(**args)
 
 
 def start_engine(args: dict[str, Any], stat_loggers: Iterable[type] = ()):
@@ -105,7 +108,26 @@ def start_engine(args: dict[str, Any], stat_loggers: Iterable[type] = ()):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=list(stat_loggers))
+    with _one_line_start(args["model"]):
+        return LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=list(stat_loggers))
+
+
+@contextmanager
+def _one_line_start(model_path: str):
+    """Check that vLLM can import the model's code before it starts (vase.vllm.loadable), and turn the pydantic
+    ValidationError vLLM raises for a config it refuses into one line."""
+    from vase.vllm.loadable import architecture_problem, validation_line
+
+    problem = architecture_problem(str(model_path))
+    if problem:
+        raise RuntimeError(problem)
+    try:
+        yield
+    except Exception as exc:
+        line = validation_line(exc)
+        if line is None:
+            raise
+        raise RuntimeError(line) from exc
 
 
 def llm_eos_ids(llm, tokenizer) -> list[int]:

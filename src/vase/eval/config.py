@@ -26,7 +26,7 @@ from vase.engines.registry import ENGINES
 from vase.errors import SpecError
 from vase.policies import Policy, UnknownMethodError, get_policy
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
-from vase.storages import spec_from_options
+from vase.storages import kind_of, spec_from_options
 from vase.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
 from vase.textfiles import decode_utf8
 
@@ -291,6 +291,14 @@ class EvalConfig:
              f"--fidelity or use --engine {forcing[0]}")
         need(self.attn_implementation in _ATTN,
              f"attn_implementation must be one of {', '.join(_ATTN)}, got {self.attn_implementation!r}")
+        from vase.eval.tasks import check_task_sources
+        from vase.eval.problems import TaskError
+
+        try:  # a data folder or field name the task would not read: refused, not ignored
+            check_task_sources(self.task_name, data_dir=self.data_dir, task_file=self.task_file,
+                               question_field=self.question_field, answer_field=self.answer_field)
+        except TaskError as e:
+            raise ConfigError(str(e)) from None
         for label in self.method_params:
             if label not in self.methods:
                 close = difflib.get_close_matches(label, self.methods, n=1)
@@ -306,7 +314,8 @@ class EvalConfig:
         for b in self.budgets or [None]:
             for s in specs.values():
                 try:
-                    RequestSpec(s.policy, b, self.window, storage=s.storage, seed=self.seed).validate(self.engine)
+                    RequestSpec(s.method, b, self.window, params=s.params, storage=s.storage,
+                                seed=self.seed).validate(self.engine)  # the params as given: a sinks set is read
                 except SpecError as exc:
                     raise ConfigError(f"{s.label}: {exc}") from exc
 
@@ -358,15 +367,15 @@ def _read_file(path: Path) -> dict[str, Any]:
                 import tomli as tomllib  # type: ignore[no-redef]
             data = tomllib.loads(text)
         elif suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
+            data = _yaml_unique(text) or {}
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_json_unique)
         else:
             raise ConfigError(f"config file {path} must end in .toml, .yaml, .yml or .json")
     except ConfigError:
         raise
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any parser's error
         raise ConfigError(f"cannot read config file {path}: {type(e).__name__}: {e}") from e
     if not isinstance(data, dict):
@@ -375,6 +384,40 @@ def _read_file(path: Path) -> dict[str, Any]:
     if set(data) == {"eval"} and isinstance(data["eval"], dict):
         data = data["eval"]
     return data
+
+
+class _DuplicateKey(ValueError):
+    """A config key given twice (YAML and JSON keep the last silently; TOML refuses on its own)."""
+
+
+def _json_unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"the key {k!r} is given twice: give it once")
+        out[k] = v
+    return out
+
+
+def _yaml_unique(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _DuplicateKey(f"the key {key!r} is given twice (line {key_node.start_mark.line + 1}): give it "
+                                    f"once")
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _normalise_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -457,8 +500,7 @@ def identity(config: EvalConfig, problems: Sequence[Any] | None = None) -> dict[
         "limit": config.limit,
         "seed": config.seed,
         # Sorted: the order methods and budgets are listed in changes no result.
-        "methods": {label: {"method": s.method, "params": _jsonable(s.policy.params())}
-                    for label, s in sorted(specs.items())},
+        "methods": {label: _method_identity(s) for label, s in sorted(specs.items())},
         "budgets": sorted(config.budgets),
         "window": config.window,
         "samples": config.samples,
@@ -471,6 +513,16 @@ def identity(config: EvalConfig, problems: Sequence[Any] | None = None) -> dict[
         "dtype": str(config.dtype),
         "engine": config.engine,
     }
+
+
+def _method_identity(spec: MethodSpec) -> dict[str, Any]:
+    """A method's part of the identity: its method, full parameters and (when not dense) its storage, so a
+    ``kv_bits=4`` run never shares a folder with the dense run of the same settings. Dense adds no key, so the
+    names of dense runs made before storage entered the identity stay the same."""
+    out = {"method": spec.method, "params": _jsonable(spec.policy.params())}
+    if spec.storage is not None:
+        out["storage"] = {"kind": kind_of(spec.storage).name, **_jsonable(spec.storage.options())}
+    return out
 
 
 #: Identity fields found from the environment rather than typed by the user. They do not enter the run
@@ -509,6 +561,24 @@ def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
 
         runtime["vllm"] = vllm_version()
     return runtime
+
+
+def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's ``config.json`` as a dict; None when the folder has none. ConfigError (one line naming the file)
+    when it is there but not a JSON object: the task, model and settings of every page and table come from it."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise ConfigError(f"{path} is not valid JSON{where}: it holds the run's settings (vase eval writes it); "
+                          f"restore it from a copy, or rerun the command that made the run") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path} holds {type(meta).__name__}, not the run's settings (a JSON object): restore it "
+                          f"from a copy, or rerun the command that made the run")
+    return meta
 
 
 def records_of_run(run_dir: str | Path, kind: str = "samples") -> list[dict[str, Any]]:

@@ -313,6 +313,23 @@ def _load_named(
 # ----------------------------------------------------------------------------- entry point
 
 
+def check_task_sources(name: str, *, data_dir: Any = None, task_file: Any = None, question_field: Any = None,
+                       answer_field: Any = None) -> None:
+    """TaskError (one line) for a source setting the task would not read: ``data_dir`` beside a task file (the file
+    is read), and ``data_dir`` or a field name on a generated task (arith, recall: nothing is read)."""
+    if task_file is not None:
+        if data_dir is not None:
+            raise TaskError(f"data_dir (--data-dir) is not read with a task file ({task_file}): drop it, or drop the "
+                            f"task file to load {name!r} from the folder")
+        return
+    given = [f"{n} (--{n.replace('_', '-')})" for n, v in (("data_dir", data_dir), ("question_field", question_field),
+                                                         ("answer_field", answer_field)) if v is not None]
+    if given and load_synthetic(name, limit=0) is not None:
+        raise TaskError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} not read by {name!r}, a task "
+                        f"generated in vase: drop {'it' if len(given) == 1 else 'them'}, or give a JSONL file with "
+                        f"--task-file (a field name is read from that file)")
+
+
 def load_task(
     name: str,
     *,
@@ -343,6 +360,8 @@ def load_task(
     """
     if limit is not None and limit < 0:
         raise TaskError(f"limit must be >= 0, got {limit}")
+    check_task_sources(name, data_dir=data_dir, task_file=task_file, question_field=question_field,
+                       answer_field=answer_field)
     key = name.strip().lower()
 
     if task_file is not None:

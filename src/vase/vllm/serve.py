@@ -103,9 +103,21 @@ def exec_serve(argv: Sequence[str]) -> None:
     """Replace this process with vLLM's server (never returns)."""
     require_vllm()
     check_port(_value(argv, "--host") or "127.0.0.1", int(_value(argv, "--port") or 8000))
+    check_loadable(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], list(argv))
+
+
+def check_loadable(argv: Sequence[str]) -> None:
+    """ServeError (one line) when vLLM cannot import the code of the model `argv` serves (a missing package, e.g.
+    torchvision for Qwen3.5), before the server starts: vLLM's own answer is a 55-line traceback."""
+    from .loadable import architecture_problem
+
+    model = _value(argv, "--model")
+    problem = architecture_problem(model) if model else None
+    if problem:
+        raise ServeError(problem)
 
 
 def _value(argv: Sequence[str], flag: str) -> str | None:
@@ -151,13 +163,31 @@ _EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|E
 _GENERIC = ("Engine core initialization failed", "See root cause above", "Process EngineCore", "Traceback")
 
 
+#: vLLM's logging prefix, ``(APIServer pid=7) ERROR 12-04 18:23:45 [registry.py:1120] `` (a traceback it logs).
+_LOG_PREFIX = re.compile(r"^\([\w ]+ pid=\d+\)\s*(?:[A-Z]+ \d\d-\d\d [\d:.]+ \[[^\]]*\]\s?)?")
+#: Root causes: a missing package stops vLLM however many wrappers follow it.
+_IMPORT_LINE = re.compile(r"^(?:ModuleNotFoundError|ImportError): ")
+
+
 def failure_line(log: str) -> str:
-    """The one line that says why vLLM stopped: its root-cause exception line (not the generic wrapper that points
-    above it), else the last non-empty line of the log."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if _EXC_LINE.match(ln) and not ln.startswith("During handling")]
-    specific = [ln for ln in errors if not any(g in ln for g in _GENERIC)]
-    line = (specific or errors or lines or ["(no output)"])[-1]
+    """The one line that says why vLLM stopped: a missing package (``ModuleNotFoundError``, also from a traceback
+    vLLM logged), else its root-cause exception line (not the generic wrapper that points above it; a pydantic
+    ValidationError with its first reason), else the last non-empty line of the log."""
+    lines = [_LOG_PREFIX.sub("", ln.strip()).strip() for ln in log.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if ln]
+    imports = [ln for ln in lines if _IMPORT_LINE.match(ln)]
+    errors = [i for i, ln in enumerate(lines) if _EXC_LINE.match(ln) and not ln.startswith("During handling")]
+    specific = [i for i in errors if not any(g in lines[i] for g in _GENERIC)]
+    if imports:
+        line = imports[-1]
+    elif specific or errors:
+        i = (specific or errors)[-1]
+        line = lines[i]
+        reason = lines[i + 1] if i + 1 < len(lines) else ""
+        if "validation error" in line and reason.startswith("Value error, "):  # pydantic: the reason is below
+            line = f"{line}: {reason.removeprefix('Value error, ')}"
+    else:
+        line = (lines or ["(no output)"])[-1]
     return line if len(line) <= 300 else line[:297] + "..."
 
 
@@ -216,6 +246,7 @@ def run_serve(argv: Sequence[str], ready_timeout: float = 300.0, log_path: str |
     require_vllm()
     host, port = _value(argv, "--host") or "127.0.0.1", _value(argv, "--port") or "8000"
     check_port(host, int(port))
+    check_loadable(argv)
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="vase-serve-", suffix=".log")
         os.close(fd)
