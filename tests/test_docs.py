@@ -128,3 +128,43 @@ def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):
     lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "where": {"method": "snapkv"},
                                 "paired": "vs_full", "unit": "x"}], root)
     assert "| f | 1.03x | median of 3 paired rounds, range 0.99..1.08 |" in lines[2]
+
+
+def test_a_dirty_results_file_is_flagged_and_needs_a_reason(tmp_path):
+    root = _site(tmp_path, "<!-- results: docs/results/x.json -->\n<!-- /results -->\n")
+    path = root / "docs" / "results" / "x.json"
+    data = json.loads(path.read_text())
+    data["provenance"]["dirty"] = True
+    path.write_text(json.dumps(data))
+    doc = root / "README.md"
+    doc.write_text(rd.render_text(doc.read_text(), doc, root))
+    assert [p for p in rd.check(root) if "x.json: measured from a checkout with uncommitted changes" in p]
+    assert "**From a checkout with uncommitted changes**: *Measured" in doc.read_text()
+    data["provenance"]["dirty_note"] = "the diff was a comment"
+    path.write_text(json.dumps(data))
+    doc.write_text(rd.render_text(doc.read_text(), doc, root))
+    assert rd.check(root) == []
+    assert "**From a checkout with uncommitted changes** (the diff was a comment): *Measured" in doc.read_text()
+
+
+def test_a_figure_typed_in_prose_is_found_unless_pinned_to_a_file_that_holds_it(tmp_path):
+    rows = [{"method": "full", "ratio": 1.065, "ms": 85.9, "share": 0.125}]
+    root = _site(tmp_path, "", rows=rows)
+    doc = root / "README.md"
+    link = "[x.json](docs/results/x.json)"
+
+    def problems(text):
+        doc.write_text(text)
+        return [p for p in rd.check(root) if "README.md" in p]
+
+    assert [p for p in problems("It runs 1.07x faster.\n") if "'1.07x' is a measured figure outside" in p]
+    assert problems("Settings only: `--budget 128`, 4x compression, a 16 x 256 run, B = 128.\n") == []
+    # pinned by a marker or a link: each number must be one of the file's, as printed
+    assert problems("<!-- figures: docs/results/x.json -->\nIt runs 1.065x (85.9 ms, 12.5 %).\n") == []
+    assert problems(f"It runs 1.06x at 85.9 ms ({link}).\n") == []  # 1.065 shown to 2 digits is 1.06
+    bad = problems(f"It runs 1.07-1.09x, 76-83 ms in every row ({link}).\n")
+    assert [p for p in bad if "'1.07-1.09x' is not in docs/results/x.json" in p]
+    assert [p for p in bad if "'76-83 ms' is not in" in p]
+    # a pin holds until the paragraph ends
+    assert [p for p in problems("<!-- figures: docs/results/x.json -->\n1.065x\n\nthen 2.5x\n") if "'2.5x'" in p]
+    assert [p for p in problems("<!-- figures: docs/results/nope.json -->\n1.065x\n") if "not a readable" in p]
