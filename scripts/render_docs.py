@@ -137,6 +137,8 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
             num = _number(_select(src, r["ratio"]["of"], r["file"])[0][r["ratio"]["column"]])
             den = _number(_select(src, r["ratio"]["to"], r["file"])[0][r["ratio"]["column"]])
             value, spread = format(num / den, fmt) + r.get("unit", ""), r.get("spread", "one run")
+        elif "interval" in r:  # one cell and its interval, e.g. an eval row's accuracy change and its 95% CI
+            value, spread = _interval_cell(_select(src, r.get("where", {}), r["file"])[0], r)
         else:
             value = str(_select(src, r.get("where", {}), r["file"])[0][r["cell"]]).strip("*") + r.get("unit", "")
             spread = r.get("spread", "one run")
@@ -150,8 +152,40 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
             when += f"; {prov['status'].rstrip('.').split(':')[0].lower()}"
         if prov.get("dirty"):
             when += "; **uncommitted changes**"
+        spread = _spans_one(spread, r.get("unit", ""))
         lines.append(f"| {r['figure']} | {value} | {spread} | {when} | [{Path(r['file']).name}]({r['file']}) |")
-    return lines
+    return _grouped(lines, rows)
+
+
+def _spans_one(spread: str, unit: str) -> str:
+    """A ratio whose range holds 1 shows no difference, however its median reads: say so beside the range."""
+    m = re.search(r"range (-?[\d.]+)\.\.(-?[\d.]+)", spread)
+    if unit == "x" and m and float(m[1]) <= 1.0 <= float(m[2]) and "spans 1" not in spread:
+        return spread + " (spans 1: no difference shown)"
+    return spread
+
+
+def _interval_cell(row: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[str, str]:
+    """A summary row's value from one cell and its spread from two more: `{"cell": C, "interval": [LO, HI]}`."""
+    fmt, unit = spec.get("format", ".1f"), spec.get("unit", "")
+    lo, hi = (_number(row[k]) for k in spec["interval"])
+    spread = f"{spec.get('interval_name', '95% interval')} {lo:{fmt}}..{hi:{fmt}}"
+    if spec.get("spread"):
+        spread += f"; {spec['spread']}"
+    return format(_number(row[spec["cell"]]), fmt) + unit, spread
+
+
+def _grouped(lines: list[str], rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """With a "group" on the rows, a first column naming each group once, in bold (the front page's three groups)."""
+    if not any("group" in r for r in rows):
+        return lines
+    out = ["| | " + lines[0][2:], "|---" + lines[1]]
+    last = None
+    for r, line in zip(rows, lines[2:]):
+        g = r.get("group", "")
+        out.append(f"| {'**' + g + '**' if g and g != last else ''} " + line)
+        last = g
+    return out
 
 
 def provenance_line(prov: Mapping[str, Any], link: str) -> str:

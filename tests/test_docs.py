@@ -118,7 +118,7 @@ def test_summary_ratio_of_two_rows_is_taken_within_each_round(tmp_path):
                                      {"method": "full", "compiled": False, "tok_s_runs": "1;2;2"}])
     spec = {"of": {"method": "vase"}, "to": {"method": "full"}, "rounds": "tok_s_runs"}
     lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "ratio": spec, "unit": "x"}], root)
-    assert "| f | 2.00x | median of 3 paired rounds, range 0.50..2.00 |" in lines[2]
+    assert "| f | 2.00x | median of 3 paired rounds, range 0.50..2.00 (spans 1: no difference shown) |" in lines[2]
 
 
 def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):
@@ -127,7 +127,7 @@ def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):
                                       "repeats": 3}])
     lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "where": {"method": "snapkv"},
                                 "paired": "vs_full", "unit": "x"}], root)
-    assert "| f | 1.03x | median of 3 paired rounds, range 0.99..1.08 |" in lines[2]
+    assert "| f | 1.03x | median of 3 paired rounds, range 0.99..1.08 (spans 1: no difference shown) |" in lines[2]
 
 
 def test_a_dirty_results_file_is_flagged_and_needs_a_reason(tmp_path):
@@ -169,3 +169,19 @@ def test_a_figure_typed_in_prose_is_found_unless_pinned_to_a_file_that_holds_it(
     # a pin holds until the paragraph ends
     assert [p for p in problems("<!-- figures: docs/results/x.json -->\n1.065x\n\nthen 2.5x\n") if "'2.5x'" in p]
     assert [p for p in problems("<!-- figures: docs/results/nope.json -->\n1.065x\n") if "not a readable" in p]
+
+
+def test_summary_groups_intervals_and_a_range_spanning_one(tmp_path):
+    root = _site(tmp_path, "", rows=[{"method": "m", "vs_full": 1.027, "vs_full_lo": 0.971, "vs_full_hi": 1.694,
+                                      "repeats": 9, "d": -43.75, "lo": -68.75, "hi": -18.75}])
+    f = "docs/results/x.json"
+    lines = rd._summary_table([
+        {"group": "speed", "figure": "a", "file": f, "paired": "vs_full", "unit": "x", "format": ".3f"},
+        {"group": "speed", "figure": "b", "file": f, "paired": "vs_full", "unit": "x"},
+        {"group": "accuracy", "figure": "c", "file": f, "cell": "d", "interval": ["lo", "hi"], "format": "+.1f"}], root)
+    assert lines[0].startswith("| | figure | value |") and lines[1].startswith("|---|---|")
+    assert lines[2].startswith("| **speed** | a | 1.027x | median of 9 paired rounds, range 0.971..1.694 "
+                               "(spans 1: no difference shown) |")
+    assert lines[3].startswith("|  | b | 1.03x |")  # the group named once
+    assert lines[4].startswith("| **accuracy** | c | -43.8 | 95% interval -68.8..-18.8 |")
+    assert "spans 1" not in rd._spans_one("median of 5 paired rounds, range 1.11..1.15", "x")
