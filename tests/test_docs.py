@@ -98,7 +98,9 @@ def test_the_eval_table_is_drawn_as_vase_eval_prints_it(tmp_path):
                  table={"render": "eval"})
     block = rd.render_block("docs/results/x.json", root / "README.md", root)
     assert "| m | 50 | 16 | 75.0 | 100 | -25.0 [-50.0, -6.2] | 0.125 |" in block
-    assert "not distinguishable from full on accuracy at n = 16 problems" in block  # the verdict line under it
+    assert "\n- not distinguishable from full on accuracy at n = 16 problems" in block  # the verdict, as a list
+    assert "\n- *Measured 2026-12-03 at commit abc*\n- cpu, 2 cores\n- `vase bench`\n- results: " in block
+    assert max(map(len, block.split("\n")[-6:])) < 200  # the lines under the table stay short
 
 
 def test_summary_rows_compute_the_median_and_range_of_paired_repeats(tmp_path):
