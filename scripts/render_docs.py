@@ -99,7 +99,7 @@ def _select(rows: Sequence[Mapping[str, Any]], where: Mapping[str, Any], what: s
     return found
 
 
-def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
+def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path, doc: Path | None = None) -> list[str]:
     # Each row names a figure in another results file: one cell ("cell"), the median and range of a column over
     # the matching rows ("median": paired repeats, or what "over" names, e.g. methods), a bench row's median and range ("paired": the column and its
     # _lo/_hi, as `vase bench --repeats` writes them), or the ratio of one column between two rows ("ratio"; with
@@ -154,7 +154,8 @@ def _summary_table(rows: Sequence[Mapping[str, Any]], root: Path) -> list[str]:
         if prov.get("dirty"):
             when += "; **uncommitted changes**"
         spread = _spans_one(spread, r.get("unit", ""))
-        lines.append(f"| {r['figure']} | {value} | {spread} | {when} | [{Path(r['file']).name}]({r['file']}) |")
+        link = Path(os.path.relpath(root / r["file"], (doc or root / "README.md").parent)).as_posix()
+        lines.append(f"| {r['figure']} | {value} | {spread} | {when} | [{Path(r['file']).name}]({link}) |")
     return _grouped(lines, rows)
 
 
@@ -237,7 +238,7 @@ def render_block(results: str, doc: Path, root: Path = ROOT) -> str:
     if spec.get("render") == "eval":
         lines = _eval_table(data["rows"])
     elif spec.get("render") == "summary":
-        lines = _summary_table(data["rows"], root)
+        lines = _summary_table(data["rows"], root, doc)
     else:
         lines = _plain_table(data["rows"], spec)
     link = Path(os.path.relpath(path, doc.parent)).as_posix()  # relative to the page that shows it
