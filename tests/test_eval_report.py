@@ -380,3 +380,18 @@ def test_small_p_values_are_shown_not_rounded_to_zero_and_equal_rows_are_named_t
     assert lines == ["less accurate than full (95% interval and exact paired test, p < 0.05): "
                      "a B=50, b B=50 (-88 pts, p = 1.2e-4)"]
     assert "0.000" not in conclusion(rows) and conclusion(rows) == lines[0] + "."
+
+
+def test_piped_output_fits_columns_when_set_and_every_line_fits(monkeypatch, capsys):
+    # `vase eval ... | tee log` with COLUMNS=120: not a terminal, but the width to fit is given; the verdict lines
+    # are wrapped too (a 400-character line is no better than a wide table), and --wide is named for the rest.
+    from vase.eval.report import print_table
+
+    monkeypatch.setenv("COLUMNS", "120")
+    print_table(_demo_rows(), title="t")
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.split("\n")) <= 120, out
+    assert "more columns with --wide" in out and "\n- " in out
+    monkeypatch.delenv("COLUMNS")
+    print_table(_demo_rows(), title="t", wide=True)  # a log without COLUMNS: every column, not squeezed to 80
+    assert max(len(line) for line in capsys.readouterr().out.split("\n")) > 120
