@@ -342,6 +342,7 @@ SETTINGS = [re.compile(p) for p in (
     r"\b\d+x(?:,? (?:and |or )?\d+x)*(?:,? (?:and |or )?\d+x)? (?:compression|sparsity)",
     r"(?:compressions?|compression ratios?|at) \d+x(?:(?:, | and | or |/)\d+x)*",
     r"\b\d+ (?:GB|GiB) (?:of )?(?:GPU |host )?memory", r"timeout \d+ s",
+    r"at least \d+(?:\.\d+)?(?:x| %|%)",  # a target, not a measurement
 )]
 FIGURES_MARK = re.compile(r"^<!-- figures: (?P<files>[^>]*?) -->$")
 _NUM = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
@@ -361,12 +362,16 @@ def _numbers(obj: Any, out: list[float]) -> list[float]:
     return out
 
 
+_BYTES = {"KiB": 2.0 ** 10, "MiB": 2.0 ** 20, "GiB": 2.0 ** 30, "MB": 1e6, "GB": 1e9}
+
+
 def _shown_in(figure: str, unit: str, values: Sequence[float]) -> bool:
     """Whether `figure` (as printed, e.g. '1.63') is one of `values` rounded to its printed digits (a % also as
-    a fraction, ms also as seconds)."""
+    a fraction, ms also as seconds, a size also in bytes)."""
     figure = figure.replace(",", "")
     digits = len(figure.split(".")[1]) if "." in figure else 0
     scales = [1.0] + ([100.0] if unit == "%" else []) + ([1000.0] if unit == "ms" else [])
+    scales += [1 / b for u, b in _BYTES.items() if unit == u]  # a size in the file in bytes
     return any(format(v * k, f".{digits}f") == figure for v in values for k in scales)
 
 
