@@ -342,7 +342,7 @@ SETTINGS = [re.compile(p) for p in (
     r"\b\d+x(?:,? (?:and |or )?\d+x)*(?:,? (?:and |or )?\d+x)? (?:compression|sparsity)",
     r"(?:compressions?|compression ratios?|at) \d+x(?:(?:, | and | or |/)\d+x)*",
     r"\b\d+ (?:GB|GiB) (?:of )?(?:GPU |host )?memory", r"timeout \d+ s",
-    r"at least \d+(?:\.\d+)?(?:x| %|%)",  # a target, not a measurement
+    r"at least \d+(?:\.\d+)?(?:x| %|%)", r"\b\d+(?:\.\d+)?x target",  # a target, not a measurement
 )]
 FIGURES_MARK = re.compile(r"^<!-- figures: (?P<files>[^>]*?) -->$")
 _NUM = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
