@@ -340,7 +340,8 @@ FIGURE = re.compile(
 # Settings, not measurements: compression ratios of a sweep, `--flag N`, key=value, sizes of the hardware.
 SETTINGS = [re.compile(p) for p in (
     r"\b\d+x(?:,? (?:and |or )?\d+x)*(?:,? (?:and |or )?\d+x)? (?:compression|sparsity)",
-    r"(?:compressions?|compression ratios?|at) \d+x(?:(?:, | and | or |/)\d+x)*",
+    r"(?:compressions?|compression ratios?|[Aa]t) \d+x(?:(?:, | and | or | ?/ ?)\d+x)*", r'"\d+x"',
+    r"(?:retrieval|arith) \d+x", r"(?:above|over) \d+x",  # a threshold
     r"\b\d+ (?:GB|GiB) (?:of )?(?:GPU |host )?memory", r"timeout \d+ s",
     r"at least \d+(?:\.\d+)?(?:x| %|%)", r"\b\d+(?:\.\d+)?x target",  # a target, not a measurement
 )]
