@@ -341,7 +341,7 @@ FIGURE = re.compile(
 SETTINGS = [re.compile(p) for p in (
     r"\b\d+x(?:,? (?:and |or )?\d+x)*(?:,? (?:and |or )?\d+x)? (?:compression|sparsity)",
     r"(?:compressions?|compression ratios?|[Aa]t) \d+x(?:(?:, | and | or | ?/ ?)\d+x)*", r'"\d+x"',
-    r"(?:retrieval|arith) \d+x", r"(?:above|over) \d+x",  # a threshold
+    r"(?:retrieval|arith) \d+x", r"(?:above|over) \d+x", r"within \d+ ?% of",  # a threshold
     r"\b\d+ (?:GB|GiB) (?:of )?(?:GPU |host )?memory", r"timeout \d+ s",
     r"at least \d+(?:\.\d+)?(?:x| %|%)", r"\b\d+(?:\.\d+)?x target",  # a target, not a measurement
 )]
