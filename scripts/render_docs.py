@@ -11,7 +11,9 @@ Everything between the markers is generated: edit the results file, then run `ma
 that holds no measured figure (a list of settings, refusals, methods) is declared so on the line
 before it: `<!-- table: no measured figures -->`. `python scripts/render_docs.py --check` (and
 tests/test_docs.py) fails on a block that differs from its rendering and on a table with neither
-marker, naming the file and line.
+marker, naming the file and line, on a measured figure typed in prose that no results file pins or holds
+(`<!-- figures: FILE ... -->` opens a pinned paragraph), and on a results file from a dirty checkout without a
+`dirty_note` (docs/results/README.md).
 
 How a results file is drawn is set by its optional "table" object:
 - {"render": "eval"}: rows are `vase eval` summary rows; drawn with the console's default columns
@@ -342,6 +344,7 @@ SETTINGS = [re.compile(p) for p in (
     r"\b\d+x(?:,? (?:and |or )?\d+x)*(?:,? (?:and |or )?\d+x)? (?:compression|sparsity)",
     r"(?:compressions?|compression ratios?|[Aa]t) \d+x(?:(?:, | and | or | ?/ ?)\d+x)*", r'"\d+x"',
     r"(?:retrieval|arith) \d+x", r"(?:above|over) \d+x", r"within \d+ ?% of",  # a threshold
+    r"\b\d+ ?% (?:bootstrap )?(?:interval|CI|confidence)",  # a confidence level
     r"\b\d+ (?:GB|GiB) (?:of )?(?:GPU |host )?memory", r"timeout \d+ s",
     r"at least \d+(?:\.\d+)?(?:x| %|%)", r"\b\d+(?:\.\d+)?x target",  # a target, not a measurement
 )]
