@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,8 @@ def _append(run_dir: Path, record: dict[str, Any]) -> None:
 
 def record_start(run_dir: Path, rank: int, command: str | None = None) -> dict[str, Any]:
     """Append this process's start (commit, dirty, machine with load, versions, command); returns the record."""
+    if command is None and Path(sys.argv[0]).name in ("__main__.py", "cli.py", "main.py", "vase"):
+        command = shlex.join(["vase", *sys.argv[1:]])  # `python -m vase.cli eval ...` is `vase eval ...`
     rec = {"event": "start", "rank": rank, "pid": os.getpid(), **provenance(command)}
     _append(run_dir, rec)
     return rec
