@@ -65,9 +65,11 @@ eval-results: $(STAMP)
 	PYTHONPATH=src $(BIN)/python scripts/eval_results.py "$$(ls -td runs/make-eval/*/ | head -1)" docs/results/make-eval-vs-vase-dkv-32.json --against vase-dkv:32
 
 # Every figure table of README.md and docs/*.md, redrawn from its results file in docs/results/ (tests/test_docs.py
-# fails when one differs or a table has no marker).
-docs: $(STAMP)
-	PYTHONPATH=src $(BIN)/python scripts/render_docs.py
+# fails when one differs or a table has no marker). Never (re)installs: it needs only a python that imports vase's
+# dependencies, .venv's when there is one (a fresh clone's pyproject.toml is newer than the stamp), else $(PY).
+DOCS_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+docs:
+	PYTHONPATH=src $(DOCS_PY) scripts/render_docs.py
 
 bench: $(STAMP)
 	$(BIN)/vase bench

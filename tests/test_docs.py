@@ -98,7 +98,9 @@ def test_the_eval_table_is_drawn_as_vase_eval_prints_it(tmp_path):
                  table={"render": "eval"})
     block = rd.render_block("docs/results/x.json", root / "README.md", root)
     assert "| m | 50 | 16 | 75.0 | 100 | -25.0 [-50.0, -6.2] | 0.125 |" in block
-    assert "not distinguishable from full on accuracy at n = 16 problems" in block  # the verdict line under it
+    assert "\n- not distinguishable from full on accuracy at n = 16 problems" in block  # the verdict, as a list
+    assert "\n- *Measured 2026-12-03 at commit abc*\n- cpu, 2 cores\n- `vase bench`\n- results: " in block
+    assert max(map(len, block.split("\n")[-6:])) < 200  # the lines under the table stay short
 
 
 def test_summary_rows_compute_the_median_and_range_of_paired_repeats(tmp_path):
@@ -118,7 +120,7 @@ def test_summary_ratio_of_two_rows_is_taken_within_each_round(tmp_path):
                                      {"method": "full", "compiled": False, "tok_s_runs": "1;2;2"}])
     spec = {"of": {"method": "vase"}, "to": {"method": "full"}, "rounds": "tok_s_runs"}
     lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "ratio": spec, "unit": "x"}], root)
-    assert "| f | 2.00x | median of 3 paired rounds, range 0.50..2.00 |" in lines[2]
+    assert "| f | 2.00x | median of 3 paired rounds, range 0.50..2.00 (spans 1: no difference shown) |" in lines[2]
 
 
 def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):
@@ -127,7 +129,7 @@ def test_summary_rows_read_a_bench_rows_median_and_its_range(tmp_path):
                                       "repeats": 3}])
     lines = rd._summary_table([{"figure": "f", "file": "docs/results/x.json", "where": {"method": "snapkv"},
                                 "paired": "vs_full", "unit": "x"}], root)
-    assert "| f | 1.03x | median of 3 paired rounds, range 0.99..1.08 |" in lines[2]
+    assert "| f | 1.03x | median of 3 paired rounds, range 0.99..1.08 (spans 1: no difference shown) |" in lines[2]
 
 
 _BROKEN = {  # issue 40: each ended `make docs` in a Python traceback, or drew a table it should not have
@@ -161,3 +163,60 @@ def test_a_broken_results_file_is_one_line_naming_it(case, tmp_path, capsys):
     assert (root / "README.md").read_text() == readme  # nothing drawn from it
     [problem] = rd.check(root)  # --check names it the same way
     assert problem.startswith("README.md:3: ") and __import__("re").search(want, problem), problem
+
+
+def test_a_dirty_results_file_is_flagged_and_needs_a_reason(tmp_path):
+    root = _site(tmp_path, "<!-- results: docs/results/x.json -->\n<!-- /results -->\n")
+    path = root / "docs" / "results" / "x.json"
+    data = json.loads(path.read_text())
+    data["provenance"]["dirty"] = True
+    path.write_text(json.dumps(data))
+    doc = root / "README.md"
+    doc.write_text(rd.render_text(doc.read_text(), doc, root))
+    assert [p for p in rd.check(root) if "x.json: measured from a checkout with uncommitted changes" in p]
+    assert "**From a checkout with uncommitted changes**: *Measured" in doc.read_text()
+    data["provenance"]["dirty_note"] = "the diff was a comment"
+    path.write_text(json.dumps(data))
+    doc.write_text(rd.render_text(doc.read_text(), doc, root))
+    assert rd.check(root) == []
+    assert "**From a checkout with uncommitted changes** (the diff was a comment): *Measured" in doc.read_text()
+
+
+def test_a_figure_typed_in_prose_is_found_unless_pinned_to_a_file_that_holds_it(tmp_path):
+    rows = [{"method": "full", "ratio": 1.065, "ms": 85.9, "share": 0.125}]
+    root = _site(tmp_path, "", rows=rows)
+    doc = root / "README.md"
+    link = "[x.json](docs/results/x.json)"
+
+    def problems(text):
+        doc.write_text(text)
+        return [p for p in rd.check(root) if "README.md" in p]
+
+    assert [p for p in problems("It runs 1.07x faster.\n") if "'1.07x' is a measured figure outside" in p]
+    assert problems("Settings only: `--budget 128`, 4x compression, a 16 x 256 run, B = 128.\n") == []
+    # pinned by a marker or a link: each number must be one of the file's, as printed
+    assert problems("<!-- figures: docs/results/x.json -->\nIt runs 1.065x (85.9 ms, 12.5 %).\n") == []
+    assert problems(f"It runs 1.06x at 85.9 ms ({link}).\n") == []  # 1.065 shown to 2 digits is 1.06
+    assert [p for p in problems(f"It runs 1.07x ({link}).\n") if "'1.07x' is not in" in p]  # rounded up by hand
+    bad = problems(f"It runs 1.07-1.09x, 76-83 ms in every row ({link}).\n")
+    assert [p for p in bad if "'1.07-1.09x' is not in docs/results/x.json" in p]
+    assert [p for p in bad if "'76-83 ms' is not in" in p]
+    # a pin holds until the paragraph ends
+    assert [p for p in problems("<!-- figures: docs/results/x.json -->\n1.065x\n\nthen 2.5x\n") if "'2.5x'" in p]
+    assert [p for p in problems("<!-- figures: docs/results/nope.json -->\n1.065x\n") if "not a readable" in p]
+
+
+def test_summary_groups_intervals_and_a_range_spanning_one(tmp_path):
+    root = _site(tmp_path, "", rows=[{"method": "m", "vs_full": 1.027, "vs_full_lo": 0.971, "vs_full_hi": 1.694,
+                                      "repeats": 9, "d": -43.75, "lo": -68.75, "hi": -18.75}])
+    f = "docs/results/x.json"
+    lines = rd._summary_table([
+        {"group": "speed", "figure": "a", "file": f, "paired": "vs_full", "unit": "x", "format": ".3f"},
+        {"group": "speed", "figure": "b", "file": f, "paired": "vs_full", "unit": "x"},
+        {"group": "accuracy", "figure": "c", "file": f, "cell": "d", "interval": ["lo", "hi"], "format": "+.1f"}], root)
+    assert lines[0].startswith("| | figure | value |") and lines[1].startswith("|---|---|")
+    assert lines[2].startswith("| **speed** | a | 1.027x | median of 9 paired rounds, range 0.971..1.694 "
+                               "(spans 1: no difference shown) |")
+    assert lines[3].startswith("|  | b | 1.03x |")  # the group named once
+    assert lines[4].startswith("| **accuracy** | c | -43.8 | 95% interval -68.8..-18.8 |")
+    assert "spans 1" not in rd._spans_one("median of 5 paired rounds, range 1.11..1.15", "x")

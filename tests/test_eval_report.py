@@ -365,3 +365,33 @@ def test_runner_keeps_the_noise_per_target(tmp_path):
         assert mean == pytest.approx(r["noise_kl_mean"], rel=1e-3, abs=1e-15)
     rows = {(r["method"], r["budget"]): r for r in summarize(run_dir, print_table=False, plots=False)}
     assert rows[("snapkv", 24)]["kl_evicted"] > 0 and rows[("snapkv", 24)]["noise_kl_evicted"] is not None
+
+
+def test_small_p_values_are_shown_not_rounded_to_zero_and_equal_rows_are_named_together():
+    from vase.eval.cells import format_p
+    from vase.eval.table import verdict_lines
+
+    assert [format_p(p) for p in (1.2207e-4, 0.0156, 0.001, 0.25)] == ["1.2e-4", "0.016", "0.001", "0.250"]
+    # 16 problems, two methods wrong on the same 14 where full is right: p = 2 / 2**14 = 1.2e-4 each.
+    samples = [rec("full", None, f"p{i}", 0, True, 10, "1") for i in range(16)]
+    samples += [rec(m, 50, f"p{i}", 0, i >= 14, 10, "1") for m in ("a", "b") for i in range(16)]
+    rows = summary_rows(samples)
+    lines = verdict_lines(rows)
+    assert lines == ["less accurate than full (95% interval and exact paired test, p < 0.05): "
+                     "a B=50, b B=50 (-88 pts, p = 1.2e-4)"]
+    assert "0.000" not in conclusion(rows) and conclusion(rows) == lines[0] + "."
+
+
+def test_piped_output_fits_columns_when_set_and_every_line_fits(monkeypatch, capsys):
+    # `vase eval ... | tee log` with COLUMNS=120: not a terminal, but the width to fit is given; the verdict lines
+    # are wrapped too (a 400-character line is no better than a wide table), and --wide is named for the rest.
+    from vase.eval.report import print_table
+
+    monkeypatch.setenv("COLUMNS", "120")
+    print_table(_demo_rows(), title="t")
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.split("\n")) <= 120, out
+    assert "more columns with --wide" in out and "\n- " in out
+    monkeypatch.delenv("COLUMNS")
+    print_table(_demo_rows(), title="t", wide=True)  # a log without COLUMNS: every column, not squeezed to 80
+    assert max(len(line) for line in capsys.readouterr().out.split("\n")) > 120

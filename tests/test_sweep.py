@@ -143,3 +143,27 @@ def test_cli_errors_are_one_line(model_dir, args, message, capsys):
     code, out, err = _cli([*args, "--model", model_dir], capsys)
     lines = err.strip().splitlines()
     assert code != 0 and message in lines[-1] and "Traceback" not in err
+
+
+def test_run_sweep_gives_quest_the_equal_sparsity_budget_at_its_call_site(tmp_path, monkeypatch):
+    """The budget run_sweep hands Quest is `equal_sparsity_budget` of that problem's own P, T, B and t0 (not, e.g.,
+    `B + w // 2`, which the attended-tokens check above lets through within its 0.5 tolerance)."""
+    import vase.generation as generation
+    from vase.eval.metrics import first_evicted_target
+
+    calls, real = [], generation.forced_log_probs
+
+    def spy(model, prompt_ids, targets, **kw):
+        calls.append((kw["method"], kw.get("budget"), len(prompt_ids), len(targets), kw.get("window")))
+        return real(model, prompt_ids, targets, **kw)
+
+    monkeypatch.setattr(generation, "forced_log_probs", spy)
+    model, tok = tiny_model("qwen3", "sdpa"), tiny_tokenizer()
+    run_sweep(model, tok, tmp_path, tasks={"short": ["Tell me a story about a cat", "Count to ten please"]},
+              methods=["snapkv", "quest"], compressions=[2, 3], window=16, max_new_tokens=61, chat_template=False)
+    scored = [c for c in calls if c[0] != "full"]
+    assert [c[0] for c in scored] == ["snapkv", "quest"] * (len(scored) // 2) and scored
+    for (_, B, P, T, w), (_, K, P2, T2, _) in zip(scored[::2], scored[1::2]):
+        assert (P, T) == (P2, T2)
+        t0 = first_evicted_target(P, budget=B, window=w, evicts=True)
+        assert K == equal_sparsity_budget(P, T, B, w, t0), (P, T, B, K)

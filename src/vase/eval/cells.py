@@ -10,7 +10,7 @@ from typing import Any
 
 from vase.eval.config import FULL
 
-__all__ = ["Cell", "table_cells", "DEFAULT_CELLS", "LEGEND"]
+__all__ = ["Cell", "table_cells", "DEFAULT_CELLS", "LEGEND", "format_p"]
 
 
 def _interval(r: Mapping[str, Any], mean: str, lo: str, hi: str, fmt: str) -> str:
@@ -23,11 +23,19 @@ def _num(v: Any, fmt: str) -> str:
     return "-" if v is None else f"{v:{fmt}}"
 
 
+def format_p(p: float) -> str:
+    """A p-value as text: three decimals from 0.001 up, else two significant digits (1.2e-4, never 0.000)."""
+    if p >= 0.001 or p <= 0:
+        return f"{p:.3f}"
+    mantissa, exponent = f"{p:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def _p_value(r: Mapping[str, Any]) -> str:
     # "~": a Monte Carlo p-value (more than SIGN_FLIP_EXACT_MAX problems differ), else enumerated exactly.
     if r.get("paired_p") is None:
         return "-"
-    return f"{r['paired_p']:.3f}" + ("" if r.get("paired_p_exact", True) else "~")
+    return format_p(r["paired_p"]) + ("" if r.get("paired_p_exact", True) else "~")
 
 
 def _kl_cell(r: Mapping[str, Any]) -> str:

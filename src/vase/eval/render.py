@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from vase.eval.cells import DEFAULT_CELLS, LEGEND, table_cells
 from vase.eval.config import FULL
 from vase.eval.store import atomic_write_text
-from vase.eval.table import COLUMNS, conclusion, noise_line, reference_of
+from vase.eval.table import COLUMNS, conclusion, noise_line, reference_of, verdict_lines
 
 __all__ = ["write_csv", "write_markdown", "print_table", "fit_columns", "column_widths"]
 
@@ -112,8 +113,8 @@ def print_table(rows: Sequence[Mapping[str, Any]], title: str | None = None, con
 
     if console is None:
         console = Console()
-        if not console.is_terminal:  # a log file: do not squeeze the table into 80 columns
-            console = Console(width=max(console.width, 240))
+        if not console.is_terminal and not os.environ.get("COLUMNS"):  # a log file: not squeezed into 80 columns
+            console = Console(width=max(console.width, 240))  # (COLUMNS, when set, is the width to fit)
     ref = reference_of(rows)
     all_cells = table_cells(ref)
     widths = {} if wide else fit_columns(rows, console.width, reference=ref)
@@ -134,7 +135,9 @@ def print_table(rows: Sequence[Mapping[str, Any]], title: str | None = None, con
         console.print(f"[dim]{len(hidden)} more columns with --wide"
                       + (f" (too narrow here for: {escape(', '.join(left))})" if left else "")
                       + "; all of them are in summary.csv / summary.md / report.html[/]", highlight=False)
-    console.print(conclusion(rows), soft_wrap=True)
+    verdict = verdict_lines(rows)  # one line per class, wrapped to the console's width like the table
+    for line in verdict or [conclusion(rows)]:
+        console.print(f"- {line}" if verdict else line, highlight=False)
     noise = noise_line(rows)
     if noise:
-        console.print(noise, soft_wrap=True)
+        console.print(noise, highlight=False)

@@ -19,6 +19,7 @@ Run directory (``<output_dir>/<run_name>``)::
 
     config.json               the run identity and every method's full parameters (never overwritten)
     starts.jsonl              one line per process start (rank, world, device, batch size, ...)
+    provenance.jsonl          commit (dirty flag), machine, versions and load at each process's start and end
     samples.rank{R}.jsonl     one record per finished completion (see SAMPLE_FIELDS)
     fidelity.rank{R}.jsonl    one record per (problem, method, budget) when fidelity is on
     summary.csv / summary.md  per (method, budget) table, rebuilt from the JSONL by report.summarize
@@ -53,6 +54,7 @@ from vase.eval.failures import classify_failure
 from vase.eval.grading import extract_answer, is_correct
 from vase.eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target, kl_per_token, kv_schedule
 from vase.eval.prompts import build_user_message
+from vase.eval.run_provenance import record_end, record_start
 from vase.eval.store import (
     FIDELITY,
     FIDELITY_KEY,
@@ -684,7 +686,9 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
     dist = _Dist(runner.world, runner.rank)
     try:
         run_dir = runner.prepare()
+        started = record_start(run_dir, runner.rank)  # the run's own commit, machine and load (scripts/eval_results.py)
         runner.run()
+        record_end(run_dir, started)
         dist.barrier()
         if summarize and runner.rank == 0:
             from vase.eval.report import summarize as _summarize

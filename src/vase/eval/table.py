@@ -327,16 +327,28 @@ def _verdict(r: Mapping[str, Any]) -> str:
 
 
 def _p_text(r: Mapping[str, Any]) -> str:
+    from vase.eval.cells import format_p
+
     p = r.get("paired_p")
-    return "p n/a" if p is None else f"p = {p:.3f}" + ("" if r.get("paired_p_exact", True) else "~")
+    return "p n/a" if p is None else f"p = {format_p(p)}" + ("" if r.get("paired_p_exact", True) else "~")
 
 
-def conclusion(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One line: which rows the paired comparison puts below or above the reference on accuracy.
+def _merged(items: list[tuple[str, str]]) -> str:
+    """Rows that share the same figures named once with them: 'a B=12, b B=12 (-88 pts, p = 1.2e-4); c (...)'."""
+    by: dict[str, list[str]] = defaultdict(list)
+    for label, figures in items:
+        by[figures].append(label)
+    return "; ".join(f"{', '.join(labels)} ({figures})" for figures, labels in by.items())
+
+
+def verdict_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The verdict as short lines, one per class (less / more accurate than the reference, not distinguishable),
+    rows with the same change and p named together; then a line on partial rows, if any. Empty without rows to
+    compare. `conclusion` joins them into the console's one line; the docs print them as a list.
 
     A row is below (above) only when its 95 % bootstrap interval lies below (above) 0 and the paired
     sign-flip test gives p < 0.05; every other row is "not distinguishable at n = N problems", with its
-    interval and p, so the line never claims what one of the two does not support.
+    interval and p, so no line claims what one of the two does not support.
     """
     worse, better, unclear = [], [], []
     ref = next((r["reference"] for r in rows if r.get("reference")), FULL)
@@ -344,31 +356,37 @@ def conclusion(rows: Sequence[Mapping[str, Any]]) -> str:
         if row_label(r) == ref or r.get("d_acc_lo_pct") is None:
             continue
         verdict = _verdict(r)
-        if verdict == "worse":
-            worse.append(f"{row_label(r)} ({r['d_acc_pct']:+.0f} pts, {_p_text(r)})")
-        elif verdict == "better":
-            better.append(f"{row_label(r)} ({r['d_acc_pct']:+.0f} pts, {_p_text(r)})")
+        if verdict in ("worse", "better"):
+            (worse if verdict == "worse" else better).append((row_label(r), f"{r['d_acc_pct']:+.0f} pts, {_p_text(r)}"))
         else:
-            unclear.append(f"{row_label(r)} ([{r['d_acc_lo_pct']:+.1f}, {r['d_acc_hi_pct']:+.1f}] pts, "
-                           f"{_p_text(r)})")
+            unclear.append((row_label(r), f"[{r['d_acc_lo_pct']:+.1f}, {r['d_acc_hi_pct']:+.1f}] pts, {_p_text(r)}"))
     n = max((r["n_problems"] for r in rows), default=0)
-    parts = []
     rule = f"95% interval and exact paired test, p < {ALPHA:g}"
+    lines = []
     if worse:
-        parts.append(f"less accurate than {ref} ({rule}): " + ", ".join(worse))
+        lines.append(f"less accurate than {ref} ({rule}): " + _merged(worse))
     if better:
-        parts.append(f"more accurate than {ref} ({rule}): " + ", ".join(better))
+        lines.append(f"more accurate than {ref} ({rule}): " + _merged(better))
     if unclear:
-        parts.append(f"not distinguishable from {ref} on accuracy at n = {n} problems (the interval contains 0 "
-                     "or the paired test does not reject): " + ", ".join(unclear))
-    if not parts:
-        return f"No paired comparison with {ref} yet."
+        lines.append(f"not distinguishable from {ref} on accuracy at n = {n} problems (the interval contains 0 "
+                     "or the paired test does not reject): " + _merged(unclear))
     flagged = [row_label(r) for r in rows if r.get("keys_match") is False]
-    line = "; ".join(parts) + "."
-    if flagged:
-        line += (f" Rows marked * hold other (problem, sample) pairs than {ref} (a partial run); their pass@1 "
-                 f"and paired columns use the shared pairs only: " + ", ".join(flagged) + ".")
-    return line
+    if lines and flagged:
+        lines.append(f"Rows marked * hold other (problem, sample) pairs than {ref} (a partial run); their pass@1 "
+                     f"and paired columns use the shared pairs only: " + ", ".join(flagged))
+    return lines
+
+
+def conclusion(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line: which rows the paired comparison puts below or above the reference on accuracy
+    (:func:`verdict_lines` joined)."""
+    lines = verdict_lines(rows)
+    if not lines:
+        ref = next((r["reference"] for r in rows if r.get("reference")), FULL)
+        return f"No paired comparison with {ref} yet."
+    if lines[-1].startswith("Rows marked *"):
+        return "; ".join(lines[:-1]) + ". " + lines[-1] + "."
+    return "; ".join(lines) + "."
 
 
 def noise_line(rows: Sequence[Mapping[str, Any]]) -> str | None:

@@ -1,0 +1,32 @@
+"""`make docs` redraws the tables and nothing else: in a fresh clone (pyproject.toml newer than .venv's stamp) it
+must not rebuild the venv first."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_docs_does_not_reinstall_the_venv_when_pyproject_is_newer(tmp_path):
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text("")
+    stamp = tmp_path / ".venv" / ".installed"
+    stamp.write_text("")
+    (tmp_path / "pyproject.toml").write_text("")
+    os.utime(stamp, (1_000_000, 1_000_000))  # the stamp older than pyproject.toml, as in a fresh clone
+    out = subprocess.run(["make", "-n", "docs"], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert "scripts/render_docs.py" in out and ".venv/bin/python" in out
+    assert "pip" not in out and "venv" not in out.replace(".venv/bin/python", ""), out
+    # without a venv it uses $(PY), still without installing anything
+    shutil.rmtree(tmp_path / ".venv")
+    out = subprocess.run(["make", "-n", "docs", "PY=python3.99"], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout
+    assert "python3.99 scripts/render_docs.py" in out and "pip" not in out, out
