@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .capture import CapturePlan
+from .fp8 import Fp8Codec, layer_codec
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
 from .paged import Layout, evict_paged
 from .requests import VaseRequest, VaseRunnerMixin
@@ -92,11 +93,18 @@ class VaseStepMixin(VaseRunnerMixin):
             queries = self.vase_ring.window_of(ring, req.slot, seen) if self.vase_policy.needs_queries else None
             kept.append(evict_paged(keys, values, block_ids, length, queries, self.vase_policy, keep, cfg.window,
                                     req.state, layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
-                                    block_size=self.vase_block_size, target_block_ids=target))
+                                    block_size=self.vase_block_size, target_block_ids=target,
+                                    codec=self._vase_codec(name)))
         req.state.evictions += 1
         self.vase_evictions += 1
         if self.vase_record is not None:
             self._vase_record_eviction(req_id, req, kept, length, seen)
+
+    def _vase_codec(self, layer_name: str) -> Fp8Codec | None:
+        """How the policy reads this layer's stored K/V: None (unquantised), or an fp8 cache's codes decoded with the
+        layer's k_scale / v_scale (`vase.vllm.fp8`)."""
+        layer = self.compilation_config.static_forward_context[layer_name]
+        return layer_codec(layer, self.cache_config.cache_dtype, self.model_config.dtype)
 
     def _vase_record_eviction(self, req_id: str, req: VaseRequest, kept: list[torch.Tensor], length: int,
                               seen: int) -> None:
