@@ -5,8 +5,8 @@
 The same rounding as vLLM's fp8 KV cache (`kv_cache_dtype="fp8"`, per-layer `k_scale` / `v_scale`, 1.0 unless
 calibrated): a row is stored as `(x / scale)` cast to float8, saturated at the format's largest finite value,
 and read back as `float8 -> model dtype * scale`. The cast rounds to nearest even (torch's cast,
-`rounding="nearest"`); vLLM 0.32's CPU kernel (`cpu_attn_reshape_and_cache`) truncates toward zero and stores
-no negative zero, which `Fp8Spec(rounding="zero")` reproduces bit for bit (tests/test_vllm_fp8.py). Everything
+`rounding="nearest"`); vLLM 0.32's CPU kernel (`cpu_attn_reshape_and_cache`) truncates toward zero (and
+stores -0.0 as +0), which `Fp8Spec(rounding="zero")` reproduces bit for bit (tests/test_vllm_fp8.py). Everything
 the layer reads goes through `read` / `candidates`, so attention and the policies (value guard, key norms, R-KV
 redundancy, DKV) see dequantized K/V. Compaction moves the float8 bytes (no scale is involved). One byte per
 element, plus the two float32 scales per layer.
@@ -45,7 +45,8 @@ ROUNDINGS = ("nearest", "zero")
 def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float, rounding: str = "nearest") -> torch.Tensor:
     """`x` [..., d] divided by `scale`, saturated to `dtype`'s finite range and cast to it.
 
-    rounding "zero": the largest-magnitude code not above |x / scale| (vLLM's CPU kernel), and +0 for -0."""
+    rounding "zero": the largest-magnitude code not above |x / scale| with x's sign (vLLM's CPU kernel: a tiny
+    negative becomes -0), and +0 for a zero x of either sign."""
     limit = torch.finfo(dtype).max
     y = (x.float() / scale).clamp_(-limit, limit)
     codes = y.to(dtype)
@@ -54,7 +55,7 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float, rounding: str = "n
     bits = codes.view(torch.uint8).clone()
     # a magnitude rounded up steps one code toward zero: within one sign, codes are ordered as magnitudes
     bits -= (codes.float().abs() > y.abs()).to(torch.uint8)
-    bits[bits == 0x80] = 0  # -0 (also what a tiny negative truncates to) is stored as +0
+    bits[y == 0] = 0  # the kernel's sign is x < 0: -0.0 is stored as +0
     return bits.view(dtype)
 
 
