@@ -1,6 +1,7 @@
 """The plugin's config and per-request stats: pure code, no vLLM needed."""
 
 import pytest
+import torch
 
 from vase import schedule
 from vase.vllm import VaseConfigError, VaseVllmConfig, additional_config, max_blocks, request_stats
@@ -90,7 +91,7 @@ def test_a_plain_built_config_passes():
                                                                           attn_config={"alibi": True})}, {}, "ALiBi"),
     ({"model_config.hf_text_config": __import__("types").SimpleNamespace(model_type="falcon", alibi=True)}, {},
      "ALiBi"),
-    ({"cache_config.cache_dtype": "fp8_e4m3"}, {}, "KV cache dtype resolved to fp8_e4m3"),
+    ({"cache_config.cache_dtype": "int8_per_token_head"}, {}, "KV cache dtype resolved to int8_per_token_head"),
     ({"kv_transfer_config": object()}, {}, "drop kv_transfer_config"),
     ({"use_v2_model_runner": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "because VLLM_USE_V2_MODEL_RUNNER=1: set "
                                                                        "VLLM_USE_V2_MODEL_RUNNER=0"),
@@ -117,7 +118,7 @@ def test_tensor_parallelism_is_accepted_on_the_built_config():
 
 @pytest.mark.parametrize("attrs, fragment", [
     ({"alibi_slopes": [0.5, 0.25]}, "has ALiBi slopes"),
-    ({"kv_cache_dtype": "fp8"}, "stores its KV cache as fp8"),
+    ({"kv_cache_dtype": "int8_per_token_head"}, "stores its KV cache as int8_per_token_head"),
     ({"sliding_window": 128}, "uses a sliding window"),
 ])
 def test_attention_layers_that_would_read_evicted_slots_wrongly_are_refused(attrs, fragment):
@@ -133,6 +134,21 @@ def test_attention_layers_that_would_read_evicted_slots_wrongly_are_refused(attr
     check_kv_tensor("l0", "float32", "float32")
     with pytest.raises(VaseConfigError, match="got a uint8 KV cache for a float32 model"):
         check_kv_tensor("l0", "uint8", "float32")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_kv_cache_is_accepted_and_an_unquantised_tensor_under_it_refused(fmt):
+    """vLLM's fp8 formats (uint8 codes, tests/test_vllm_fp8.py) pass the built config and the layer checks; a layer
+    whose tensor is not uint8 under them is refused."""
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.refusals import check_attention_layer, check_built_config, check_kv_tensor
+
+    check_built_config(_built(**{"cache_config.cache_dtype": fmt}), env={})
+    check_attention_layer("l0", NS(alibi_slopes=None, kv_cache_dtype=fmt, sliding_window=-1), "float32")
+    check_kv_tensor("l0", torch.uint8, torch.float32, fmt)
+    with pytest.raises(VaseConfigError, match=f"got a torch.float32 KV cache .* kv_cache_dtype {fmt}"):
+        check_kv_tensor("l0", torch.float32, torch.float32, fmt)
 
 
 # -- beam search, pooling models, TP wider than the KV heads, K/V head sizes that differ (issue 27) ----------------

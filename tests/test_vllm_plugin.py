@@ -117,7 +117,7 @@ def test_bad_config_fails_before_the_engine_starts(model_path):
                               ({"method": "vase-attnv", "budget": 36, "window": 32}, "budget (36)")]:
         with pytest.raises(VaseConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             LLM(model=model_path, additional_config={"vase": section}, max_model_len=256)
-    for options, fragment in [({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='auto'")]:
+    for options, fragment in [({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype='auto' or one of fp8")]:
         with pytest.raises(VaseConfigError, match=fragment):
             LLM(model=model_path, additional_config=additional_config("snapkv", 64, 16), max_model_len=256, **options)
 

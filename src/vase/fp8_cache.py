@@ -4,9 +4,12 @@
 
 The same rounding as vLLM's fp8 KV cache (`kv_cache_dtype="fp8"`, per-layer `k_scale` / `v_scale`, 1.0 unless
 calibrated): a row is stored as `(x / scale)` cast to float8, saturated at the format's largest finite value,
-and read back as `float8 -> model dtype * scale`. Everything the layer reads goes through `read` / `candidates`,
-so attention and the policies (value guard, key norms, R-KV redundancy, DKV) see dequantized K/V. Compaction
-moves the float8 bytes (no scale is involved). One byte per element, plus the two float32 scales per layer.
+and read back as `float8 -> model dtype * scale`. The cast rounds to nearest even (torch's cast,
+`rounding="nearest"`); vLLM 0.32's CPU kernel (`cpu_attn_reshape_and_cache`) truncates toward zero (and
+stores -0.0 as +0), which `Fp8Spec(rounding="zero")` reproduces bit for bit (tests/test_vllm_fp8.py). Everything
+the layer reads goes through `read` / `candidates`, so attention and the policies (value guard, key norms, R-KV
+redundancy, DKV) see dequantized K/V. Compaction moves the float8 bytes (no scale is involved). One byte per
+element, plus the two float32 scales per layer.
 
 The storage registry (`vase.storages`) registers it as the `fp8` kind: the keyword `kv_dtype` passes every door
 (`EvictionCache`, `vase.generate`, `RequestSpec.of`, `-p kv_dtype=fp8`); compile=True has no fixed-shape form
@@ -27,7 +30,7 @@ from .policies import Policy
 from .schedule import physical_length
 from .storage import Rows
 
-__all__ = ["FORMATS", "Fp8Spec", "Fp8Config", "Fp8Storage", "Fp8Bytes", "to_fp8", "from_fp8"]
+__all__ = ["FORMATS", "ROUNDINGS", "Fp8Spec", "Fp8Config", "Fp8Storage", "Fp8Bytes", "to_fp8", "from_fp8"]
 
 #: kv_dtype spellings (vLLM's `kv_cache_dtype` names) -> torch dtype; "fp8" is e4m3, as in vLLM
 FORMATS: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -35,10 +38,25 @@ FORMATS: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch
 SCALE_BYTES = 2 * 4  # k_scale and v_scale, float32, per layer
 
 
-def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """`x` [..., d] divided by `scale`, saturated to `dtype`'s finite range and cast to it."""
+#: how `to_fp8` rounds: to nearest even (torch's cast) or toward zero (vLLM's CPU kernel)
+ROUNDINGS = ("nearest", "zero")
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float, rounding: str = "nearest") -> torch.Tensor:
+    """`x` [..., d] divided by `scale`, saturated to `dtype`'s finite range and cast to it.
+
+    rounding "zero": the largest-magnitude code not above |x / scale| with x's sign (vLLM's CPU kernel: a tiny
+    negative becomes -0), and +0 for a zero x of either sign."""
     limit = torch.finfo(dtype).max
-    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
+    y = (x.float() / scale).clamp_(-limit, limit)
+    codes = y.to(dtype)
+    if rounding == "nearest":
+        return codes
+    bits = codes.view(torch.uint8).clone()
+    # a magnitude rounded up steps one code toward zero: within one sign, codes are ordered as magnitudes
+    bits -= (codes.float().abs() > y.abs()).to(torch.uint8)
+    bits[y == 0] = 0  # the kernel's sign is x < 0: -0.0 is stored as +0
+    return bits.view(dtype)
 
 
 def from_fp8(codes: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -52,6 +70,8 @@ class Fp8Spec:
     differently). Checked by `resolve`."""
 
     dtype: str = "fp8"
+    #: "nearest" (torch's cast) or "zero" (vLLM's CPU kernel); no keyword of its own
+    rounding: str = "nearest"
     KEYWORDS: ClassVar[dict[str, str]] = {"dtype": "kv_dtype"}
 
     @classmethod
@@ -68,7 +88,9 @@ class Fp8Spec:
         if policy.selects:  # its page selection reads the stored keys directly
             raise ValueError(f"kv_dtype={self.dtype} does not run with {policy.name}, which selects pages from the "
                              f"stored keys: use kv_dtype=auto")
-        return Fp8Config(format=self.dtype)
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"fp8 rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
+        return Fp8Config(format=self.dtype, rounding=self.rounding)
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,7 @@ class Fp8Config:
     format: str
     k_scale: float = 1.0
     v_scale: float = 1.0
+    rounding: str = "nearest"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,8 +141,8 @@ class Fp8Storage:
         self._carriers(b, h, capacity, dk, self.values.shape[-1], self.keys.dtype, self.keys.device)
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
-        self.k_codes[:, :, start:end] = to_fp8(key_states, self.cfg.dtype, self.cfg.k_scale)
-        self.v_codes[:, :, start:end] = to_fp8(value_states, self.cfg.dtype, self.cfg.v_scale)
+        self.k_codes[:, :, start:end] = to_fp8(key_states, self.cfg.dtype, self.cfg.k_scale, self.cfg.rounding)
+        self.v_codes[:, :, start:end] = to_fp8(value_states, self.cfg.dtype, self.cfg.v_scale, self.cfg.rounding)
 
     def commit(self, positions: torch.Tensor, pad0: list[int], prompt: bool) -> None:
         pass  # each slot is final once written

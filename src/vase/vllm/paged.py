@@ -20,11 +20,15 @@ applied before the keys were written).
 vLLM's CPU kernel packs the `block_size x head_dim` elements of each (block, KV head) in its own
 order: a `Layout` gives, for each (offset, dim), the element's index in that block's storage,
 and `gather`/`scatter` go through it. That packed adapter is the only path that reshapes.
+
+An fp8 cache (uint8 codes, `vase.vllm.fp8`) is compacted as bytes; only the policy's copy of the
+candidates is decoded (`codec`), with the layer's scales.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -99,14 +103,16 @@ class RequestPolicyState:
 def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
                 queries: torch.Tensor | None, policy: Policy, budget: int, window: int, state: RequestPolicyState,
                 layer: int, sort_kept: bool = False, layout: Layout | None = None,
-                block_size: int | None = None, target_block_ids: torch.Tensor | None = None) -> torch.Tensor:
+                block_size: int | None = None, target_block_ids: torch.Tensor | None = None,
+                codec: Any = None) -> torch.Tensor:
     """Evict one request in one layer: its `length` stored slots become `budget`, compacted in place.
 
     key_cache, value_cache: [num_blocks, kv_heads, cache_block_size, head_dim] logical views (any
     strides), or the CPU kernel's packed blocks when `layout` is given. block_ids: [n_blocks] the
     request's blocks, of `block_size` tokens (default: the cache's dim 2). target_block_ids: [n_blocks]
     the blocks the kept slots are written to (copy-on-write: a shared block is read, never written; default
-    `block_ids`, in place).
+    `block_ids`, in place). codec: None, or an fp8 cache's `vase.vllm.fp8.Fp8Codec`: the policy reads the
+    decoded keys and values ([1, h, n, d] in the model dtype), the compaction moves the codes unchanged.
     Candidates are slots 0..length-w-1 (sinks first); the policy keeps B - w of them and the w
     most recent follow, exactly as `EvictionLayer.evict` does for one row without padding.
     queries: [1, q_heads, w, head_dim] post-RoPE, in time order (None when the policy needs none).
@@ -116,8 +122,9 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     where_k, where_v = (None, None) if layout is None else (layout.key, layout.value)
     n_cand = length - window
     blocks, offsets = slot_index(block_ids, length, block_size or cache_bs, cache_bs)
-    keys = gather(key_cache, where_k, blocks, offsets)
-    values = gather(value_cache, where_v, blocks, offsets)
+    stored_k = gather(key_cache, where_k, blocks, offsets)  # as stored: moved unchanged by the compaction
+    stored_v = gather(value_cache, where_v, blocks, offsets)
+    keys, values = (stored_k, stored_v) if codec is None else (codec.keys(stored_k), codec.values(stored_v))
     h = keys.shape[1]
     extra: dict[str, torch.Tensor] = {}
     slot_state = state.slot_state.setdefault(layer, {})
@@ -137,7 +144,7 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     else:  # copy-on-write: the kept slots go to the fresh blocks the scheduler gave for shared ones
         new_blocks, new_offsets = slot_index(target_block_ids, budget, block_size or cache_bs, cache_bs)
     # Read every survivor before writing: the targets (slots 0..B-1) overlap the sources.
-    for cache, where, rows in ((key_cache, where_k, keys), (value_cache, where_v, values)):
+    for cache, where, rows in ((key_cache, where_k, stored_k), (value_cache, where_v, stored_v)):
         scatter(cache, where, new_blocks, new_offsets, gather_slots(rows, index)[0])  # survivors [h, B, d]
     for name, tensor in slot_state.items():  # moves with its slot; slots B.. are new tokens from now on
         moved = torch.zeros_like(tensor)
@@ -159,13 +166,13 @@ class EvictionJob:
 def evict_paged_batch(key_cache: torch.Tensor, value_cache: torch.Tensor, jobs: list[EvictionJob], length: int,
                       queries: torch.Tensor | None, policy: Policy, budget: int, window: int, layer: int,
                       sort_kept: bool = False, layout: Layout | None = None,
-                      block_size: int | None = None) -> torch.Tensor:
+                      block_size: int | None = None, codec: Any = None) -> torch.Tensor:
     """Evict k requests of one length in one layer at once: one gather of all their slots, one policy call over a
     batch of k rows, one scatter of all survivors. Each row is `evict_paged` of that request (same kept slots,
     same draws from its own generator, same state hooks); the requests' blocks never overlap where written.
 
     jobs: the k requests, each with `length` stored slots; queries: [k, q_heads, w, head_dim] in time order (None
-    when the policy needs none). Returns the kept slot indices [k, kv_heads, B] (in their new order)."""
+    when the policy needs none); codec: as `evict_paged`'s (the policy reads decoded K/V, the codes move). Returns the kept slot indices [k, kv_heads, B] (in their new order)."""
     cache_bs = key_cache.shape[2]
     bs = block_size or cache_bs
     k, n_cand = len(jobs), length - window
@@ -177,7 +184,8 @@ def evict_paged_batch(key_cache: torch.Tensor, value_cache: torch.Tensor, jobs: 
         rows = gather(cache, where_x, blocks, offsets)[0]
         return rows.reshape(rows.shape[0], k, length, -1).transpose(0, 1).contiguous()
 
-    keys, values = rows_of(key_cache, where_k), rows_of(value_cache, where_v)
+    stored_k, stored_v = rows_of(key_cache, where_k), rows_of(value_cache, where_v)  # moved unchanged
+    keys, values = (stored_k, stored_v) if codec is None else (codec.keys(stored_k), codec.values(stored_v))
     h, device = keys.shape[1], keys.device
     extra: dict[str, torch.Tensor] = {}
     for name in policy.slot_state:  # per-slot state: each request's own, stacked (a copy, written back below)
@@ -197,7 +205,7 @@ def evict_paged_batch(key_cache: torch.Tensor, value_cache: torch.Tensor, jobs: 
                else slot_index(job.target_block_ids, budget, bs, cache_bs) for job, w in zip(jobs, where)]
     new_blocks, new_offsets = torch.cat([t[0] for t in targets]), torch.cat([t[1] for t in targets])
     # Every survivor is read (the gather above) before any is written: targets overlap the sources.
-    for cache, where_x, rows in ((key_cache, where_k, keys), (value_cache, where_v, values)):
+    for cache, where_x, rows in ((key_cache, where_k, stored_k), (value_cache, where_v, stored_v)):
         survivors = gather_slots(rows, index)  # [k, h, B, d]
         scatter(cache, where_x, new_blocks, new_offsets, survivors.transpose(0, 1).reshape(h, k * budget, -1))
     for name in policy.slot_state:

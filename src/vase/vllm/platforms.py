@@ -30,6 +30,7 @@ import os
 from typing import Any
 
 from .config import VaseConfigError
+from .fp8 import is_fp8
 from .layouts import GPU_BACKENDS
 
 CPU_WORKER_CLS = "vase.vllm.worker.VaseCPUWorker"
@@ -115,6 +116,9 @@ def check_gpu_config(vllm_config: Any) -> None:
     if backend is not None and _mode_name(backend) not in GPU_BACKENDS:
         raise VaseConfigError(f"vase's GPU worker runs on {', '.join(GPU_BACKENDS)}, not attention backend "
                               f"{_mode_name(backend)}: pick one of those {_DROP}")
+    if is_fp8(vllm_config.cache_config.cache_dtype):
+        raise VaseConfigError(f"vase evicts an fp8 KV cache on vLLM's CPU worker only (the GPU kernels' fp8 rounding "
+                              f"and layout are untested with eviction): use kv_cache_dtype='auto' {_DROP}")
     if getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) > 1:
         raise VaseConfigError(f"vase's GPU worker does not support decode context parallelism: use "
                               f"decode_context_parallel_size=1 {_DROP}")

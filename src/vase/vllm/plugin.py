@@ -21,6 +21,7 @@ from copy import copy
 
 from ..hybrid import SLIDING, layer_types
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
+from .fp8 import FP8_CACHE_DTYPES, is_fp8
 from .model_refusals import check_model_layers, local_layers_refusal
 from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
 from .refusals import BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape
@@ -47,9 +48,10 @@ def check_engine_args(args, cfg: VaseVllmConfig) -> None:
     if args.speculative_config:
         raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop "
                               "speculative_config or additional_config['vase']")
-    if args.kv_cache_dtype not in ("auto", None):
-        raise VaseConfigError(f"vase needs an unquantised KV cache, got kv_cache_dtype={args.kv_cache_dtype!r}: "
-                              f"use kv_cache_dtype='auto'")
+    if args.kv_cache_dtype not in ("auto", None) and not is_fp8(args.kv_cache_dtype):
+        raise VaseConfigError(f"vase evicts an unquantised or fp8 KV cache, got kv_cache_dtype="
+                              f"{args.kv_cache_dtype!r}: use kv_cache_dtype='auto' or one of "
+                              f"{', '.join(FP8_CACHE_DTYPES)}")
     if getattr(args, "kv_transfer_config", None) is not None:
         raise VaseConfigError("vase frees and rewrites KV blocks that a KV connector (kv_transfer_config, "
                               "disaggregated prefill, offloading) would move behind its back: drop kv_transfer_config "

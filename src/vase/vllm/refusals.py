@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from .config import VaseConfigError
+from .fp8 import FP8_CACHE_DTYPES, is_fp8, storage_dtype
 
 _DROP = "or drop additional_config['vase']"
 
@@ -46,10 +47,10 @@ def check_built_config(vllm_config: Any, env: dict | None = None) -> None:
         raise VaseConfigError(f"{name} uses ALiBi position biases, which vLLM's kernel computes from the physical slot "
                               f"(wrong after an eviction): use a RoPE model {_DROP}")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype != "auto":
-        raise VaseConfigError(f"vase needs an unquantised KV cache, but the KV cache dtype resolved to {cache_dtype} "
-                              f"(from kv_cache_dtype or the checkpoint's quantization config): pass "
-                              f"kv_cache_dtype='auto' with an unquantised-KV checkpoint {_DROP}")
+    if cache_dtype != "auto" and not is_fp8(cache_dtype):
+        raise VaseConfigError(f"vase evicts an unquantised or fp8 KV cache, but the KV cache dtype resolved to "
+                              f"{cache_dtype} (from kv_cache_dtype or the checkpoint's quantization config): pass "
+                              f"kv_cache_dtype='auto' or one of {', '.join(FP8_CACHE_DTYPES)} {_DROP}")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise VaseConfigError(f"vase frees and rewrites KV blocks that a KV connector (kv_transfer_config, "
                               f"disaggregated prefill, offloading) would move behind its back: drop kv_transfer_config "
@@ -77,9 +78,9 @@ def check_attention_layer(name: str, impl: Any, model_dtype: Any, sliding: bool 
         raise VaseConfigError(f"attention layer {name} has ALiBi slopes, which vLLM's kernel applies by physical slot "
                               f"(wrong after an eviction): use a RoPE model {_DROP}")
     kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
-    if kv_dtype != "auto":
-        raise VaseConfigError(f"attention layer {name} stores its KV cache as {kv_dtype}; vase needs it unquantised: "
-                              f"use kv_cache_dtype='auto' with an unquantised-KV checkpoint {_DROP}")
+    if kv_dtype != "auto" and not is_fp8(kv_dtype):
+        raise VaseConfigError(f"attention layer {name} stores its KV cache as {kv_dtype}; vase evicts it unquantised "
+                              f"or fp8: use kv_cache_dtype='auto' or one of {', '.join(FP8_CACHE_DTYPES)} {_DROP}")
     if not sliding and getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
         raise VaseConfigError(f"attention layer {name} uses a sliding window, which vase does not combine with "
                               f"eviction: use a model with full attention {_DROP}")
@@ -112,11 +113,14 @@ def check_evicted_layer(name: str, layer: Any) -> None:
                               f"chunks would follow physical slots): use a model with full attention {_DROP}")
 
 
-def check_kv_tensor(name: str, kv_dtype: Any, model_dtype: Any) -> None:
-    """Refuse a layer whose allocated KV cache is not in the model's dtype (a quantised cache chosen late)."""
-    if kv_dtype != model_dtype:
-        raise VaseConfigError(f"attention layer {name} got a {kv_dtype} KV cache for a {model_dtype} model; vase "
-                              f"needs it unquantised: use kv_cache_dtype='auto' {_DROP}")
+def check_kv_tensor(name: str, kv_dtype: Any, model_dtype: Any, cache_dtype: Any = "auto") -> None:
+    """Refuse a layer whose allocated KV cache is not in the dtype its `cache_dtype` implies (the model's, or uint8
+    for fp8: a quantised cache chosen late)."""
+    expected = storage_dtype(cache_dtype, model_dtype)
+    if kv_dtype != expected:
+        raise VaseConfigError(f"attention layer {name} got a {kv_dtype} KV cache for a {model_dtype} model with "
+                              f"kv_cache_dtype {cache_dtype} (expected {expected}); vase evicts it unquantised or fp8: "
+                              f"use kv_cache_dtype='auto' {_DROP}")
 
 
 # -- the shape of the work: pooling models, heads split finer than the KV heads, K/V of different sizes ------------

@@ -211,7 +211,7 @@ class VaseRunnerMixin:
         for name in self.vase_layers:
             check_evicted_layer(name, ctx[name])  # plain full attention only: an allow-list
             ctx[name].impl.vase_ring = self.vase_ring
-            check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype)
+            check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype, self.cache_config.cache_dtype)
         self.vase_block_size = groups[self.vase_group].kv_cache_spec.block_size  # the scheduler's; a kernel's may be smaller
         return first
 

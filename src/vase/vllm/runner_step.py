@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .capture import CapturePlan
+from .fp8 import Fp8Codec, layer_codec
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
 from .paged import EvictionJob, Layout, evict_paged_batch
 from .requests import VaseRequest, VaseRunnerMixin
@@ -107,12 +108,19 @@ class VaseStepMixin(VaseRunnerMixin):
             queries = self.vase_ring.windows_of(self.vase_ring.index[name], slots, seen_t) if reads else None
             kept.append(evict_paged_batch(keys, values, jobs, length, queries, self.vase_policy, keep, cfg.window,
                                           layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
-                                          block_size=self.vase_block_size))
+                                          block_size=self.vase_block_size,
+                                          codec=self._vase_codec(name)))
         for j, (req_id, req) in enumerate(zip(req_ids, reqs)):
             req.state.evictions += 1
             self.vase_evictions += 1
             if self.vase_record is not None:
                 self._vase_record_eviction(req_id, req, [k[j:j + 1] for k in kept], length, seen[j])
+
+    def _vase_codec(self, layer_name: str) -> Fp8Codec | None:
+        """How the policy reads this layer's stored K/V: None (unquantised), or an fp8 cache's codes decoded with the
+        layer's k_scale / v_scale (`vase.vllm.fp8`)."""
+        layer = self.compilation_config.static_forward_context[layer_name]
+        return layer_codec(layer, self.cache_config.cache_dtype, self.model_config.dtype)
 
     def _vase_record_eviction(self, req_id: str, req: VaseRequest, kept: list[torch.Tensor], length: int,
                               seen: int) -> None:

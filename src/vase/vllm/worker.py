@@ -34,7 +34,9 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .capture import QueryRing
+from ..fp8_cache import FORMATS
 from .config import VaseConfigError, VaseVllmConfig
+from .fp8 import storage_dtype
 from .paged import Layout
 from .plugin import check_at_start
 from .refusals import check_attention_layer, v2_runner_reason
@@ -42,30 +44,35 @@ from .requests import VaseRequest
 from .runner_step import VaseStepMixin
 
 
-def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> Layout:
+def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> Layout:
     """How vLLM's CPU kernel stores one block's key and value rows, found by writing coded rows through it.
 
-    Two passes write the token offset, then the dimension, as the element values (exact in any float
-    dtype up to 256), so each storage position names the (offset, dim) it holds."""
-    isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
-    offset = torch.arange(block_size)[:, None].expand(block_size, head_dim)
-    dim = torch.arange(head_dim)[None, :].expand(block_size, head_dim)
-    read = []
-    for code in (offset, dim):
-        kv = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+    Each pass writes one base-8 digit of every element's plain index `offset * head_dim + dim` as its value
+    (0..7: exact in the model dtype and in both fp8 formats), so each storage position names the (offset, dim)
+    it holds. `dtype`: the model's; `kv_cache_dtype`: vLLM's ("auto", or an fp8 format stored as uint8)."""
+    isa = _get_attn_isa(dtype, block_size, head_dim, kv_cache_dtype)
+    fp8 = FORMATS.get(kv_cache_dtype)  # fp8: the float8 format the uint8 codes hold
+    plain = torch.arange(block_size * head_dim).view(block_size, head_dim)
+    read = [torch.zeros(block_size * head_dim, dtype=torch.long) for _ in range(2)]
+    digit = 1
+    while digit < block_size * head_dim:
+        kv = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=storage_dtype(kv_cache_dtype, dtype))
         key_cache, value_cache = kv.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
-        rows = code.to(dtype)[:, None, :].contiguous()  # [tokens, kv_heads=1, head_dim]
+        rows = ((plain // digit) % 8).to(dtype)[:, None, :].contiguous()  # [tokens, kv_heads=1, head_dim]
         ops.cpu_attn_reshape_and_cache(rows, rows, key_cache, value_cache, torch.arange(block_size), isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        read.append((key_cache.reshape(-1).long(), value_cache.reshape(-1).long()))
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+        for side, cache in enumerate((key_cache, value_cache)):
+            stored = cache.reshape(-1) if fp8 is None else cache.reshape(-1).view(fp8)
+            read[side] += stored.float().long() * digit
+        digit *= 8
     where = []
-    for side in range(2):
-        plain = read[0][side] * head_dim + read[1][side]  # storage position -> plain (offset, dim) index
-        if not torch.equal(plain.sort().values, torch.arange(block_size * head_dim)):
+    for plain_at in read:  # storage position -> plain (offset, dim) index
+        if not torch.equal(plain_at.sort().values, torch.arange(block_size * head_dim)):
             raise RuntimeError(f"vase cannot read vLLM's CPU KV layout (block_size {block_size}, head_dim {head_dim}, "
-                               f"{dtype}): it is not a permutation of the block's elements")
-        index = torch.empty_like(plain)
-        index[plain] = torch.arange(plain.numel())
+                               f"{dtype}, kv_cache_dtype {kv_cache_dtype}): it is not a permutation of the block's "
+                               f"elements")
+        index = torch.empty_like(plain_at)
+        index[plain_at] = torch.arange(plain_at.numel())
         where.append(index.view(block_size, head_dim))
     return Layout(*where)
 
@@ -125,7 +132,7 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
             if type(impl) is not CPUAttentionBackendImpl:
                 raise VaseConfigError(f"vase needs vLLM's CPU attention, layer {name} uses {type(impl).__name__}: "
                                       f"use a model with standard attention")
-            check_attention_layer(name, impl, self.model_config.dtype, sliding=True)
+            check_attention_layer(name, impl, self.model_config.dtype, sliding=True)  # fp8 formats pass: vase.vllm.fp8
             impl.__class__ = VaseCPUAttentionImpl
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
@@ -141,11 +148,8 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
                                               f"builds {type(builder).__name__}: use a model with standard attention")
                     builder.__class__ = VaseLogicalLengthsBuilder
                     builder.vase_runner = self
-        self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.kv_cache_dtype_torch())
-
-    def kv_cache_dtype_torch(self) -> torch.dtype:
-        name = self.vase_layers[0]
-        return self.compilation_config.static_forward_context[name].kv_cache.dtype
+        self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.model_config.dtype,
+                                             str(self.cache_config.cache_dtype))
 
     def _kv_views(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's key and value caches as [num_blocks, kv_heads, block_size, head_dim] views (CPU layout)."""
