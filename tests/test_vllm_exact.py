@@ -290,12 +290,12 @@ def _first_swap(ours: dict, ref: dict) -> int | None:
     return None
 
 
-def _compare(ours: dict, ref: dict, prompt_len: int) -> dict:
-    """Tokens and log-probs up to the reference's first near-tie (top-2 margin < TOL) or first kept-set tie,
-    kept sets at every eviction before that."""
+def _compare(ours: dict, ref: dict, prompt_len: int, tol: float = TOL) -> dict:
+    """Tokens and log-probs up to the reference's first near-tie (top-2 margin < tol) or first kept-set tie,
+    kept sets at every eviction before that; log-probs within `tol`."""
     top2 = ref["logps"].topk(2, -1).values
     margins = (top2[:, 0] - top2[:, 1]).tolist()
-    horizon = next((t for t, m in enumerate(margins) if m < TOL), len(margins))  # tokens compared: 0..horizon
+    horizon = next((t for t, m in enumerate(margins) if m < tol), len(margins))  # tokens compared: 0..horizon
     swap = _first_swap(ours, ref)
     if swap is not None:  # the step that evicted at `swap` produced generated token swap - P + 1
         horizon = min(horizon, swap - prompt_len)
@@ -305,7 +305,7 @@ def _compare(ours: dict, ref: dict, prompt_len: int) -> dict:
     for t in range(n):
         for token, lp in ours["logprobs"][t].items():
             worst = max(worst, abs(lp.logprob - float(ref["logps"][t, token])))
-    assert worst < TOL, worst
+    assert worst < tol, worst
     # An eviction at `seen` logical tokens ran before writing generated token seen - P + 1: comparable while the
     # tokens written so far are the compared ones.
     evictions = [s for s in ref["kept"] if s - prompt_len < n and s != swap]

@@ -70,13 +70,13 @@ def test_a_hand_built_config_gets_the_refusals_where_the_scheduler_and_the_worke
 
     config, kv = _hand_built(tiny, VASE)
     assert _scheduler(config, kv).vase_config.method == "snapkv"
-    config, kv = _hand_built(tiny, VASE, cache_dtype="fp8")
-    with pytest.raises(VaseConfigError, match="unquantised KV cache") as err:
+    config, kv = _hand_built(tiny, VASE, cache_dtype="int8_per_token_head")
+    with pytest.raises(VaseConfigError, match="unquantised or fp8 KV cache") as err:
         _scheduler(config, kv)
     _one_line(err)
     worker = object.__new__(VaseCPUWorker)
     worker.vllm_config = config
-    with pytest.raises(VaseConfigError, match="unquantised KV cache"):
+    with pytest.raises(VaseConfigError, match="unquantised or fp8 KV cache"):
         worker.init_device()
     config, kv = _hand_built(tiny, {})
     with pytest.raises(VaseConfigError, match="needs a vase section") as err:

@@ -48,10 +48,7 @@ def check_engine_args(args, cfg: VaseVllmConfig) -> None:
     if args.speculative_config:
         raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop "
                               "speculative_config or additional_config['vase']")
-    if args.kv_cache_dtype not in ("auto", None) and not is_fp8(args.kv_cache_dtype):
-        raise VaseConfigError(f"vase evicts an unquantised or fp8 KV cache, got kv_cache_dtype="
-                              f"{args.kv_cache_dtype!r}: use kv_cache_dtype='auto' or one of "
-                              f"{', '.join(FP8_CACHE_DTYPES)}")
+    check_cache_dtype(args.kv_cache_dtype)
     if getattr(args, "kv_transfer_config", None) is not None:
         raise VaseConfigError("vase frees and rewrites KV blocks that a KV connector (kv_transfer_config, "
                               "disaggregated prefill, offloading) would move behind its back: drop kv_transfer_config "
@@ -93,6 +90,13 @@ def check_prefix_caching(vllm_config, asked: bool | None) -> None:
         cache.enable_prefix_caching = False
 
 
+def check_cache_dtype(kv_cache_dtype) -> None:
+    """Refuse a KV cache dtype vase cannot evict in: unquantised ('auto') and fp8 are evicted, others refused."""
+    if kv_cache_dtype not in ("auto", None) and not is_fp8(kv_cache_dtype):
+        raise VaseConfigError(f"vase evicts an unquantised or fp8 KV cache, got kv_cache_dtype={kv_cache_dtype!r}: "
+                              f"use kv_cache_dtype='auto' or one of {', '.join(FP8_CACHE_DTYPES)}")
+
+
 def check_vllm_config(vllm_config, prefix_caching_asked: bool | None = None) -> None:
     """Refuse models and platforms the plugin cannot evict in (checked once the config is built)."""
     from vllm.platforms import current_platform
@@ -122,9 +126,7 @@ def check_at_start(vllm_config, who: str) -> VaseVllmConfig:
         raise VaseConfigError(f"vase's {who} needs a vase section in the engine's additional_config (e.g. "
                               f"{{'vase': {{'method': 'snapkv', 'budget': 512}}}}): add one, or drop scheduler_cls "
                               f"and worker_cls to run stock vLLM")
-    if vllm_config.cache_config.cache_dtype not in ("auto", None):  # EngineArgs' kv_cache_dtype check
-        raise VaseConfigError(f"vase needs an unquantised KV cache, got cache_dtype="
-                              f"{vllm_config.cache_config.cache_dtype!r}: use kv_cache_dtype='auto'")
+    check_cache_dtype(vllm_config.cache_config.cache_dtype)  # EngineArgs' kv_cache_dtype check
     check_vllm_config(vllm_config, prefix_caching_asked=True)
     return cfg
 
