@@ -290,12 +290,12 @@ def _first_swap(ours: dict, ref: dict) -> int | None:
     return None
 
 
-def _compare(ours: dict, ref: dict, prompt_len: int, tol: float = TOL) -> dict:
-    """Tokens and log-probs up to the reference's first near-tie (top-2 margin < tol) or first kept-set tie,
+def _compare(ours: dict, ref: dict, prompt_len: int, tol: float = TOL, margin: float = TOL) -> dict:
+    """Tokens and log-probs up to the reference's first near-tie (top-2 margin < `margin`) or first kept-set tie,
     kept sets at every eviction before that; log-probs within `tol`."""
     top2 = ref["logps"].topk(2, -1).values
     margins = (top2[:, 0] - top2[:, 1]).tolist()
-    horizon = next((t for t, m in enumerate(margins) if m < tol), len(margins))  # tokens compared: 0..horizon
+    horizon = next((t for t, m in enumerate(margins) if m < margin), len(margins))  # tokens compared: 0..horizon
     swap = _first_swap(ours, ref)
     if swap is not None:  # the step that evicted at `swap` produced generated token swap - P + 1
         horizon = min(horizon, swap - prompt_len)

@@ -78,8 +78,8 @@ class EvictingKVCacheManager:
 
     def __init__(self, inner, cfg: VaseVllmConfig, block_size: int, group: int = 0):
         self._inner = inner
-        self.cfg = cfg
         self.block_size = block_size
+        self.cfg = cfg
         self.group = group  # the full-attention KV cache group: the one evicted, trimmed and counted
         managers = inner.coordinator.single_type_managers
         self.hybrid = len(managers) > 1
@@ -88,7 +88,6 @@ class EvictingKVCacheManager:
             wrapped[group] = PhysicalLengthManager(managers[group])
             inner.coordinator.single_type_managers = type(managers)(wrapped)
         self._full = inner.coordinator.single_type_managers[group]
-        self._budget, self._window = cfg.budget, cfg.window
         if self.hybrid and getattr(inner, "enable_caching", False):  # the plugin turns it off first (plugin.py)
             raise VaseConfigError(PREFIX_HYBRID_REFUSAL)
         #: copy-on-write made while this step is scheduled: request id -> [(index, shared block, its new block)];
@@ -102,9 +101,20 @@ class EvictingKVCacheManager:
         self.requests: dict = {}
         self.vase_reserve_refusals = 0  # allocations refused while copies were reserved (`pending_copies`)
         self.evicted: list = []  # requests allocated a step that evicts since the last trims
-        self.reserve = CopyReserve(schedule.max_blocks(cfg.budget, cfg.window, block_size))
         self.vase_admissions = 0  # waiting requests admitted by their bounded peak (`admits`)
         self.vase_admissions_refused = 0  # waiting requests whose bounded peak did not fit
+
+    @property
+    def cfg(self) -> VaseVllmConfig:
+        """The eviction settings the blocks are counted for."""
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: VaseVllmConfig) -> None:
+        # B and w are read on the hot path (`allocate_slots`) as plain attributes; a new config renews them and
+        # the copy reserve's bound (tests swap the config to make the scheduler and the worker disagree)
+        self._cfg, self._budget, self._window = cfg, cfg.budget, cfg.window
+        self.reserve = CopyReserve(schedule.max_blocks(cfg.budget, cfg.window, self.block_size))
 
     @property
     def full_manager(self):
