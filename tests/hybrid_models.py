@@ -8,6 +8,9 @@ Each has 4 layers mixing full attention with the family's other layer type, 4 qu
 - ``qwen3-next``: Qwen3-Next (3 gated-delta-net linear-attention layers to 1 full, MoE)
 - ``qwen3.5``:    Qwen3.5 text (3 linear-attention layers to 1 full, dense MLP)
 - ``qwen3-moe``:  Qwen3-MoE (full attention, 4 experts top-2)
+- ``llama4``:     Llama 4 text (chunked-local RoPE layers 0 and 2 with chunk 8 = the window, global NoPE
+                  full-attention layers 1 and 3 with attention-temperature tuning from position 3 on;
+                  layer 1 MoE, 4 experts top-1 and a shared expert)
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from .conftest import VOCAB
 
-FAMILIES = ("gemma3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3-moe")
+FAMILIES = ("gemma3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3-moe", "llama4")
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                max_position_embeddings=2048, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 2,
@@ -58,6 +61,14 @@ def hybrid_config(family: str, window: int = 8):
 
         return Qwen3MoeConfig(**_COMMON, intermediate_size=64, num_hidden_layers=2, num_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=32)
+    if family == "llama4":
+        from transformers import Llama4TextConfig
+
+        # no_rope_layers: 1 = RoPE (chunked-local), 0 = NoPE (global, full attention); floor_scale 4 turns the
+        # NoPE layers' temperature tuning on from the 4th token (at the real 8,192 it would never act here)
+        return Llama4TextConfig(**_COMMON, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=4,
+                                no_rope_layers=[1, 0, 1, 0], attention_chunk_size=window, moe_layers=[1],
+                                num_local_experts=4, num_experts_per_tok=1, floor_scale=4, attn_scale=0.5)
     raise ValueError(family)
 
 

@@ -1,4 +1,4 @@
-"""Hybrid-attention and MoE models (Gemma 3, gpt-oss, Qwen3-Next, Qwen3.5, Qwen3-MoE), float64.
+"""Hybrid-attention and MoE models (Gemma 3, gpt-oss, Qwen3-Next, Qwen3.5, Qwen3-MoE, Llama 4), float64.
 
 The pattern of tests/test_cache.py's masked full-cache reference, extended: vase evicts the
 full-attention layers; a reference model runs transformers' own DynamicCache (its sliding and
@@ -26,7 +26,7 @@ from vase.static import CompileUnsupportedError
 from .hybrid_models import FAMILIES, hybrid_model
 from .test_cache import _ByteTokenizer, _stored_masks
 
-HYBRID = ("gemma3", "gpt-oss", "qwen3-next", "qwen3.5")
+HYBRID = ("gemma3", "gpt-oss", "qwen3-next", "qwen3.5", "llama4")
 MOE = ("gpt-oss", "qwen3-next", "qwen3-moe")
 
 # -- the reference: the model's own cache, each full-attention KV head masked to what vase held -------------
@@ -62,7 +62,8 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
 
 
 def _reference_mask(*, attention_mask=None, **kwargs):
-    """transformers' own eager mask for sliding layers (asked with local_size); full layers mask in the kernel."""
+    """transformers' own eager mask for sliding and chunked layers (asked with local_size); full layers mask in the
+    kernel."""
     if kwargs.get("local_size") is None:
         return None
     return AttentionMaskInterface._global_mapping["eager"](attention_mask=attention_mask, **kwargs)
@@ -117,7 +118,8 @@ def _decode(model, cache, ids, mask, steps, routers=None):
 
 @pytest.mark.parametrize("family,method", [(f, "snapkv") for f in FAMILIES] + [("gemma3", "vase-attnv"),
                                                                                ("qwen3-next", "vase-attnv"),
-                                                                               ("gpt-oss", "h2o")])
+                                                                               ("gpt-oss", "h2o"),
+                                                                               ("llama4", "vase-attnv")])
 def test_eviction_equals_the_models_own_cache_with_evicted_tokens_masked(family, method):
     model = hybrid_model(family)
     ids, mask = _prompts()
@@ -244,6 +246,61 @@ def test_gpt_oss_with_nothing_evicted_equals_its_own_eager_attention():
     assert (moved[0] - ref_logits[0]).abs().max() > 1e-3
 
 
+def test_llama4_with_nothing_evicted_equals_its_own_cache():
+    """Llama 4 (chunked-local RoPE layers, chunk 8, beside global NoPE layers with temperature tuning) with a
+    budget nothing passes: the model's own sdpa over its DynamicCache, to rounding, batch 2 with padding, 40
+    steps (6 chunks crossed)."""
+    ids, mask = _prompts()
+    stock = hybrid_model("llama4")
+    ref_logits, ref_tokens = _decode(stock, DynamicCache(config=stock.config), ids, mask, 40)
+    model = hybrid_model("llama4")
+    cache = EvictionCache(model, "snapkv", budget=256, window=8)
+    logits, tokens = _decode(model, cache, ids, mask, 40)
+    assert model.config._attn_implementation == "vase_sdpa" and cache.stats()["evictions"] == 0
+    assert [t.tolist() for t in tokens] == [t.tolist() for t in ref_tokens]
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    # the chunks and the temperature tuning matter: full attention on every layer, or no tuning, moves the logits
+    for change in ("no chunks", "no tuning"):
+        other = hybrid_model("llama4")
+        if change == "no chunks":
+            other.config.layer_types = ["full_attention"] * 4
+        for layer in other.model.layers if change == "no tuning" else []:
+            layer.self_attn.attn_temperature_tuning = False
+        moved, _ = _decode(other, DynamicCache(config=other.config), ids, mask, 8)
+        assert max((a - b).abs().max() for a, b in zip(moved, ref_logits)) > 1e-3, change
+
+
+def test_llama4_evicts_only_its_global_layers():
+    """vase evicts Llama 4's NoPE (global, full-attention) layers and leaves each chunked-local layer to
+    transformers' own sliding layer with the chunk as window: after 40 steps through 5+ evictions the chunked
+    layers hold the last chunk - 1 = 7 tokens, equal to the model's own DynamicCache's on the same tokens."""
+    from vase.hybrid import CHUNKED
+
+    model = hybrid_model("llama4")
+    cfg = model.config
+    ids, mask = _prompts()
+    cache = EvictionCache(model, "snapkv", budget=12, window=4)
+    _, tokens = _decode(model, cache, ids, mask, 40)
+    nope = [i for i, rope in enumerate(cfg.no_rope_layers) if not rope]
+    assert nope == [1, 3] and [l.layer_idx for l in cache.evicting_layers] == nope
+    assert all(l.evictions >= 5 and l.length <= 12 + 4 for l in cache.evicting_layers)
+    assert cache.layer_types == layer_types(cfg) == [CHUNKED, "full_attention"] * 2
+    full = DynamicCache(config=cfg)
+    _decode_forced(hybrid_model("llama4"), full, ids, mask, tokens)
+    for i in (0, 2):
+        ours, theirs = cache.layers[i], full.layers[i]
+        assert ours.sliding_window == theirs.sliding_window == cfg.attention_chunk_size == 8
+        assert ours.keys.shape == (2, 2, 7, 16)
+        if i == 0:  # below the first evicting layer: its K/V depend on the tokens alone (layer 2's see the eviction)
+            torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(ours.values, theirs.values, atol=1e-12, rtol=1e-12)
+    per_token = 2 * 2 * 16 * 8
+    seen = cache.evicting_layers[0].seen
+    # 2 rows x 2 chunked layers x 7 tokens (bounded_bytes: one row)
+    assert cache.stats()["kv_bytes_kept"] == 2 * 2 * 7 * per_token == 2 * bounded_bytes(cfg, 8, seen)
+
+
 # -- honest accounting ----------------------------------------------------------------------------------------
 
 def test_bytes_count_every_layer_type_by_hand():
@@ -347,11 +404,12 @@ def test_dropping_a_finished_row_keeps_the_others_exact(family):
     assert cache.stats()["evictions"] >= 5
 
 
-# -- vLLM: linear-attention hybrids refused by the plugin in one line each (stand-ins of vLLM's ModelConfig) -----
+# -- vLLM: linear-attention and chunked-local hybrids refused by the plugin in one line each (stand-ins of vLLM's ModelConfig) -----
 
 @pytest.mark.parametrize("family, fragment", [
     ("qwen3-next", "(qwen3_next) has linear-attention (recurrent) layers"),
     ("qwen3.5", "(qwen3_5_text) has linear-attention (recurrent) layers"),
+    ("llama4", "(llama4_text) has chunked-local attention layers (Llama 4) beside full attention"),
 ])
 def test_vllm_plugin_refuses_hybrid_families_in_one_line(family, fragment):
     from types import SimpleNamespace as NS
@@ -456,7 +514,7 @@ def test_time_averaged_bounded_bytes_sum_every_step():
 
     from .hybrid_models import hybrid_config
 
-    for family in ("gemma3", "gpt-oss", "qwen3.5"):
+    for family in ("gemma3", "gpt-oss", "qwen3.5", "llama4"):
         cfg = hybrid_config(family)
         for prompt, seen in [(3, 3), (3, 20), (5, 7), (10, 40), (2, 6)]:
             steps = range(prompt + 1, seen + 1)

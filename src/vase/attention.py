@@ -10,9 +10,10 @@ For each stock kernel (sdpa, eager, flash_attention_2) we register `vase_<kernel
 2. calls the stock kernel on what the cache holds.
 
 With any other cache (or none) it behaves like the stock kernel with a causal + padding mask
-(`vase.masks`, the one mask builder). A sliding-window layer of a hybrid model (`vase.hybrid`) is never
-evicted: it gets transformers' own sliding mask (built by the stock mask function from its own cache
-layer) and the stock kernel, exactly as without vase; kernel arguments such as gpt-oss's attention
+(`vase.masks`, the one mask builder). A local-attention layer of a hybrid model (`vase.hybrid`: sliding
+window, or Llama 4's chunked-local attention) is never evicted: it gets transformers' own sliding or
+chunked mask (built by the stock mask function from its own cache layer) and the stock kernel, exactly
+as without vase; kernel arguments such as gpt-oss's attention
 sinks (`s_aux`) reach the stock kernel unchanged in every layer. This module does not import the cache.
 Nothing is registered at import: `install(model)` does it (idempotent), and `EvictionCache(model)`
 calls it.
@@ -30,6 +31,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import PreTrainedModel
 
+from .hybrid import LOCAL
 from .masks import causal_padding_mask, mask_kind
 from .support import UnsupportedModelError, check_model_supported
 
@@ -74,7 +76,7 @@ def _make_attention(kernel: str) -> Callable:
     def vase_attention(module, query, key, value, attention_mask, **kwargs):
         layer = PENDING_LAYER.get()
         mask_2d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
-        if _is_sliding(module, kwargs):  # the model's own sliding mask (see `_mask_function`); never vase's layer
+        if _is_local(module, kwargs):  # the model's own sliding/chunked mask (`_mask_function`); never vase's layer
             mask = attention_mask
         elif layer is not None and layer.layer_idx == getattr(module, "layer_idx", None) and layer.serves(key):
             PENDING_LAYER.set(None)
@@ -87,22 +89,23 @@ def _make_attention(kernel: str) -> Callable:
     return vase_attention
 
 
-def _is_sliding(module: torch.nn.Module, kwargs: dict) -> bool:
-    """Whether `module` is a sliding-window attention layer (the kernel gets `sliding_window`, or the config
-    names the layer's type)."""
+def _is_local(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether `module` is a local-attention layer: sliding window (the kernel gets `sliding_window`, or the
+    config names the layer's type) or chunked-local (Llama 4 passes no window to the kernel: the config's
+    `layer_types` names it)."""
     if kwargs.get("sliding_window"):
         return True
     types = getattr(getattr(module, "config", None), "layer_types", None)
     idx = getattr(module, "layer_idx", None)
-    return bool(types) and isinstance(idx, int) and idx < len(types) and types[idx] == "sliding_attention"
+    return bool(types) and isinstance(idx, int) and idx < len(types) and types[idx] in LOCAL
 
 
 def _mask_function(kernel: str) -> Callable:
     """The mask function registered as `vase_<kernel>`: for full attention, the 2-D padding mask passed
     through untouched (the attention function builds the real mask from what the cache stores; it only
-    needs the 2-D mask of the first forward to learn each row's left padding); for sliding-window
-    attention, the stock kernel's own mask (transformers asks with `local_size`, sized from the sliding
-    layer of the cache, which vase never evicts)."""
+    needs the 2-D mask of the first forward to learn each row's left padding); for sliding-window and
+    chunked-local attention, the stock kernel's own mask (transformers asks with `local_size`, sized from
+    the sliding layer of the cache, which vase never evicts)."""
     stock = AttentionMaskInterface._global_mapping[kernel]
 
     def vase_mask(*, attention_mask=None, **kwargs):

@@ -5,6 +5,9 @@ A hybrid model mixes full-attention layers with layers whose cache is already bo
 - ``full_attention``: K/V grow with every token. vase evicts here (B, w and the schedule per layer).
 - ``sliding_attention``: transformers' own sliding layer keeps the last ``window - 1`` tokens between
   forwards (a step reads those and the new one); vase leaves it to the model.
+- ``chunked_attention`` (Llama 4's chunked-local RoPE layers): a query attends to the tokens of its own
+  chunk of ``attention_chunk_size`` only; transformers caches it in the same sliding layer with the chunk
+  size as window (the last ``chunk - 1`` tokens) and masks the chunks itself; vase leaves it to the model.
 - ``linear_attention``: a recurrent state (Qwen3-Next / Qwen3.5 gated delta net: a short causal-conv
   state and one [heads, key_dim, value_dim] matrix), fixed in size; vase leaves it to the model.
 
@@ -18,8 +21,11 @@ from typing import Any
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LINEAR = "linear_attention"
-#: the layer types vase knows what to do with; anything else (chunked, MLA-indexed, conv, ...) is refused
-KNOWN = (FULL, SLIDING, LINEAR)
+CHUNKED = "chunked_attention"
+#: the layer types vase knows what to do with; anything else (MLA-indexed, conv, ...) is refused
+KNOWN = (FULL, SLIDING, CHUNKED, LINEAR)
+#: local-attention layers: a bounded K/V window in transformers' own sliding layer, masked by the model
+LOCAL = (SLIDING, CHUNKED)
 
 
 def text_config(config: Any) -> Any:
@@ -34,8 +40,8 @@ def text_config(config: Any) -> Any:
 
 
 def layer_types(config: Any) -> list[str]:
-    """One entry per decoder layer: ``full_attention``, ``sliding_attention``, ``linear_attention`` or another
-    name transformers uses (which vase refuses). A config without ``layer_types`` is full attention on every
+    """One entry per decoder layer: ``full_attention``, ``sliding_attention``, ``chunked_attention``,
+    ``linear_attention`` or another name transformers uses (which vase refuses). A config without ``layer_types`` is full attention on every
     layer, unless it slides every layer (a Mistral-style ``sliding_window``, or ``use_sliding_window``)."""
     cfg = text_config(config)
     n = int(getattr(cfg, "num_hidden_layers", 0) or 0)
@@ -60,6 +66,15 @@ def full_attention_layers(config: Any) -> list[int]:
 def sliding_window(config: Any) -> int | None:
     """The sliding layers' window (``config.sliding_window``), or None."""
     w = getattr(text_config(config), "sliding_window", None)
+    return int(w) if w else None
+
+
+def local_window(config: Any, kind: str) -> int | None:
+    """The K/V window transformers' own cache layer gives a local layer of type `kind`: ``sliding_window``
+    for ``sliding_attention``, ``attention_chunk_size`` for ``chunked_attention`` (its layer keeps the
+    last ``window - 1`` tokens either way); None for other types or when unset."""
+    name = {SLIDING: "sliding_window", CHUNKED: "attention_chunk_size"}.get(kind)
+    w = getattr(text_config(config), name, None) if name else None
     return int(w) if w else None
 
 
@@ -95,14 +110,16 @@ def recurrent_state_bytes(config: Any, element_bytes: int) -> int:
 
 def bounded_bytes(config: Any, element_bytes: int, length: int) -> int:
     """Bytes one sequence of `length` tokens holds in the layers vase does not evict: each sliding layer
-    min(window - 1, length) tokens (what transformers' sliding layer keeps between forwards), each
-    linear-attention layer its fixed state. 0 for a model with full attention on every layer."""
+    min(window - 1, length) tokens (what transformers' sliding layer keeps between forwards), each chunked
+    layer min(chunk - 1, length) tokens (the same layer, the chunk size as window), each linear-attention
+    layer its fixed state. 0 for a model with full attention on every layer."""
     types = layer_types(config)
     total = 0
-    n_sliding = sum(t == SLIDING for t in types)
-    if n_sliding:
-        total += n_sliding * min((sliding_window(config) or 1) - 1, length) * kv_bytes_per_layer_token(
-            config, element_bytes)
+    for kind in LOCAL:
+        n_local = sum(t == kind for t in types)
+        if n_local:
+            total += n_local * min((local_window(config, kind) or 1) - 1, length) * kv_bytes_per_layer_token(
+                config, element_bytes)
     n_linear = sum(t == LINEAR for t in types)
     if n_linear:
         total += n_linear * recurrent_state_bytes(config, element_bytes)
@@ -115,15 +132,21 @@ def bounded_bytes_mean(config: Any, element_bytes: int, prompt_length: int, seen
     was fed after it."""
     if seen <= prompt_length:
         return float(bounded_bytes(config, element_bytes, prompt_length))
-    window = (sliding_window(config) or 1) - 1
-    fixed = bounded_bytes(config, element_bytes, 0)  # the recurrent states, there from the first token
-    per_length = bounded_bytes(config, element_bytes, 1) - fixed  # sliding bytes per held token
-    # sum over t of min(window, t) for t = prompt + 1 .. seen
+    types = layer_types(config)
+    per_token = kv_bytes_per_layer_token(config, element_bytes)
+    total = float(bounded_bytes(config, element_bytes, 0))  # the recurrent states, there from the first token
     lo, hi = prompt_length + 1, seen
-    below = max(0, min(hi, window) - lo + 1)  # t < window: t itself
-    below_sum = (lo + lo + below - 1) * below // 2 if below else 0
-    held = below_sum + (hi - lo + 1 - below) * window
-    return fixed + per_length * held / (hi - lo + 1)
+    for kind in LOCAL:
+        n_local = sum(t == kind for t in types)
+        if not n_local:
+            continue
+        window = (local_window(config, kind) or 1) - 1
+        # sum over t of min(window, t) for t = prompt + 1 .. seen
+        below = max(0, min(hi, window) - lo + 1)  # t < window: t itself
+        below_sum = (lo + lo + below - 1) * below // 2 if below else 0
+        held = below_sum + (hi - lo + 1 - below) * window
+        total += n_local * per_token * held / (hi - lo + 1)
+    return total
 
 
 def layer_type_problem(config: Any) -> str | None:
@@ -136,10 +159,15 @@ def layer_type_problem(config: Any) -> str | None:
     other = sorted(set(types) - set(KNOWN))
     if other:
         return (f"config.layer_types has {', '.join(other)} layers (vase runs full_attention layers, evicting them, "
-                f"beside sliding_attention and linear_attention layers)")
+                f"beside sliding_attention, chunked_attention and linear_attention layers)")
+    if CHUNKED in types and not local_window(config, CHUNKED):
+        return "config.layer_types has chunked_attention layers but config.attention_chunk_size is not set"
     if types and FULL not in types:
         if SLIDING in types and LINEAR not in types:
             return (f"every layer uses sliding-window attention (sliding_window={sliding_window(config)}): its cache is "
                     "already bounded, there is no full-attention layer for vase to evict")
+        if CHUNKED in types and LINEAR not in types:
+            return (f"every layer uses chunked-local attention (attention_chunk_size={local_window(config, CHUNKED)}): "
+                    "its cache is already bounded, there is no full-attention layer for vase to evict")
         return "no layer uses full attention: there is no growing cache for vase to evict"
     return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..hybrid import LINEAR, SLIDING, kv_bytes_per_layer_token, layer_types, recurrent_state_bytes, sliding_window
+from ..hybrid import CHUNKED, LINEAR, SLIDING, kv_bytes_per_layer_token, layer_types, local_window, recurrent_state_bytes
 from ..quant_cache import QuantBytes
 from ..schedule import first_limit, num_evictions, stored_length_sum, steady_limit
 
@@ -39,7 +39,7 @@ class ModelBytes:
     expert_weights: bytes of the routed experts of a mixture-of-experts model (all E of every layer),
         included in `weights`; a step reads only the experts its tokens are routed to;
     expert_fraction: experts per token / E (1.0 without experts);
-    sliding_token, sliding_held: a hybrid model's sliding layers: bytes of one token's K and V over all
+    sliding_token, sliding_held: a hybrid model's sliding (or chunked-local) layers: bytes of one token's K and V over all
         of them, and the most tokens they keep between forwards (window - 1);
     state: bytes of a hybrid model's recurrent (linear-attention) states, one row: read and rewritten
         every step, whatever the cache."""
@@ -79,11 +79,14 @@ class ModelBytes:
         experts, fraction = _routed_experts(model, text)
         element = inp.element_size()
         types = layer_types(text)
-        window = sliding_window(text) or 1
+        # local layers: sliding-window (Gemma 3, gpt-oss) or chunked-local (Llama 4), each keeping window - 1 tokens
+        # (no model mixes the two)
+        local = SLIDING if SLIDING in types else CHUNKED
+        window = local_window(text, local) or 1
         return cls(weights=weights, embed_row=inp.shape[1] * element, kv_token=kv_bytes_per_token(model),
                    logits_row=int(text.vocab_size) * element, expert_weights=experts, expert_fraction=fraction,
-                   sliding_token=types.count(SLIDING) * kv_bytes_per_layer_token(text, element),
-                   sliding_held=window - 1 if SLIDING in types else 0,
+                   sliding_token=types.count(local) * kv_bytes_per_layer_token(text, element),
+                   sliding_held=window - 1 if local in types else 0,
                    state=types.count(LINEAR) * recurrent_state_bytes(text, element) if LINEAR in types else 0)
 
 

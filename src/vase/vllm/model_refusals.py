@@ -5,15 +5,17 @@ several groups: beside sliding-window groups (Gemma 3, gpt-oss) the plugin evict
 group only (`vase.vllm.groups`); beside recurrent/Mamba-style state (Qwen3-Next, Qwen3.5, whose
 linear attention vLLM's CPU build runs only in bf16) it is not written yet, so those models are
 refused here and run with vase's transformers engine instead, which evicts their full-attention
-layers (docs/models.md). A model sliding every layer has nothing growing to evict. MLA's latent
-cache has no per-KV-head tokens to evict.
+layers (docs/models.md). Llama 4's chunked-local layers get a group of their own
+(`ChunkedLocalAttentionSpec`, neither full attention nor a sliding window) beside which the plugin does not
+evict yet either: refused here, evicted by the transformers engine. A model sliding every layer has nothing
+growing to evict. MLA's latent cache has no per-KV-head tokens to evict.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vase.hybrid import FULL, LINEAR, SLIDING, layer_types
+from vase.hybrid import CHUNKED, FULL, LINEAR, SLIDING, layer_types
 
 from .config import VaseConfigError
 
@@ -33,6 +35,11 @@ def model_refusal(model_config: Any) -> str | None:
     if getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False) or LINEAR in types:
         return (f"{name} ({kind}) has linear-attention (recurrent) layers beside full attention, which vase's vLLM "
                 f"plugin does not evict in yet: {_INSTEAD}")
+    if CHUNKED in types:
+        # vLLM 0.32 gives these layers a ChunkedLocalAttentionSpec group (vllm/v1/kv_cache_interface.py), which
+        # `groups.full_attention_group`'s allow-list (full attention beside sliding-window groups) does not take
+        return (f"{name} ({kind}) has chunked-local attention layers (Llama 4) beside full attention, in a KV cache "
+                f"group of their own that vase's vLLM plugin does not evict beside yet: {_INSTEAD}")
     if (model_config.get_sliding_window() is not None or SLIDING in types) and FULL not in types:
         return (f"{name} ({kind}) has sliding-window attention in every layer: its cache is already bounded and "
                 f"there is no full-attention layer to evict in; use a model with full-attention layers")
