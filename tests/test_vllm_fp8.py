@@ -27,14 +27,14 @@ import torch  # noqa: E402
 #: that flips inside it fails the test: the wider log-prob tolerance cannot pass a wrong token).
 TOL_FP8 = 1e-2
 from tests.test_vllm_exact import B_PAR, N_NEW, PARITY_METHODS, W_PAR, _compare, make_engine, prompt_ids  # noqa: E402
-from tests.test_vllm_paged import _dense_run  # noqa: E402
+from tests.test_vllm_paged import _dense_run, _paged_run  # noqa: E402
 from tests.vllm_tiny import greedy, runner, save_tiny_llama, transformers_greedy, vllm_batch  # noqa: E402
 from vase import schedule  # noqa: E402
 from vase.fp8_cache import FORMATS, Fp8Spec, from_fp8, to_fp8  # noqa: E402
 from vase.policies import get_policy, method_names  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 from vase.vllm.fp8 import Fp8Codec  # noqa: E402
-from vase.vllm.paged import Layout, RequestPolicyState, evict_paged, gather, scatter, slot_index  # noqa: E402
+from vase.vllm.paged import gather  # noqa: E402
 
 FP8_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
 needs_fp8_cpu = pytest.mark.skipif(not FP8_CPU, reason="vLLM's CPU kernel stores fp8 only with AVX-512 or AMX")
@@ -73,37 +73,6 @@ def test_cpu_kernel_fp8_bytes_are_to_fp8_toward_zero(fmt, dtype):
 
 
 # -- 2. paged eviction reads decoded rows, moves codes ------------------------------------------------------------
-def _paged_fp8_run(method, codes_k, codes_v, Q, P, B, w, seed, codec, block_size=4, num_blocks=40):
-    """Tokens written as fp8 codes into scattered, scrambled blocks, evicted by `evict_paged` with `codec`:
-    per eviction (stored key codes, value codes, positions) of the kept slots."""
-    policy = get_policy(method)
-    _, h, n, d = codes_k.shape
-    g = torch.Generator().manual_seed(0)
-    key_cache = torch.randint(0, 255, (num_blocks, h, block_size, d), generator=g, dtype=torch.uint8)
-    value_cache = torch.randint(0, 255, (num_blocks, h, block_size, d), generator=g, dtype=torch.uint8)
-    limit = schedule.first_limit(P, B, w)
-    block_ids = torch.randperm(num_blocks, generator=g)[: -(-limit // block_size)]
-    layout = Layout(*(torch.randperm(block_size * d, generator=g).view(block_size, d) for _ in range(2)))
-    positions = torch.full((h, limit), -1, dtype=torch.long)
-    state = RequestPolicyState(generator=torch.Generator().manual_seed(seed))
-    length, snaps = 0, []
-    for t in range(n):
-        if t >= P and schedule.is_eviction_step(P, B, w, t - P):
-            index = evict_paged(key_cache, value_cache, block_ids, length, Q[:, :, t - w:t], policy, B, w, state,
-                                layer=0, layout=layout, codec=codec)
-            positions[:, :B] = positions[torch.arange(h)[:, None], index[0]]
-            length = B
-            blocks, offsets = slot_index(block_ids, B, block_size)
-            snaps.append((gather(key_cache, layout.key, blocks, offsets),
-                          gather(value_cache, layout.value, blocks, offsets), positions[None, :, :B].clone()))
-        blocks, offsets = slot_index(block_ids, length + 1, block_size)
-        scatter(key_cache, layout.key, blocks[-1:], offsets[-1:], codes_k[0, :, t:t + 1])
-        scatter(value_cache, layout.value, blocks[-1:], offsets[-1:], codes_v[0, :, t:t + 1])
-        positions[:, length] = t
-        length += 1
-    return snaps
-
-
 @pytest.mark.parametrize("method", EVICTING)
 def test_paged_fp8_eviction_scores_decoded_rows_and_moves_the_codes(method):
     """Every evicting method, P = 37, B = 24, w = 8, three evictions, k_scale 0.5 and v_scale 3: the kept positions
@@ -117,8 +86,8 @@ def test_paged_fp8_eviction_scores_decoded_rows_and_moves_the_codes(method):
     ck, cv = to_fp8(K, fmt, 0.5, "zero"), to_fp8(V, fmt, 3.0, "zero")
     dense = _dense_run(method, from_fp8(ck, torch.float32, 0.5), from_fp8(cv, torch.float32, 3.0), Q, P, B, w,
                        seed=11)
-    paged = _paged_fp8_run(method, ck.view(torch.uint8), cv.view(torch.uint8), Q, P, B, w, 11,
-                           Fp8Codec(fmt, 0.5, 3.0, torch.float32))
+    paged = _paged_run(method, ck.view(torch.uint8), cv.view(torch.uint8), Q, P, B, w, 11,
+                       codec=Fp8Codec(fmt, 0.5, 3.0, torch.float32))
     assert len(dense) == len(paged) == 3
     for (_, _, dp), (pk, pv, pp) in zip(dense, paged):
         assert torch.equal(dp, pp)  # the same tokens kept, in the same order, per KV head

@@ -33,14 +33,20 @@ def _dense_run(method, K, V, Q, P, B, w, seed):
     return snaps
 
 
-def _paged_run(method, K, V, Q, P, B, w, seed, block_size=4, num_blocks=40):
+def _paged_run(method, K, V, Q, P, B, w, seed, block_size=4, num_blocks=40, codec=None):
     """The same tokens through a paged cache with scattered blocks, a scrambled in-block layout (as a kernel
-    packing its blocks would), and the plugin's eviction."""
+    packing its blocks would), and the plugin's eviction: per eviction (stored keys, values, positions) of the kept
+    slots. codec: None, or an fp8 codec (`vase.vllm.fp8.Fp8Codec`): K and V are then uint8 codes, which the
+    eviction decodes for the policy and moves unchanged."""
     policy = get_policy(method)
     _, h, n, d = K.shape
     g = torch.Generator().manual_seed(0)
-    key_cache = torch.randn(num_blocks, h, block_size, d, generator=g)  # garbage outside the request's slots
-    value_cache = torch.randn(num_blocks, h, block_size, d, generator=g)
+    if codec is None:  # garbage outside the request's slots
+        key_cache = torch.randn(num_blocks, h, block_size, d, generator=g)
+        value_cache = torch.randn(num_blocks, h, block_size, d, generator=g)
+    else:
+        key_cache = torch.randint(0, 255, (num_blocks, h, block_size, d), generator=g, dtype=torch.uint8)
+        value_cache = torch.randint(0, 255, (num_blocks, h, block_size, d), generator=g, dtype=torch.uint8)
     limit = schedule.first_limit(P, B, w)
     block_ids = torch.randperm(num_blocks, generator=g)[: -(-limit // block_size)]
     layout = Layout(*(torch.randperm(block_size * d, generator=g).view(block_size, d) for _ in range(2)))
@@ -51,7 +57,7 @@ def _paged_run(method, K, V, Q, P, B, w, seed, block_size=4, num_blocks=40):
         if t >= P and schedule.is_eviction_step(P, B, w, t - P):
             queries = Q[:, :, t - w:t]  # the last w queries, in time order
             index = evict_paged(key_cache, value_cache, block_ids, length, queries, policy, B, w, state, layer=0,
-                                layout=layout)
+                                layout=layout, codec=codec)
             positions[:, :B] = positions[torch.arange(h)[:, None], index[0]]
             length = B
             blocks, offsets = slot_index(block_ids, B, block_size)
