@@ -34,6 +34,7 @@ from .errors import SpecError
 from .policies import Policy, get_policy
 from .quant import CACHE_STORAGE_OPTIONS
 from .quant_cache import QuantConfig, QuantSpec
+from .scalars import plain, plain_items, plain_seed
 from .schedule import placeholder_budget
 from .storages import spec_from_options, spec_types, storage_keywords
 
@@ -133,12 +134,19 @@ class RequestSpec:
     storage: Any = None
     seed: Any = 0
 
+    def __post_init__(self) -> None:  # numpy scalars are the numbers they hold (vase.scalars)
+        object.__setattr__(self, "budget", plain(self.budget))
+        object.__setattr__(self, "window", plain(self.window))
+        object.__setattr__(self, "seed", plain_seed(self.seed))
+        if isinstance(self.params, Mapping):
+            object.__setattr__(self, "params", plain_items(self.params))
+
     @classmethod
     def of(cls, method: Any, budget: Any = 512, window: Any = 64, *, seed: Any = 0, storage: Any = None,
            **options: Any) -> "RequestSpec":
         """A spec from keyword options as callers pass them: the method's parameters and the storage keywords
         (``kv_bits``, ``quant_guard``, ...) mixed; the storage given once (`storage=` or the keywords)."""
-        params, spelled = split_storage(options)
+        params, spelled = split_storage(plain_items(options))
         if spelled:
             if storage is not None:
                 raise SpecError(f"pass the storage once: storage={storage!r} or {', '.join(spelled)}, not both")

@@ -25,6 +25,7 @@ from typing import Any
 from vase.engines.registry import ENGINES
 from vase.errors import SpecError
 from vase.policies import Policy, UnknownMethodError, get_policy
+from vase.scalars import plain, plain_items
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
 from vase.storages import kind_of, spec_from_options
 from vase.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
@@ -206,7 +207,7 @@ class EvalConfig:
     def _coerce(self) -> None:
         # Strings from a command line or an environment become the field's type.
         for name, kind in _SCALARS.items():
-            v = getattr(self, name)
+            v = plain(getattr(self, name))  # np.int64(32) is 32 (vase.scalars)
             if isinstance(v, str):
                 try:
                     v = _parse_scalar(v, kind)
@@ -226,7 +227,7 @@ class EvalConfig:
             raise ConfigError(f"methods must be method names, got {self.methods!r}")
         self.methods = [canonical_label(m) for m in _split_list(self.methods)]
         # 32.5 is no budget; the range (B <= 2**31 - 1) is the request spec's, checked per method in _validate
-        budgets = [whole_number("budgets", b, maximum=1 << 256) for b in _split_list(self.budgets)]
+        budgets = [whole_number("budgets", plain(b), maximum=1 << 256) for b in _split_list(plain(self.budgets))]
         try:
             self.budgets = [int(b) for b in budgets]
         except (TypeError, ValueError) as e:
@@ -239,7 +240,7 @@ class EvalConfig:
         for label, p in self.method_params.items():
             if not isinstance(p, Mapping):
                 raise ConfigError(f"method_params[{label!r}] must be a table of parameters, got {p!r}")
-            params[canonical_label(label)] = dict(p)
+            params[canonical_label(label)] = plain_items(p)
         self.method_params = params
         for name in ("task", "data_dir", "task_file", "model", "output_dir", "name"):
             v = getattr(self, name)
