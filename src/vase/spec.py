@@ -84,8 +84,9 @@ def _seed(seed: Any) -> None:
         name = "seed" if seeds == [seed] else f"seed[{i}]"
         if isinstance(s, bool) or not isinstance(s, int):
             raise SpecError(f"{name} must be an integer, got {_shown(s)}")
-        if abs(s) > SEED_MAX:
-            raise SpecError(f"{name} {s} is too large (at most {SEED_MAX})")
+        if abs(s) > SEED_MAX:  # -(2**63) is too small, not too large
+            raise SpecError(f"{name} {s} is too {'small' if s < 0 else 'large'} (at "
+                            f"{'least' if s < 0 else 'most'} {-SEED_MAX if s < 0 else SEED_MAX})")
 
 
 _STORAGE_TYPES = {"bits": (int, "an integer (16, 8, 4 or 2)"), "guard": (int, "a number of tokens (or unset)"),

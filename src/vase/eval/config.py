@@ -119,7 +119,8 @@ def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
             raise ConfigError(f"{name} must be a whole number, got {value!r}")
         value = int(value)
     if isinstance(value, int) and abs(value) > maximum:
-        raise ConfigError(f"{name} {value} is too large (at most {maximum})")
+        raise ConfigError(f"{name} {value} is too {'small' if value < 0 else 'large'} (at "
+                          f"{'least' if value < 0 else 'most'} {-maximum if value < 0 else maximum})")
     return value
 
 
@@ -427,6 +428,15 @@ def _normalise_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     for k, v in data.items():
         key = str(k).replace("-", "_")
         if key not in known:
+            from vase.policies import POLICIES
+            from vase.storages import storage_keywords
+
+            method_keys = set(storage_keywords()) | {f.name for cls in POLICIES.values()
+                                                      for f in dataclasses.fields(cls)}
+            if key in method_keys:  # a method's parameter or the storage, written at the top of the file
+                raise ConfigError(f"{where}: {k!r} is a method's setting, not the run's: put it under method_params, "
+                                  f"e.g. method_params: {{snapkv: {{{key}: {v!r}}}}} (or -p {key}={v} on the command "
+                                  f"line, which applies it to every method that takes it)")
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{where}: unknown setting {k!r}{hint}")
