@@ -817,6 +817,8 @@ CASES: list[Case] = [
         "--limit", "1", "--max-new-tokens", "4", "--device", "cpu", setup=_run_name_file),
     api("compiled-full-kv-bits", r"method 'full' with kv_bits=4 has no compiled form: .*drop kv_bits",
         lambda c: vase.CompiledEvictionCache(c["tiny"][0], "full", None, 8, kv_bits=4), ValueError),
+    cli("sweep-retrieval-tokens-zero", r"--retrieval-tokens must be >= 1, got 0", "analyze", "sweep",
+        "--retrieval-tokens", "0", "-m", "/nonexistent/model"),  # was reported as max_new_tokens
     cli("sweep-compressions-twice", r"--compressions lists 2 twice: give each once", "analyze", "sweep",
         "--compressions", "2,2", "-m", "/nonexistent/model"),
     # -- the Python API: types at the door -------------------------------------------------------------------------------

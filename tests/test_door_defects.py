@@ -335,7 +335,8 @@ def test_numpy_scalars_are_the_numbers_they_hold():
                  sample=np.bool_(True))
     a = vase.generate(model, tok, ["hello there", "a b c"], **plain)
     b = vase.generate(model, tok, ["hello there", "a b c"], **numpy)
-    assert a.token_ids == b.token_ids
+    c = vase.generate(model, tok, ["hello there", "a b c"], **{**numpy, "seed": np.arange(1, 3)})
+    assert a.token_ids == b.token_ids == c.token_ids
     cache = EvictionCache(model, "snapkv", np.int64(24), np.int64(8), seed=np.int64(3), kv_bits=np.int64(4))
     assert type(cache.cfg.budget) is int and cache.quant.bits == 4
     cfg = dict(methods=["snapkv"], budgets=[128], limit=3, temperature=0.5, method_params={"snapkv": {"n_large": 3}})

@@ -29,7 +29,9 @@ def plain_items(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def plain_seed(seed: Any) -> Any:
-    """A seed, or a list / tuple of them (one per row), each `plain`."""
+    """A seed, or a list / tuple / 1-d numpy array of them (one per row), each `plain`."""
+    if type(seed).__module__ == "numpy" and getattr(seed, "ndim", None) == 1:
+        seed = seed.tolist()
     if isinstance(seed, (list, tuple)):
         return type(seed)(plain(s) for s in seed)
     return plain(seed)
