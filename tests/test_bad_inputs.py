@@ -75,6 +75,10 @@ def world(tmp_path_factory) -> dict[str, Any]:
     for name, text in configs.items():
         (root / name).write_text(text)
     (root / "latin1.yaml").write_bytes(b"limit: 3\n# caf\xe9\n")
+    (root / "kv-bits-top.yaml").write_text("kv_bits: 4\nbudgets: [128]\n")
+    (root / "named.yaml").write_text("name: mine\n")
+    (root / "long-question.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n" + json.dumps(
+        {"question": " ".join(["word"] * 3000), "answer": "1"}) + "\n")
     (root / "dup.yaml").write_text("limit: 3\nbudgets: [128]\nlimit: 5\n")
     (root / "dup-nested.yaml").write_text("methods: [snapkv]\nbudgets: [128]\nmethod_params:\n  snapkv: {n_large: 1, "
                                           "n_large: 2}\n")
@@ -427,6 +431,24 @@ def _setup_bad_length(ctx):
     (ctx["tmp"] / "run" / "summary.csv").write_text("an old summary\n")
 
 
+def _setup_bad_correct(ctx):
+    _samples(ctx, [GOOD, json.dumps({**json.loads(GOOD), "problem_id": "p1", "correct": "no"})])
+    (ctx["tmp"] / "run" / "summary.csv").write_text("an old summary\n")
+
+
+def _dist_timeout_abc(ctx):
+    from vase.eval.runner import dist_env
+
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("VASE_DIST_TIMEOUT_S", "abc")):
+        ctx["monkeypatch"].setenv(name, value)
+    dist_env()
+
+
+def _run_name_file(ctx):
+    (ctx["tmp"] / "runs").mkdir()
+    (ctx["tmp"] / "runs" / "mine").write_text("not a run\n")
+
+
 def _changed_param(ctx):
     from vase.eval.runner import write_run_config
 
@@ -531,7 +553,8 @@ CASES: list[Case] = [
     cli("prompt-file-missing", r"no such prompt file: /nonexistent/prompts.txt", "generate", "--file",
         "/nonexistent/prompts.txt"),
     cli("prompt-file-dir", r"--file .*no-config is a folder, not a prompt file", "generate", "--file", "{root}/no-config"),
-    cli("prompt-file-empty", r"no prompts found \(one prompt per line\)", "generate", "--file", "{root}/empty.txt"),
+    cli("prompt-file-empty", r"no prompts found in .*empty.txt \(one prompt per line\)", "generate", "--file", "{root}/empty.txt"),
+    cli("prompt-file-dev-null", r"no prompts found in /dev/null \(one prompt per line\)", "generate", "-f", "/dev/null"),
     cli("prompt-file-latin1", r"latin1.txt: line 2 is not UTF-8 text .*save the file as UTF-8", "generate", "--file",
         "{root}/latin1.txt"),
     cli("stdin-latin1", r"the prompts on stdin are not UTF-8 text", "generate", "-", stdin=b"ok\ncaf\xe9\n"),
@@ -684,7 +707,11 @@ CASES: list[Case] = [
         setup=lambda c: c["monkeypatch"].setattr("vase.cli.err_console.print", lambda *a, **k: None)),  # progress
     # -- unclear before (issue 16): one line naming the file, flag or value and the fix ----------------------------
     cli("summarize-length-str", r"samples.rank0.jsonl: line 1: 'length' is \"long\", not a number", "summarize",
-        "{tmp}/run", setup=_setup_bad_length, check=lambda c: not (c["tmp"] / "run" / "summary.csv").exists()),
+        "{tmp}/run", setup=_setup_bad_length,  # a bad record: nothing is written, the last summary stays (issue 40)
+        check=lambda c: (c["tmp"] / "run" / "summary.csv").read_text() == "an old summary\n"),
+    cli("summarize-correct-str", r"samples.rank0.jsonl: line 2: 'correct' is \"no\", not true or false", "summarize",
+        "{tmp}/run", setup=_setup_bad_correct,
+        check=lambda c: (c["tmp"] / "run" / "summary.csv").read_text() == "an old summary\n"),
     api("run-param-changed", r"\(methods.snapkv.params.sinks: 4 -> 2\)\. It is never overwritten", _changed_param,
         ConfigError),
     cli("budget-huge", r"budget 99999999999999999999 is too large \(at most 2147483647\)", *G, "--budget",
@@ -770,6 +797,28 @@ CASES: list[Case] = [
         lambda c: cache(c, method="full", budget=None, max_length=-1), ValueError),
     api("cache-max-length-float", r"^max_length must be an integer, got 2.5", lambda c: cache(c, max_length=2.5),
         TypeError),
+    # -- unclear before (issue 40): the line names the flag, variable, file, row or setting ------------------------
+    cli("seed-most-negative", r"--seed -9223372036854775808 is too small \(at least -9223372036854775807\)", *G,
+        "--seed=-9223372036854775808"),
+    api("api-seed-most-negative", r"seed -9223372036854775808 is too small", lambda c: cache(c, seed=-(2**63)),
+        ValueError),
+    cli("config-kv-bits-top", r"'kv_bits' is a method's setting, not the run's: put it under method_params", *E, "-c",
+        "{root}/kv-bits-top.yaml"),
+    cli("regimes-empty", r"--regimes is empty \(''\): give a comma-separated list, e.g. --regimes ample,tight", "bench",
+        "--engine", "vllm", "--regimes", ""),
+    api("dist-timeout-abc", r"VASE_DIST_TIMEOUT_S='abc' is not a positive number of seconds", _dist_timeout_abc,
+        ValueError),
+    cli("eval-question-too-long", r"problem 'long-question-0001' \(row 2 of .*long-question.jsonl\) is \d+ tokens, "
+        r"longer than the model's context", *E, "--model", "{chat}", "--task-file", "{root}/long-question.jsonl",
+        "--methods", "snapkv", "--budgets", "24", "--window", "8", "--max-new-tokens", "4", "--batch-size", "1",
+        "--device", "cpu"),
+    cli("eval-run-name-is-a-file", r"the run folder .*runs/mine is a file: give the run another name", *E, "-c",
+        "{root}/named.yaml", "--model", "{chat}", "--methods", "snapkv", "--budgets", "24", "--window", "8",
+        "--limit", "1", "--max-new-tokens", "4", "--device", "cpu", setup=_run_name_file),
+    api("compiled-full-kv-bits", r"method 'full' with kv_bits=4 has no compiled form: .*drop kv_bits",
+        lambda c: vase.CompiledEvictionCache(c["tiny"][0], "full", None, 8, kv_bits=4), ValueError),
+    cli("sweep-retrieval-tokens-zero", r"--retrieval-tokens must be >= 1, got 0", "analyze", "sweep",
+        "--retrieval-tokens", "0", "-m", "/nonexistent/model"),  # was reported as max_new_tokens
     cli("sweep-compressions-twice", r"--compressions lists 2 twice: give each once", "analyze", "sweep",
         "--compressions", "2,2", "-m", "/nonexistent/model"),
     # -- the Python API: types at the door -------------------------------------------------------------------------------

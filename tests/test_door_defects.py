@@ -317,3 +317,31 @@ def test_max_length_is_the_full_caches_first_allocation():
         cache = EvictionCache(model, "full", None, 8, max_length=max_length)
         model(input_ids=ids, **vase.cache_kwargs(cache), use_cache=True)
         assert cache.layers[0].capacity == capacity, (max_length, cache.layers[0].capacity)
+
+
+def test_numpy_scalars_are_the_numbers_they_hold():
+    """np.int64(32) was refused as "must be an integer, got np.int64(32)": numpy code passes them everywhere. The same
+    request in numpy scalars gives the same tokens, and the saved identity stays JSON."""
+    import numpy as np
+
+    from vase.eval.config import EvalConfig, identity, identity_hash
+
+    model, tok = tiny_model(), tiny_tokenizer()
+    plain = dict(method="snapkv", budget=24, window=8, max_new_tokens=12, temperature=0.5, top_p=0.9, greedy=False,
+                 seed=[1, 2], chat_template=False, n_large=2, sample=True)
+    numpy = dict(method="snapkv", budget=np.int64(24), window=np.int32(8), max_new_tokens=np.int64(12),
+                 temperature=np.float32(0.5), top_p=np.float64(0.9), greedy=np.bool_(False),
+                 seed=[np.int64(1), np.int64(2)], chat_template=np.bool_(False), n_large=np.int64(2),
+                 sample=np.bool_(True))
+    a = vase.generate(model, tok, ["hello there", "a b c"], **plain)
+    b = vase.generate(model, tok, ["hello there", "a b c"], **numpy)
+    c = vase.generate(model, tok, ["hello there", "a b c"], **{**numpy, "seed": np.arange(1, 3)})
+    assert a.token_ids == b.token_ids == c.token_ids
+    cache = EvictionCache(model, "snapkv", np.int64(24), np.int64(8), seed=np.int64(3), kv_bits=np.int64(4))
+    assert type(cache.cfg.budget) is int and cache.quant.bits == 4
+    cfg = dict(methods=["snapkv"], budgets=[128], limit=3, temperature=0.5, method_params={"snapkv": {"n_large": 3}})
+    np_cfg = dict(methods=["snapkv"], budgets=[np.int64(128)], limit=np.int64(3), temperature=np.float32(0.5),
+                  method_params={"snapkv": {"n_large": np.int64(3)}})
+    assert identity_hash(identity(EvalConfig(**np_cfg))) == identity_hash(identity(EvalConfig(**cfg)))
+    assert vase.vllm.additional_config("snapkv", np.int64(128), np.int64(64)) == \
+        vase.vllm.additional_config("snapkv", 128, 64)

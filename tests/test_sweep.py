@@ -137,7 +137,7 @@ def test_cli_sweep_writes_its_report(model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["analyze", "sweep", "--methods", "snapk"], "Did you mean snapkv"),
     (["analyze", "sweep", "--compressions", "1"], "compression must be > 1"),
-    (["analyze", "randomness", "--seeds", "0"], "seeds must be >= 1"),
+    (["analyze", "randomness", "--seeds", "0"], "--seeds must be in 1..256"),
 ])
 def test_cli_errors_are_one_line(model_dir, args, message, capsys):
     code, out, err = _cli([*args, "--model", model_dir], capsys)

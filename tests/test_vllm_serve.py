@@ -49,6 +49,49 @@ def test_argv_carries_plugin_config_and_passes_vllm_options(tmp_path):
     assert "--served-model-name" not in argv  # only the embedded model gets a short name
 
 
+def test_argv_adds_the_sampling_door(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    for method in ("snapkv", "full"):
+        argv = serve_argv(str(tmp_path), method=method, budget=256, extra=[])
+        assert argv[argv.index("--middleware") + 1] == "vase.vllm.door.sampling_door"
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"best_of": 3, "n": 1}, 400, "best_of=3 is not supported: vLLM's server returns one choice for any best_of"),
+    ({"n": True}, 400, "n must be a positive integer (the number of choices), got true"),
+    ({"n": 2.5}, 400, "n must be a positive integer (the number of choices), got 2.5"),
+    ({"n": 0}, 400, "n must be a positive integer (the number of choices), got 0"),
+    ({"best_of": True}, 400, "best_of=true is not supported"),
+    ({"n": 2, "best_of": 1}, 200, None),
+    ({"n": None, "best_of": None}, 200, None),
+])
+def test_the_sampling_door_refuses_what_vllm_answers_wrongly(body, status, message):
+    """vLLM's server returned one choice for best_of=3 and for n=true (issue 40): the middleware `vase serve` passes
+    to vLLM answers 400 naming the field, and hands every other request on with its body intact."""
+    fastapi = pytest.importorskip("fastapi")  # vLLM's server is a FastAPI app
+    from starlette.responses import JSONResponse
+    from starlette.testclient import TestClient
+
+    from vase.vllm.door import sampling_door
+
+    app = fastapi.FastAPI()
+
+    async def completions(request):  # a plain route: the request as it reaches vLLM's endpoint
+        return JSONResponse({"echo": await request.json()})
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.router.add_route(path, completions, methods=["POST"])
+    app.middleware("http")(sampling_door)  # as vLLM adds a --middleware function
+    client = TestClient(app)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        reply = client.post(path, json={"model": "m", "prompt": "hi", **body})
+        assert reply.status_code == status, reply.text
+        if message is None:
+            assert reply.json() == {"echo": {"model": "m", "prompt": "hi", **body}}
+        else:
+            assert reply.json()["error"]["message"].startswith(message)
+
+
 def test_full_is_stock_vllm(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     argv = serve_argv(str(tmp_path), method="full", budget=1, extra=[])
@@ -277,6 +320,8 @@ def _post(port: int, body: bytes) -> tuple[int, str]:
     ("huge-max-tokens", {"prompt": "hi", "max_tokens": 10**9}, 400, "max"),
     ("unknown-model", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}, 404, "no-such-model"),
     ("prompt-past-context", {"prompt": "word " * 2000, "max_tokens": 4}, 400, "context"),
+    ("best-of-3", {"prompt": "hi", "max_tokens": 2, "best_of": 3}, 400, "best_of=3 is not supported"),  # issue 40
+    ("n-true", {"prompt": "hi", "max_tokens": 2, "n": True}, 400, "n must be a positive integer"),
 ])
 def test_bad_request_is_4xx_with_a_message_and_the_server_keeps_serving(server, case, body, status, words):
     if isinstance(body, dict):

@@ -40,6 +40,7 @@ from .ring import new_ring, ring_read, ring_write
 from .policies import Policy
 from .quant_cache import QuantConfig, QuantSpec
 from .schedule import first_limit, must_evict, room, steady_limit
+from .scalars import plain, plain_items, plain_seed
 from .spec import RequestSpec, whole_tokens
 from .storage import KVStorage
 from .storages import eager_storage
@@ -570,7 +571,10 @@ class EvictionCache(Cache):
     def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int | None = 512, window: int = 64, *,
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
                  num_layers: int | None = None, storage: QuantSpec | None = None, **method_params):
-        # The one request check of every door (types, method, budget rule, reserves, storage): vase.spec.
+        # The one request check of every door (types, method, budget rule, reserves, storage): vase.spec (numpy
+        # scalars read as the numbers they hold, vase.scalars).
+        budget, window, sort_kept, max_length = plain(budget), plain(window), plain(sort_kept), plain(max_length)
+        seed, method_params = plain_seed(seed), plain_items(method_params)
         req = RequestSpec.of(method, budget, window, seed=seed, storage=storage, **method_params).validate()
         policy, budget = req.policy, req.budget
         if not isinstance(sort_kept, bool):

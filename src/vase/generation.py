@@ -19,6 +19,7 @@ import torch
 
 from .cache import EvictionCache
 from .checks import check_flags, check_prompts, check_sampling, check_seed
+from .scalars import plain, plain_items, plain_seed
 from .compat import cache_kwargs
 from .decoding import Sampler, prefill, sampler_generators  # noqa: F401  (re-exported: vase.generation.Sampler)
 from .policies import Policy
@@ -154,6 +155,11 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
     uses transformers' StaticCache); the first call of a configuration compiles for a while.
     Extra keyword arguments are the method's parameters.
     """
+    # numpy scalars are the numbers they hold (vase.scalars), then checked like them
+    budget, window, max_new_tokens, temperature, top_p, top_k, greedy, chat_template, ignore_eos, sort_kept = map(
+        plain, (budget, window, max_new_tokens, temperature, top_p, top_k, greedy, chat_template, ignore_eos,
+                sort_kept))
+    seed, method_params = plain_seed(seed), plain_items(method_params)
     prompt_list = check_prompts(prompts)  # types and ranges at the door, one line naming the argument
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     check_seed(seed, len(prompt_list))

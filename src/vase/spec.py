@@ -34,6 +34,7 @@ from .errors import SpecError
 from .policies import Policy, get_policy
 from .quant import CACHE_STORAGE_OPTIONS
 from .quant_cache import QuantConfig, QuantSpec
+from .scalars import plain, plain_items, plain_seed
 from .schedule import placeholder_budget
 from .storages import spec_from_options, spec_types, storage_keywords
 
@@ -83,8 +84,9 @@ def _seed(seed: Any) -> None:
         name = "seed" if seeds == [seed] else f"seed[{i}]"
         if isinstance(s, bool) or not isinstance(s, int):
             raise SpecError(f"{name} must be an integer, got {_shown(s)}")
-        if abs(s) > SEED_MAX:
-            raise SpecError(f"{name} {s} is too large (at most {SEED_MAX})")
+        if abs(s) > SEED_MAX:  # -(2**63) is too small, not too large
+            raise SpecError(f"{name} {s} is too {'small' if s < 0 else 'large'} (at "
+                            f"{'least' if s < 0 else 'most'} {-SEED_MAX if s < 0 else SEED_MAX})")
 
 
 _STORAGE_TYPES = {"bits": (int, "an integer (16, 8, 4 or 2)"), "guard": (int, "a number of tokens (or unset)"),
@@ -133,12 +135,19 @@ class RequestSpec:
     storage: Any = None
     seed: Any = 0
 
+    def __post_init__(self) -> None:  # numpy scalars are the numbers they hold (vase.scalars)
+        object.__setattr__(self, "budget", plain(self.budget))
+        object.__setattr__(self, "window", plain(self.window))
+        object.__setattr__(self, "seed", plain_seed(self.seed))
+        if isinstance(self.params, Mapping):
+            object.__setattr__(self, "params", plain_items(self.params))
+
     @classmethod
     def of(cls, method: Any, budget: Any = 512, window: Any = 64, *, seed: Any = 0, storage: Any = None,
            **options: Any) -> "RequestSpec":
         """A spec from keyword options as callers pass them: the method's parameters and the storage keywords
         (``kv_bits``, ``quant_guard``, ...) mixed; the storage given once (`storage=` or the keywords)."""
-        params, spelled = split_storage(options)
+        params, spelled = split_storage(plain_items(options))
         if spelled:
             if storage is not None:
                 raise SpecError(f"pass the storage once: storage={storage!r} or {', '.join(spelled)}, not both")

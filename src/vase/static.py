@@ -69,6 +69,11 @@ def check_compilable(cache: EvictionCache, kernel: str) -> None:
     refusal = static_refusal(cache.quant)  # the storage's own (`vase.storages`)
     if refusal:
         raise CompileUnsupportedError(refusal)
+    if not policy.evicts and not policy.selects and cache.quant is not None:  # name the storage, not only the method
+        raise CompileUnsupportedError(f"method {policy.name!r} with kv_bits={cache.quant.bits} has no compiled form: "
+                                      f"compile=True runs {policy.name!r} through transformers' StaticCache, which "
+                                      f"holds K/V in full precision; drop kv_bits, or use compile=False (the eager "
+                                      f"cache quantizes)")
     if not policy.evicts or policy.selects:
         raise CompileUnsupportedError(f"method {policy.name!r} has no static evicting form: compile=True supports "
                                       f"the evicting methods (and 'full' through transformers' StaticCache)")

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from ..cache import EvictionCache
 from ..compat import cache_kwargs
+from ..scalars import plain, plain_items
 from ..checks import check_flags, check_prompts, check_sampling, check_seed
 from ..generation import Sampler, decode, eos_ids, prepare_prompts
 from ..hybrid import full_attention_layers
@@ -31,6 +32,9 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
     """
     # generate's checks, in generate's order: the prompt, the sampling and length, the seed, the switches, then
     # the prompt against the model's context and the request spec (in the cache), all before the folder is made
+    budget, window, max_new_tokens, greedy, temperature, top_p, seed, chat_template = map(
+        plain, (budget, window, max_new_tokens, greedy, temperature, top_p, seed, chat_template))
+    method_params = plain_items(method_params)
     [prompt] = check_prompts(prompt) if isinstance(prompt, str) else check_prompts([prompt])
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=None, greedy=greedy)
     check_seed(seed, 1)

@@ -73,7 +73,8 @@ def check_range(flag: str, value: int | None, maximum: int = INT_MAX, minimum: i
     if value is None:
         return
     if abs(value) > maximum:
-        raise UserError(f"{flag} {value} is too large (at most {maximum})")
+        raise UserError(f"{flag} {value} is too {'small' if value < 0 else 'large'} (at "
+                        f"{'least' if value < 0 else 'most'} {-maximum if value < 0 else maximum})")
     if minimum is not None and value < minimum:
         raise UserError(f"{flag} must be >= {minimum}, got {value}")
 
@@ -146,6 +147,11 @@ def checked_params(methods: list[str], items: list[str] | None, *, budgets: list
     return params
 
 
+#: What an empty list's message offers as an example, per flag (default: by the item type).
+_EXAMPLES = {"--regimes": "ample,tight", "--tasks": "arith,retrieval", "--compressions": "4,8,16",
+             "--lengths": "1024,4096", "--batch-sizes": "1,4"}
+
+
 def split_list(text: str, kind=str, flag: str = "the list") -> list:
     """``"a,b"`` -> ``["a", "b"]`` as ``kind``; an empty list is refused (``--budgets ''`` is no budget)."""
     try:
@@ -153,8 +159,8 @@ def split_list(text: str, kind=str, flag: str = "the list") -> list:
     except ValueError:
         raise UserError(f"expected a comma-separated list of {kind.__name__}s, got {text!r}") from None
     if not items:
-        raise UserError(f"{flag} is empty ({text!r}): give a comma-separated list, e.g. {flag} "
-                        f"{'128,256' if kind is int else ('4,8' if kind is float else 'snapkv,vase-attnv')}")
+        example = _EXAMPLES.get(flag) or ('128,256' if kind is int else ('4,8' if kind is float else 'snapkv,vase-attnv'))
+        raise UserError(f"{flag} is empty ({text!r}): give a comma-separated list, e.g. {flag} {example}")
     return items
 
 

@@ -138,9 +138,13 @@ def summarize(
 
     check_run_dir(run_dir)
     reference = ("full", None)
+    from ..eval.store import StoreError
+
     try:
         reference = parse_reference(against) if against else ("full", None)
         rows = build(run_dir, reference=reference, wide=wide)
+    except StoreError as e:  # a record the summary cannot read (a bad line, field or value): nothing was written,
+        raise UserError(str(e)) from None  # so the last good summary stays, and the line names the record and field
     except BaseException as e:
         # An old summary must not pass for this run's (as `vase eval` does when its summary fails).
         stem = "summary" if tuple(reference) == ("full", None) else f"summary-vs-{reference[0]}-{reference[1]}"

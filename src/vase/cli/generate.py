@@ -31,16 +31,21 @@ def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
     elif file is not None:
         if file.is_dir():
             raise UserError(f"--file {file} is a folder, not a prompt file: give a text file (one prompt per line)")
-        if not file.is_file():
+        if not file.exists():
             raise UserError(f"no such prompt file: {file}")
-        lines = decode_utf8(file.read_bytes(), str(file), "save the file as UTF-8", UserError).splitlines()
+        try:  # a device or pipe (/dev/null, <(cmd)) is read like a file
+            data = file.read_bytes()
+        except OSError as exc:
+            raise UserError(f"--file {file}: cannot read it ({exc.strerror or exc})") from None
+        lines = decode_utf8(data, str(file), "save the file as UTF-8", UserError).splitlines()
     elif prompt is not None:
         return [prompt]
     else:
         raise UserError("give a PROMPT, or --file F (one prompt per line; '-' reads stdin)")
     prompts = [line for line in lines if line.strip()]
     if not prompts:
-        raise UserError("no prompts found (one prompt per line)")
+        where = "on stdin" if file is None or str(file) == "-" else f"in {file}"
+        raise UserError(f"no prompts found {where} (one prompt per line)")
     return prompts
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from vase.engines.registry import ENGINES
 from vase.errors import SpecError
 from vase.policies import Policy, UnknownMethodError, get_policy
+from vase.scalars import plain, plain_items
 from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
 from vase.storages import kind_of, spec_from_options
 from vase.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
@@ -118,7 +119,8 @@ def whole_number(name: str, value: Any, *, maximum: int = _INT_MAX) -> Any:
             raise ConfigError(f"{name} must be a whole number, got {value!r}")
         value = int(value)
     if isinstance(value, int) and abs(value) > maximum:
-        raise ConfigError(f"{name} {value} is too large (at most {maximum})")
+        raise ConfigError(f"{name} {value} is too {'small' if value < 0 else 'large'} (at "
+                          f"{'least' if value < 0 else 'most'} {-maximum if value < 0 else maximum})")
     return value
 
 
@@ -206,7 +208,7 @@ class EvalConfig:
     def _coerce(self) -> None:
         # Strings from a command line or an environment become the field's type.
         for name, kind in _SCALARS.items():
-            v = getattr(self, name)
+            v = plain(getattr(self, name))  # np.int64(32) is 32 (vase.scalars)
             if isinstance(v, str):
                 try:
                     v = _parse_scalar(v, kind)
@@ -226,7 +228,7 @@ class EvalConfig:
             raise ConfigError(f"methods must be method names, got {self.methods!r}")
         self.methods = [canonical_label(m) for m in _split_list(self.methods)]
         # 32.5 is no budget; the range (B <= 2**31 - 1) is the request spec's, checked per method in _validate
-        budgets = [whole_number("budgets", b, maximum=1 << 256) for b in _split_list(self.budgets)]
+        budgets = [whole_number("budgets", plain(b), maximum=1 << 256) for b in _split_list(plain(self.budgets))]
         try:
             self.budgets = [int(b) for b in budgets]
         except (TypeError, ValueError) as e:
@@ -239,7 +241,7 @@ class EvalConfig:
         for label, p in self.method_params.items():
             if not isinstance(p, Mapping):
                 raise ConfigError(f"method_params[{label!r}] must be a table of parameters, got {p!r}")
-            params[canonical_label(label)] = dict(p)
+            params[canonical_label(label)] = plain_items(p)
         self.method_params = params
         for name in ("task", "data_dir", "task_file", "model", "output_dir", "name"):
             v = getattr(self, name)
@@ -426,6 +428,15 @@ def _normalise_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     for k, v in data.items():
         key = str(k).replace("-", "_")
         if key not in known:
+            from vase.policies import POLICIES
+            from vase.storages import storage_keywords
+
+            method_keys = set(storage_keywords()) | {f.name for cls in POLICIES.values()
+                                                      for f in dataclasses.fields(cls)}
+            if key in method_keys:  # a method's parameter or the storage, written at the top of the file
+                raise ConfigError(f"{where}: {k!r} is a method's setting, not the run's: put it under method_params, "
+                                  f"e.g. method_params: {{snapkv: {{{key}: {v!r}}}}} (or -p {key}={v} on the command "
+                                  f"line, which applies it to every method that takes it)")
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{where}: unknown setting {k!r}{hint}")

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import os
 import socket
 import time
@@ -140,7 +141,33 @@ def dist_env() -> tuple[int, int, int]:
     local_rank = env_int("LOCAL_RANK", "0") if local is not None else rank
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"bad distributed environment: RANK={rank} WORLD_SIZE={world}")
+    if world > 1:
+        dist_timeout()  # read at the end of the run: refused at its start
     return rank, world, local_rank
+
+
+def problem_label(problem: Any) -> str:
+    """``problem 'mine-2' (row 2 of data/mine.jsonl)``: how a message names one problem of the run."""
+    meta = getattr(problem, "meta", None) or {}
+    row = f" (row {meta['index'] + 1} of {meta['source']})" if isinstance(meta.get("index"), int) and \
+        meta.get("source") else ""
+    return f"problem {problem.id!r}{row}"
+
+
+def dist_timeout() -> float:
+    """Seconds the ranks wait for each other at the end: $VASE_DIST_TIMEOUT_S (default a day); ConfigError naming the
+    variable when it is no positive number."""
+    text = os.environ.get(_DIST_TIMEOUT_ENV)
+    if text is None or not text.strip():
+        return 24 * 3600.0
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"the environment variable {_DIST_TIMEOUT_ENV}={text!r} is not a positive number of seconds: "
+                          f"set it to e.g. 3600, or unset it (default: a day)")
+    return seconds
 
 
 def row_cache_stats(prompt_length: int, n_generated: int, finished: bool, *, budget: int | None, window: int,
@@ -239,7 +266,7 @@ class _Dist:
             warnings.warn("torch.distributed is unavailable: ranks will not wait for each other; run "
                           "`vase summarize` when every rank has finished", stacklevel=3)
             return
-        timeout = timedelta(seconds=float(os.environ.get(_DIST_TIMEOUT_ENV, 24 * 3600)))
+        timeout = timedelta(seconds=dist_timeout())
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
             self.created = True
@@ -294,6 +321,9 @@ class _Runner:
         ident = {**identity(c, self.problems), **runtime_identity(c, self.model)}
         name = run_name(c, self.problems)
         self.run_dir = Path(c.output_dir).expanduser() / name
+        if self.run_dir.exists() and not self.run_dir.is_dir():  # mkdir would say only "[Errno 17] File exists"
+            raise ConfigError(f"the run folder {self.run_dir} is a file: give the run another name (the config's `name` "
+                              f"setting), or another --output-dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fsync_dir(self.run_dir.parent)  # the new run folder survives a crash
         from vase import __version__
@@ -431,10 +461,16 @@ class _Runner:
         prompts = [build_user_message(self.problems[i]) for i, _ in batch]
         seeds = [sample_seed(c.seed, i, s) for i, s in batch]
         # The full cache has no budget (u.budget None): the request spec gives it the placeholder.
-        out = self.engine.generate(
-            prompts, method=spec.method, budget=u.budget, window=c.window,
-            max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.cache_params)
+        try:
+            out = self.engine.generate(
+                prompts, method=spec.method, budget=u.budget, window=c.window,
+                max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.cache_params)
+        except ValueError as e:  # "prompt 1 is too long" counts this call's prompts: name the problem and its row
+            m = re.match(r"prompt (\d+)\b", str(e))
+            if m is None or int(m.group(1)) >= len(batch):
+                raise
+            raise ValueError(problem_label(self.problems[batch[int(m.group(1))][0]]) + str(e)[m.end():]) from None
         if len(out.texts) != len(batch):
             raise RuntimeError(f"generate returned {len(out.texts)} completions for {len(batch)} prompts")
         seconds = _finite(out.seconds)

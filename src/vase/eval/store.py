@@ -61,6 +61,7 @@ FIDELITY = "fidelity"
 _KEYS = {SAMPLES: SAMPLE_KEY, FIDELITY: FIDELITY_KEY}
 _RANK_RE = re.compile(r"\.rank(\d+)\.jsonl$")
 #: Fields that must be numbers (or null) when a record has them: a summary computes with them.
+_BOOL_FIELDS = ("correct", "finished")
 _NUMBER_FIELDS = ("length", "prompt_length", "kv_bytes", "kv_bytes_peak", "kv_bytes_full", "evictions",
                   "kv_bytes_time_mean", "kv_bytes_allocated", "seconds", "prefill_seconds", "tokens_per_s",
                   "n_tokens", "kl_mean", "top1_agree", "top1_disagree_share", "dnll_mean")
@@ -196,6 +197,11 @@ def read_all(run_dir: str | Path, kind: str = SAMPLES, key_fields: Sequence[str]
                 if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                     raise StoreError(f"{path}: line {lineno}: {f!r} is {json.dumps(v)}, not a number: fix that line or "
                                      f"remove it (vase writes numbers there)")
+            for f in _BOOL_FIELDS:  # "correct": "no" is truthy: it would count as correct (or fail deep in a sum)
+                v = rec.get(f)
+                if v is not None and not isinstance(v, bool):
+                    raise StoreError(f"{path}: line {lineno}: {f!r} is {json.dumps(v)}, not true or false: fix that "
+                                     f"line or remove it (vase writes true or false there)")
             k = record_key(rec, fields)
             if k not in seen:
                 seen.add(k)

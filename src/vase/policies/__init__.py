@@ -16,6 +16,7 @@ import difflib
 from dataclasses import fields, replace
 
 from ..errors import SpecError
+from ..scalars import plain
 from .base import VALUE_METRICS, Policy, sample_without_replacement, value_magnitude
 from .dkv import CurDKV, VaseDKV
 from .evict_large_v import EvictLargeV
@@ -55,6 +56,7 @@ def get_policy(name: str | Policy, **params) -> Policy:
     Raises UnknownMethodError naming close matches for an unknown method, and the accepted
     parameters for an unknown parameter.
     """
+    params = {k: plain(v) for k, v in params.items()}  # np.int64(8) is 8 (vase.scalars)
     if isinstance(name, Policy):
         return replace(name, **params) if params else name
     key = name.strip().lower().replace("_", "-")

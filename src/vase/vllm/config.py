@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SpecError
+from ..scalars import plain_items
 from ..policies import Policy, get_policy
 from ..spec import RequestSpec, split_storage
 
@@ -93,8 +94,8 @@ def additional_config(method: str, budget: int, window: int = 64, *, seed: int =
 
         LLM(model, additional_config=vase.vllm.additional_config("vase-attnv", 512, 64))
     """
-    cfg = VaseVllmConfig.from_dict({"method": method, "budget": budget, "window": window, "seed": seed,
-                                    "sort_kept": sort_kept, **params})
+    cfg = VaseVllmConfig.from_dict(plain_items({"method": method, "budget": budget, "window": window, "seed": seed,
+                                                "sort_kept": sort_kept, **params}))  # np.int64(512) is 512
     return {CONFIG_KEY: cfg.to_dict()}
 
 

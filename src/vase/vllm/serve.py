@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import vase_section
+from .door import MIDDLEWARE
 
 __all__ = ["DEFAULT_SERVED_NAME", "ServeError", "vase_section", "serve_argv", "require_vllm", "exec_serve",
            "run_serve", "ready_line", "check_port", "failure_line"]
@@ -89,6 +90,7 @@ def serve_argv(model: str | None, *, method: str, budget: int, window: int = 64,
         argv += ["--served-model-name", DEFAULT_SERVED_NAME]
     if section is not None:
         argv += ["--additional-config", json.dumps(section, sort_keys=True)]
+    argv += ["--middleware", MIDDLEWARE]  # refuses best_of > 1 and a non-integer n (vase.vllm.door)
     return argv + list(extra)
 
 
