@@ -101,6 +101,7 @@ def test_gpu_engine_args_kept_when_they_work():
 
 def _built(async_scheduling=False, mode=CUDAGraphMode.PIECEWISE, backend=None, dcp=1):
     return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                           cache_config=SimpleNamespace(cache_dtype="auto"),
                            compilation_config=SimpleNamespace(cudagraph_mode=mode),
                            attention_config=SimpleNamespace(backend=backend),
                            parallel_config=SimpleNamespace(decode_context_parallel_size=dcp))
@@ -159,6 +160,8 @@ def _runner(method, views, layer_name, rows, reqs, block_size):
     runner.vase_requests, runner.vase_evictions, runner.vase_recomputes = {}, 0, 0
     runner.vase_layers, runner.vase_head_size, runner.vase_block_size = [layer_name], 16, block_size
     runner.device = torch.device("cpu")
+    runner.cache_config = SimpleNamespace(cache_dtype="auto")  # unquantised: the policy reads the rows as stored
+    runner.model_config = SimpleNamespace(dtype=torch.float32)
     runner.vase_ring = QueryRing([layer_name], 4, 16, 8, torch.float32, runner.device)
     runner.compilation_config = SimpleNamespace(
         static_forward_context={layer_name: SimpleNamespace(kv_cache=views[1])})

@@ -79,6 +79,11 @@ class Fp8Spec:
         """The spec the keyword `kv_dtype` of `options` spells; None when it is absent."""
         return cls(options["kv_dtype"]) if "kv_dtype" in options else None
 
+    def options(self) -> dict[str, Any]:
+        """The EvictionCache keywords of this spec (the inverse of `from_options`); a rounding other than torch's
+        is named too, so that a run's identity tells the two apart."""
+        return {"kv_dtype": self.dtype, **({"rounding": self.rounding} if self.rounding != "nearest" else {})}
+
     def resolve(self, policy: Policy, budget: int, window: int, seed: int | Sequence[int]) -> "Fp8Config | None":
         """The validated configuration (None for "auto"); ValueError naming the accepted spellings."""
         if self.dtype == "auto":
