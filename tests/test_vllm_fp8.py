@@ -1,4 +1,4 @@
-"""The vLLM plugin under an fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2, vase.vllm.fp8).
+"""The vLLM plugin under an fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3; fp8_e5m2 is decoded but refused, vase.vllm.fp8).
 
 vLLM's CPU kernel stores fp8 only on x86 with AVX-512 or AMX (`_get_attn_isa` in
 vllm/v1/attention/backends/cpu_attn.py raises otherwise, stock engines included): those tests skip elsewhere.

@@ -23,6 +23,15 @@ from ..fp8_cache import FORMATS, from_fp8
 #: vLLM `kv_cache_dtype` values the plugin evicts under ("auto": the model's dtype, nothing to decode)
 FP8_CACHE_DTYPES: tuple[str, ...] = tuple(FORMATS)
 
+#: fp8 formats the codec reads whose eviction has not been compared end to end with the transformers engine (the
+#: CPU kernel stores fp8 only on AVX-512/AMX machines; only e4m3 was run there): refused, with this reason
+UNCOMPARED_FP8: dict[str, str] = {
+    "fp8_e5m2": "kv_cache_dtype='fp8_e5m2' is decoded by vase but its eviction was never compared end to end with "
+                "the transformers engine (only e4m3 was): use kv_cache_dtype='fp8' (e4m3) or 'auto'",
+}
+#: the fp8 formats the plugin evicts under
+EVICTED_FP8: tuple[str, ...] = tuple(d for d in FP8_CACHE_DTYPES if d not in UNCOMPARED_FP8)
+
 
 def is_fp8(cache_dtype: Any) -> bool:
     """Whether vLLM's resolved `cache_dtype` (a string) is one of the fp8 formats the plugin evicts under."""

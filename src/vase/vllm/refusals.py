@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from .config import VaseConfigError
-from .fp8 import FP8_CACHE_DTYPES, is_fp8, storage_dtype
+from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, is_fp8, storage_dtype
 
 _DROP = "or drop additional_config['vase']"
 
@@ -47,10 +47,12 @@ def check_built_config(vllm_config: Any, env: dict | None = None) -> None:
         raise VaseConfigError(f"{name} uses ALiBi position biases, which vLLM's kernel computes from the physical slot "
                               f"(wrong after an eviction): use a RoPE model {_DROP}")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype in UNCOMPARED_FP8:
+        raise VaseConfigError(f"{UNCOMPARED_FP8[cache_dtype]} {_DROP}")
     if cache_dtype != "auto" and not is_fp8(cache_dtype):
         raise VaseConfigError(f"vase evicts an unquantised or fp8 KV cache, but the KV cache dtype resolved to "
                               f"{cache_dtype} (from kv_cache_dtype or the checkpoint's quantization config): pass "
-                              f"kv_cache_dtype='auto' or one of {', '.join(FP8_CACHE_DTYPES)} {_DROP}")
+                              f"kv_cache_dtype='auto' or one of {', '.join(EVICTED_FP8)} {_DROP}")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise VaseConfigError(f"vase frees and rewrites KV blocks that a KV connector (kv_transfer_config, "
                               f"disaggregated prefill, offloading) would move behind its back: drop kv_transfer_config "
@@ -80,7 +82,7 @@ def check_attention_layer(name: str, impl: Any, model_dtype: Any, sliding: bool 
     kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
     if kv_dtype != "auto" and not is_fp8(kv_dtype):
         raise VaseConfigError(f"attention layer {name} stores its KV cache as {kv_dtype}; vase evicts it unquantised "
-                              f"or fp8: use kv_cache_dtype='auto' or one of {', '.join(FP8_CACHE_DTYPES)} {_DROP}")
+                              f"or fp8: use kv_cache_dtype='auto' or one of {', '.join(EVICTED_FP8)} {_DROP}")
     if not sliding and getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
         raise VaseConfigError(f"attention layer {name} uses a sliding window, which vase does not combine with "
                               f"eviction: use a model with full attention {_DROP}")
