@@ -220,3 +220,15 @@ def test_summary_groups_intervals_and_a_range_spanning_one(tmp_path):
     assert lines[3].startswith("|  | b | 1.03x |")  # the group named once
     assert lines[4].startswith("| **accuracy** | c | -43.8 | 95% interval -68.8..-18.8 |")
     assert "spans 1" not in rd._spans_one("median of 5 paired rounds, range 1.11..1.15", "x")
+
+
+def test_every_benchmark_script_has_a_row_in_benchmarks_readme():
+    import re
+
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    rows = set(re.findall(r"^\| `([\w.]+\.py)` \|", readme, flags=re.M))
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    assert not scripts - rows, f"add a row to benchmarks/README.md for: {sorted(scripts - rows)}"
+    assert not rows - scripts, f"benchmarks/README.md has rows for scripts that are gone: {sorted(rows - scripts)}"
+    broken = [t for t in re.findall(r"\]\(([^)\s#]+)", readme) if not (ROOT / "benchmarks" / t).exists()]
+    assert not broken, f"benchmarks/README.md links that do not resolve: {broken}"
