@@ -149,6 +149,12 @@ def test_fp8_e5m2_is_refused_in_one_line_until_compared_end_to_end():
             check()
         assert "\n" not in str(info.value)
     check_cache_dtype("fp8")
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.refusals import check_attention_layer
+
+    with pytest.raises(VaseConfigError, match="stores its KV cache as fp8_e5m2.*one of fp8, fp8_e4m3 "):
+        check_attention_layer("l0", NS(alibi_slopes=None, kv_cache_dtype="fp8_e5m2", sliding_window=-1), "float32")
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e4m3"])

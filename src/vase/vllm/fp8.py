@@ -33,6 +33,11 @@ UNCOMPARED_FP8: dict[str, str] = {
 EVICTED_FP8: tuple[str, ...] = tuple(d for d in FP8_CACHE_DTYPES if d not in UNCOMPARED_FP8)
 
 
+def evicts_under(cache_dtype: Any) -> bool:
+    """Whether the plugin evicts under vLLM's `cache_dtype`: the model's dtype ('auto') or a compared fp8 format."""
+    return cache_dtype in ("auto", None) or str(cache_dtype) in EVICTED_FP8
+
+
 def is_fp8(cache_dtype: Any) -> bool:
     """Whether vLLM's resolved `cache_dtype` (a string) is one of the fp8 formats the plugin evicts under."""
     return str(cache_dtype) in FP8_CACHE_DTYPES

@@ -21,7 +21,7 @@ from copy import copy
 
 from ..hybrid import SLIDING, layer_types
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
-from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, is_fp8
+from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, evicts_under
 from .model_refusals import check_model_layers, local_layers_refusal
 from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
 from .refusals import BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape
@@ -94,7 +94,7 @@ def check_cache_dtype(kv_cache_dtype) -> None:
     """Refuse a KV cache dtype vase cannot evict in: unquantised ('auto') and fp8 e4m3 are evicted, others refused."""
     if str(kv_cache_dtype) in UNCOMPARED_FP8:
         raise VaseConfigError(UNCOMPARED_FP8[str(kv_cache_dtype)])
-    if kv_cache_dtype not in ("auto", None) and not is_fp8(kv_cache_dtype):
+    if not evicts_under(kv_cache_dtype):
         raise VaseConfigError(f"vase evicts an unquantised or fp8 KV cache, got kv_cache_dtype={kv_cache_dtype!r}: "
                               f"use kv_cache_dtype='auto' or one of {', '.join(EVICTED_FP8)}")
 

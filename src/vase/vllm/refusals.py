@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from .config import VaseConfigError
-from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, is_fp8, storage_dtype
+from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, evicts_under, storage_dtype
 
 _DROP = "or drop additional_config['vase']"
 
@@ -49,7 +49,7 @@ def check_built_config(vllm_config: Any, env: dict | None = None) -> None:
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype in UNCOMPARED_FP8:
         raise VaseConfigError(f"{UNCOMPARED_FP8[cache_dtype]} {_DROP}")
-    if cache_dtype != "auto" and not is_fp8(cache_dtype):
+    if not evicts_under(cache_dtype):
         raise VaseConfigError(f"vase evicts an unquantised or fp8 KV cache, but the KV cache dtype resolved to "
                               f"{cache_dtype} (from kv_cache_dtype or the checkpoint's quantization config): pass "
                               f"kv_cache_dtype='auto' or one of {', '.join(EVICTED_FP8)} {_DROP}")
@@ -80,7 +80,7 @@ def check_attention_layer(name: str, impl: Any, model_dtype: Any, sliding: bool 
         raise VaseConfigError(f"attention layer {name} has ALiBi slopes, which vLLM's kernel applies by physical slot "
                               f"(wrong after an eviction): use a RoPE model {_DROP}")
     kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
-    if kv_dtype != "auto" and not is_fp8(kv_dtype):
+    if not evicts_under(kv_dtype):
         raise VaseConfigError(f"attention layer {name} stores its KV cache as {kv_dtype}; vase evicts it unquantised "
                               f"or fp8: use kv_cache_dtype='auto' or one of {', '.join(EVICTED_FP8)} {_DROP}")
     if not sliding and getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
