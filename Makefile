@@ -33,12 +33,18 @@ $(VENV_TF)/.installed: pyproject.toml
 
 setup: $(STAMP)
 
+# The suite in TEST_WORKERS pytest-xdist processes (one torch thread each: tests/conftest.py), a whole test file
+# per worker (--dist loadfile), so a module's fixtures (tiny checkpoints, vLLM engines) are built once.
+# TEST_WORKERS=0 runs it in this process, serially.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 # The newest transformers vase supports; vLLM cannot be installed next to it.
 test-tf-latest: $(VENV_TF)/.installed
-	$(VENV_TF)/bin/python -m pytest --ignore-glob='tests/test_vllm*'
+	$(VENV_TF)/bin/python -m pytest $(XDIST) --ignore-glob='tests/test_vllm*'
 
 # The suite (less vLLM) under other CPU kernels, as another machine (AVX-512/AMX vs AVX2) rounds float32:
 # MKL's COMPATIBLE code path (other GEMM blocking: a batch of 1 and of 3 round differently, as on AVX-512),

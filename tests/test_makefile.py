@@ -30,3 +30,17 @@ def test_make_docs_does_not_reinstall_the_venv_when_pyproject_is_newer(tmp_path)
     out = subprocess.run(["make", "-n", "docs", "PY=python3.99"], cwd=tmp_path, capture_output=True, text=True,
                          check=True).stdout
     assert "python3.99 scripts/render_docs.py" in out and "pip" not in out, out
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_test_runs_the_suite_in_two_xdist_workers_a_file_each():
+    """`make test` and `make test-tf-latest` split the suite by file over 2 pytest-xdist workers (the dev extra has
+    pytest-xdist); TEST_WORKERS=0 runs it serially, in one process."""
+    def dry(*args: str) -> str:
+        # -o: take the venv stamps as up to date, so that a dry run prints only the test command
+        return subprocess.run(["make", "-n", "-o", ".venv/.installed", "-o", ".venv-tf-latest/.installed", *args],
+                              cwd=REPO, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    assert dry("test") == ".venv/bin/python -m pytest -n 2 --dist loadfile"
+    assert dry("test-tf-latest").startswith(".venv-tf-latest/bin/python -m pytest -n 2 --dist loadfile ")
+    assert dry("test", "TEST_WORKERS=0") == ".venv/bin/python -m pytest -p no:xdist"
+    assert '"pytest-xdist' in (REPO / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
