@@ -99,7 +99,8 @@ def test_a_plain_built_config_passes():
     ({"use_v2_model_runner": True, "watermark_config": object()}, {"VLLM_USE_V2_MODEL_RUNNER": "0"},
      "because watermark_config is set"),
     ({"parallel_config.pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
-    ({"parallel_config.data_parallel_size": 2}, {}, "one engine per data-parallel rank, not vLLM's data_parallel_size=2"),
+    ({"parallel_config.data_parallel_size": 2, "model_config.is_moe": True}, {},
+     "data_parallel_size > 1 for dense models only: m is an MoE model"),
 ])
 def test_settings_that_give_wrong_tokens_are_refused_in_one_line(over, env, fragment):
     from vase.vllm.refusals import check_built_config
@@ -114,6 +115,14 @@ def test_tensor_parallelism_is_accepted_on_the_built_config():
     from vase.vllm.refusals import check_built_config
 
     check_built_config(_built(**{"parallel_config.tensor_parallel_size": 2}), env={})
+
+
+def test_data_parallelism_of_a_dense_model_is_accepted_on_the_built_config():
+    """DP > 1 of a dense model runs: vLLM makes each rank an independent engine core (tests/test_vllm_dp.py: DP = 2
+    keeps and generates what DP = 1 does); an MoE model's lockstep ranks stay refused (above)."""
+    from vase.vllm.refusals import check_built_config
+
+    check_built_config(_built(**{"parallel_config.data_parallel_size": 2, "model_config.is_moe": False}), env={})
 
 
 @pytest.mark.parametrize("attrs, fragment", [
