@@ -5,8 +5,8 @@ tests/vllm_pp_run.py runs the tiny random Llama (2 layers: one per stage at PP =
 request (B = 48, w = 16, 150 new tokens, prompts of 7, 60 and 33 tokens in one batch) for snapkv, h2o (per-slot
 state), the seeded stochastic vase-attnv and vase-dkv (drawn per-layer state). Each stage evicts its own layers at
 the steps the lengths give, with its own query ring, and replays the other stage's layer to draw what it draws
-(`vase.vllm.stages`). Without the replay vase-attnv's tokens differ from PP = 1 (stage 1 drew layer 0's numbers
-for layer 1; checked by hand), and without the receive buffer `VaseCPUModelRunner._vase_pipeline_stage` makes,
+(`vase.vllm.stages`). With the replay turned off the vase-attnv and vase-dkv cases fail, their tokens differing
+from PP = 1's (stage 1 drew layer 0's numbers for layer 1; run on 2026-12-05), and without the receive buffer `VaseCPUModelRunner._vase_pipeline_stage` makes,
 stage 1 fails at its first step (as stock vLLM 0.32 does eager). Compared as tests/test_vllm_tp.py compares TP
 degrees (`vllm_tp_run.compare`; the largest log-prob gap seen here is 0.0).
 """

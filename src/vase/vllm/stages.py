@@ -5,8 +5,10 @@ Every stage runs vase's scheduler output through its own runner, so it evicts it
 stage cannot see are the other stages' layers, and one thing depends on them: a request's generator is drawn
 layer after layer (hook 2 once per layer, then each layer's `select`), so a stage holding layers 12..23 must first
 draw what layers 0..11 draw. It replays them (`VaseStepMixin._vase_evict`): for each layer of another stage it
-runs the same policy call on its own first or last layer's K/V (same shapes), keeps that layer's policy state and
-discards the choice; nothing is written to the cache. A policy that draws nothing (no `stochastic` selection, no
+runs the same policy call on its own first or last layer's K/V (the shapes every layer shares), keeps that layer's
+policy state and discards the choice; nothing is written to the cache. This draws what the other stage draws as long
+as a policy's draws depend on shapes only (true of every policy here: noise over the candidates, a projection per
+head). A policy that draws nothing (no `stochastic` selection, no
 drawn layer state) replays nothing.
 """
 
