@@ -98,8 +98,8 @@ def test_a_plain_built_config_passes():
     ({"use_v2_model_runner": True}, {}, "because vLLM picks it by default on this platform"),
     ({"use_v2_model_runner": True, "watermark_config": object()}, {"VLLM_USE_V2_MODEL_RUNNER": "0"},
      "because watermark_config is set"),
-    ({"parallel_config.pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
-    ({"parallel_config.data_parallel_size": 2}, {}, "one engine per data-parallel rank, not vLLM's data_parallel_size=2"),
+    ({"parallel_config.data_parallel_size": 2, "model_config.is_moe": True}, {},
+     "data_parallel_size > 1 for dense models only: m is an MoE model"),
 ])
 def test_settings_that_give_wrong_tokens_are_refused_in_one_line(over, env, fragment):
     from vase.vllm.refusals import check_built_config
@@ -114,6 +114,22 @@ def test_tensor_parallelism_is_accepted_on_the_built_config():
     from vase.vllm.refusals import check_built_config
 
     check_built_config(_built(**{"parallel_config.tensor_parallel_size": 2}), env={})
+
+
+def test_pipeline_parallelism_is_accepted_on_the_built_config():
+    """PP > 1 runs on the CPU worker (tests/test_vllm_pp.py: PP = 2 keeps and generates what PP = 1 does); the GPU
+    worker refuses it (tests/test_vllm_gpu_worker.py)."""
+    from vase.vllm.refusals import check_built_config
+
+    check_built_config(_built(**{"parallel_config.pipeline_parallel_size": 2}), env={})
+
+
+def test_data_parallelism_of_a_dense_model_is_accepted_on_the_built_config():
+    """DP > 1 of a dense model runs: vLLM makes each rank an independent engine core (tests/test_vllm_dp.py: DP = 2
+    keeps and generates what DP = 1 does); an MoE model's lockstep ranks stay refused (above)."""
+    from vase.vllm.refusals import check_built_config
+
+    check_built_config(_built(**{"parallel_config.data_parallel_size": 2, "model_config.is_moe": False}), env={})
 
 
 @pytest.mark.parametrize("attrs, fragment", [
@@ -254,3 +270,32 @@ def test_beam_search_is_refused_offline_and_online():
     with pytest.raises(Exception) as other:
         BeamSearchOfflineMixin.beam_search(NS(llm_engine=NS(vllm_config=NS(additional_config={}))), [], None)
     assert not isinstance(other.value, VaseConfigError)
+
+
+# -- pipeline parallelism: where a stage's layers sit, and which policies make it replay the others' draws -------
+def test_stage_span_counts_the_layers_of_the_other_stages():
+    from vase.vllm.stages import stage_span
+
+    assert stage_span([0], 2, 0, 2) == (0, 1)
+    assert stage_span([1], 2, 1, 2) == (1, 0)
+    assert stage_span([4, 5, 6, 7], 12, 1, 3) == (4, 4)
+
+
+def test_a_stage_with_layers_outside_the_evicted_group_is_refused_in_one_line():
+    from vase.vllm.stages import stage_span
+
+    with pytest.raises(VaseConfigError) as info:  # layer 3 sits in a sliding-window group: not counted in the replay
+        stage_span([2], 4, 1, 2)
+    assert "stage 1 of 2 holds layers 2..3 but evicts [2]" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("method, replays", [("snapkv", False), ("h2o", False), ("tova", False),
+                                             ("vase-attnv", True), ("vase-dkv", True)])
+def test_a_stage_replays_the_other_layers_of_policies_that_draw(method, replays):
+    from vase.policies import get_policy
+    from vase.vllm.heads import RankHeads, rank_policy
+    from vase.vllm.stages import draws
+
+    policy = get_policy(method)
+    assert draws(policy) is replays
+    assert draws(rank_policy(policy, RankHeads.of_rank(0, 2, 2))) is replays  # as a TP rank runs it

@@ -99,12 +99,13 @@ def test_gpu_engine_args_kept_when_they_work():
     assert args.compilation_config.cudagraph_mode is None
 
 
-def _built(async_scheduling=False, mode=CUDAGraphMode.PIECEWISE, backend=None, dcp=1):
+def _built(async_scheduling=False, mode=CUDAGraphMode.PIECEWISE, backend=None, dcp=1, pp=1):
     return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
                            cache_config=SimpleNamespace(cache_dtype="auto"),
                            compilation_config=SimpleNamespace(cudagraph_mode=mode),
                            attention_config=SimpleNamespace(backend=backend),
-                           parallel_config=SimpleNamespace(decode_context_parallel_size=dcp))
+                           parallel_config=SimpleNamespace(decode_context_parallel_size=dcp,
+                                                           pipeline_parallel_size=pp))
 
 
 def test_built_gpu_config_refusals():
@@ -113,7 +114,8 @@ def test_built_gpu_config_refusals():
     for built, needle in ((_built(async_scheduling=True), "async"),
                           (_built(mode=CUDAGraphMode.FULL_AND_PIECEWISE), "FULL_AND_PIECEWISE"),
                           (_built(backend=SimpleNamespace(name="FLASHMLA")), "FLASHMLA"),
-                          (_built(dcp=2), "decode_context_parallel_size=1")):
+                          (_built(dcp=2), "decode_context_parallel_size=1"),
+                          (_built(pp=2), "pipeline parallelism on vLLM's CPU worker only")):
         with pytest.raises(VaseConfigError) as exc:
             check_gpu_config(built)
         assert needle in _one_line(exc)

@@ -166,13 +166,16 @@ class EvictionJob:
 def evict_paged_batch(key_cache: torch.Tensor, value_cache: torch.Tensor, jobs: list[EvictionJob], length: int,
                       queries: torch.Tensor | None, policy: Policy, budget: int, window: int, layer: int,
                       sort_kept: bool = False, layout: Layout | None = None,
-                      block_size: int | None = None, codec: Any = None) -> torch.Tensor:
+                      block_size: int | None = None, codec: Any = None, write: bool = True) -> torch.Tensor:
     """Evict k requests of one length in one layer at once: one gather of all their slots, one policy call over a
     batch of k rows, one scatter of all survivors. Each row is `evict_paged` of that request (same kept slots,
     same draws from its own generator, same state hooks); the requests' blocks never overlap where written.
 
     jobs: the k requests, each with `length` stored slots; queries: [k, q_heads, w, head_dim] in time order (None
-    when the policy needs none); codec: as `evict_paged`'s (the policy reads decoded K/V, the codes move). Returns the kept slot indices [k, kv_heads, B] (in their new order)."""
+    when the policy needs none); codec: as `evict_paged`'s (the policy reads decoded K/V, the codes move); write:
+    False runs the policy (its draws and state hooks under `layer`) and moves nothing in the cache (a pipeline
+    stage replaying another stage's layer: `vase.vllm.stages`). Returns the kept slot indices [k, kv_heads, B] (in
+    their new order)."""
     cache_bs = key_cache.shape[2]
     bs = block_size or cache_bs
     k, n_cand = len(jobs), length - window
@@ -205,7 +208,7 @@ def evict_paged_batch(key_cache: torch.Tensor, value_cache: torch.Tensor, jobs: 
                else slot_index(job.target_block_ids, budget, bs, cache_bs) for job, w in zip(jobs, where)]
     new_blocks, new_offsets = torch.cat([t[0] for t in targets]), torch.cat([t[1] for t in targets])
     # Every survivor is read (the gather above) before any is written: targets overlap the sources.
-    for cache, where_x, rows in ((key_cache, where_k, stored_k), (value_cache, where_v, stored_v)):
+    for cache, where_x, rows in ((key_cache, where_k, stored_k), (value_cache, where_v, stored_v)) if write else ():
         survivors = gather_slots(rows, index)  # [k, h, B, d]
         scatter(cache, where_x, new_blocks, new_offsets, survivors.transpose(0, 1).reshape(h, k * budget, -1))
     for name in policy.slot_state:

@@ -61,16 +61,14 @@ def check_built_config(vllm_config: Any, env: dict | None = None) -> None:
         raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 because "
                               f"{v2_runner_reason(vllm_config, env)}")
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise VaseConfigError(f"vase's vLLM plugin does not support pipeline parallelism (each stage would have to "
-                              f"evict its own layers on the same schedule; not implemented): use "
-                              f"pipeline_parallel_size=1 {_DROP}")
-    if parallel.data_parallel_size > 1:
-        raise VaseConfigError(f"vase's vLLM plugin runs one engine per data-parallel rank, not vLLM's "
-                              f"data_parallel_size={parallel.data_parallel_size} (its ranks share one scheduler "
-                              f"wave, untested with eviction): start one engine per process with "
-                              f"data_parallel_size=1, e.g. `torchrun --nproc-per-node N -m vase.cli eval --engine "
-                              f"vllm ...` (each rank takes its share of the problems) {_DROP}")
+    if parallel.data_parallel_size > 1 and getattr(model, "is_moe", False):
+        # vllm/v1/engine/core.py run_engine_core: a dense model's DP ranks are independent engine cores
+        # (`reconfigure_for_independent_dp_rank`, tested: tests/test_vllm_dp.py); an MoE model's run DPEngineCoreProc,
+        # which steps all ranks in one wave and pads idle ranks with dummy batches for the experts' collectives.
+        raise VaseConfigError(f"vase's vLLM plugin runs data_parallel_size > 1 for dense models only: {name} is an MoE "
+                              f"model, whose ranks vLLM steps in one wave with dummy batches on idle ranks "
+                              f"(DPEngineCoreProc; untested with eviction): use data_parallel_size=1, or one engine "
+                              f"per process (`torchrun --nproc-per-node N -m vase.cli eval --engine vllm ...`) {_DROP}")
 
 
 def check_attention_layer(name: str, impl: Any, model_dtype: Any, sliding: bool = False) -> None:

@@ -27,6 +27,7 @@ from .fp8 import Fp8Codec, layer_codec
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
 from .paged import EvictionJob, Layout, evict_paged_batch
 from .requests import VaseRequest, VaseRunnerMixin
+from .stages import draws
 
 
 class VaseStepMixin(VaseRunnerMixin):
@@ -36,6 +37,8 @@ class VaseStepMixin(VaseRunnerMixin):
     #: set to a dict to record, per request id, its evictions and the slots its first eviction kept per layer
     vase_record: dict | None = None
     vase_logical_seq_lens: torch.Tensor | None = None
+    #: pipeline parallelism: (evicted layers on earlier stages, on later stages); (0, 0) for one stage
+    vase_pp_span: tuple[int, int] = (0, 0)
 
     def _kv_views(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -103,18 +106,31 @@ class VaseStepMixin(VaseRunnerMixin):
             slots = torch.tensor([req.slot for req in reqs], dtype=torch.int64, device=self.device)
             seen_t = torch.tensor(seen, dtype=torch.int64, device=self.device)
         kept = []
-        for layer, name in enumerate(self.vase_layers):  # the full-attention group's layers only
+        for layer, name, own in self._vase_layer_order():  # the full-attention group's layers only
             keys, values = self._kv_views(name)
             queries = self.vase_ring.windows_of(self.vase_ring.index[name], slots, seen_t) if reads else None
-            kept.append(evict_paged_batch(keys, values, jobs, length, queries, self.vase_policy, keep, cfg.window,
-                                          layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
-                                          block_size=self.vase_block_size,
-                                          codec=self._vase_codec(name)))
+            index = evict_paged_batch(keys, values, jobs, length, queries, self.vase_policy, keep, cfg.window,
+                                      layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
+                                      block_size=self.vase_block_size, codec=self._vase_codec(name), write=own)
+            if own:
+                kept.append(index)
         for j, (req_id, req) in enumerate(zip(req_ids, reqs)):
             req.state.evictions += 1
             self.vase_evictions += 1
             if self.vase_record is not None:
                 self._vase_record_eviction(req_id, req, [k[j:j + 1] for k in kept], length, seen[j])
+
+    def _vase_layer_order(self) -> list[tuple[int, str, bool]]:
+        """(global layer index, the layer whose K/V it reads, whether it is this stage's own) in model order. Without
+        pipeline parallelism: this runner's layers. A later or earlier pipeline stage also replays the other stages'
+        layers when the policy draws, on its first or last layer's K/V, writing nothing (`vase.vllm.stages`)."""
+        before, after = self.vase_pp_span
+        own = [(before + i, name, True) for i, name in enumerate(self.vase_layers)]
+        if not (before or after) or not draws(self.vase_policy):
+            return own
+        first, last = self.vase_layers[0], self.vase_layers[-1]
+        return ([(g, first, False) for g in range(before)] + own
+                + [(before + len(own) + g, last, False) for g in range(after)])
 
     def _vase_codec(self, layer_name: str) -> Fp8Codec | None:
         """How the policy reads this layer's stored K/V: None (unquantised), or an fp8 cache's codes decoded with the

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder, _get_attn_isa
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -42,6 +43,7 @@ from .plugin import check_at_start
 from .refusals import check_attention_layer, v2_runner_reason
 from .requests import VaseRequest
 from .runner_step import VaseStepMixin
+from .stages import stage_span
 
 
 def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> Layout:
@@ -150,6 +152,23 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
                     builder.vase_runner = self
         self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.model_config.dtype,
                                              str(self.cache_config.cache_dtype))
+        self._vase_pipeline_stage()
+
+    def _vase_pipeline_stage(self) -> None:
+        """Pipeline parallelism: where this stage's evicted layers sit (`vase_pp_span`), and a later stage's buffer
+        for the hidden states it receives, which vLLM's CPU runner allocates only in its compile warm-up
+        (`profile_run` -> `_dummy_run`): eager (`enforce_eager`) it is never made and the stage's first step fails
+        (`assert self.intermediate_tensors is not None`; stock vLLM 0.32 too)."""
+        from vllm.distributed import get_pp_group
+
+        group = get_pp_group()
+        if group.world_size > 1:  # where this stage's layers sit: it replays the others' draws (vase.vllm.stages)
+            self.vase_pp_span = stage_span([extract_layer_index(n) for n in self.vase_layers],
+                                           self.model_config.get_total_num_hidden_layers(), group.rank_in_group,
+                                           group.world_size)
+        if not group.is_first_rank and getattr(self, "intermediate_tensors", None) is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
 
     def _kv_views(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's key and value caches as [num_blocks, kv_heads, block_size, head_dim] views (CPU layout)."""
