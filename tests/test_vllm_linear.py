@@ -174,8 +174,8 @@ def test_evicting_matches_the_transformers_engine_in_bf16_up_to_near_ties(model_
 
 @pytest.mark.xfail(reason="bf16 across engines: vLLM's CPU gated-delta-net and attention kernels differ from "
                           "transformers' PyTorch reference by up to ~0.01 in log-prob from the first token, and the "
-                          "kept sets differ by a few near-tied tokens at almost every eviction (measured 0-3 of 9-12 "
-                          "evictions equal per request)", strict=True)
+                          "kept sets differ by near-tied positions (measured, as sets: 0 to 10 of 9-12 evictions equal "
+                          "per request; the first eviction one position apart in 4 of 9 runs)", strict=True)
 def test_evicting_kept_sets_equal_the_transformers_engine_exactly(model_path, plugin):
     ours = vllm_batch(plugin, "snapkv", _prompts(), N_NEW)
     for got, ids in zip(ours, _prompts()):
