@@ -75,17 +75,18 @@ def greedy(max_tokens: int, **kw):
 
 
 def transformers_greedy(path: str, method: str, ids: list[int], n_new: int, budget: int, window: int,
-                        seed: int = 0, attn: str | None = None, storage=None) -> dict:
+                        seed: int = 0, attn: str | None = None, storage=None, dtype: str = "float32") -> dict:
     """The reference the plugin is compared with: greedy decode of `path` through vase's EvictionCache.
 
     Returns tokens, log-probs per step [n_new, vocab] and the kept positions per eviction (logical tokens seen when
     it ran -> per evicting layer [kv_heads][budget]); a hybrid model's sliding layers are transformers' own.
-    `storage`: the cache's storage spec (e.g. `Fp8Spec("fp8", rounding="zero")`, vLLM's CPU fp8); None: dense."""
+    `storage`: the cache's storage spec (e.g. `Fp8Spec("fp8", rounding="zero")`, vLLM's CPU fp8); None: dense.
+    `dtype`: the model's (bfloat16 for a linear-attention hybrid, which vLLM's CPU build runs in bf16 only)."""
     from vase.cache import EvictionCache
     from vase.compat import cache_kwargs
     from vase.models import load_model
 
-    model, _ = load_model(path, dtype="float32", **({"attn_implementation": attn} if attn else {}))
+    model, _ = load_model(path, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
     cache = EvictionCache(model, method, budget, window, seed=seed, storage=storage)
     evicting = cache.evicting_layers
     tokens, logps, kept = [], [], {}

@@ -6,28 +6,32 @@ several groups of layers, each with its own block table, slot mapping and block 
 grows with the sequence; a sliding-window group's blocks outside the window are already returned
 by vLLM (`SlidingWindowManager.remove_skipped_blocks`). So the plugin evicts, trims and allocates
 by physical length in the one full-attention group and leaves the sliding groups to vLLM, which
-keeps their logical positions, slots and sequence lengths.
+keeps their logical positions, slots and sequence lengths. A linear-attention hybrid (Qwen3-Next,
+Qwen3.5) gets Mamba-style state groups (`MambaSpec`: one recurrent state per request and layer, which
+does not grow with the sequence) beside its full-attention group: also left to vLLM, read at the
+logical lengths.
 """
 
 from __future__ import annotations
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from .config import VaseConfigError
 
 
 def full_attention_group(kv_cache_config) -> int:
     """Index of the one full-attention group of `kv_cache_config.kv_cache_groups`; every other group must be a
-    sliding-window group, and the full-attention group's spec plain full attention (an allow-list: exactly
+    sliding-window group or a recurrent-state (`MambaSpec`) group, and the full-attention group's spec plain full attention (an allow-list: exactly
     `FullAttentionSpec`, no window or chunk recorded on it). VaseConfigError in one line otherwise."""
     groups = kv_cache_config.kv_cache_groups
     kinds = [type(g.kv_cache_spec) for g in groups]
     full = [i for i, kind in enumerate(kinds) if kind is FullAttentionSpec]
-    other = [kind.__name__ for kind in kinds if kind is not FullAttentionSpec and not issubclass(kind, SlidingWindowSpec)]
+    other = [kind.__name__ for kind in kinds if kind is not FullAttentionSpec
+             and not issubclass(kind, (SlidingWindowSpec, MambaSpec))]
     if len(full) != 1 or other:
-        raise VaseConfigError(f"vase evicts in one full-attention KV cache group beside sliding-window groups; this "
-                              f"model's groups are {[k.__name__ for k in kinds]}: use a model with full attention "
-                              f"(and optionally sliding-window layers)")
+        raise VaseConfigError(f"vase evicts in one full-attention KV cache group beside sliding-window or recurrent-"
+                              f"state groups; this model's groups are {[k.__name__ for k in kinds]}: use a model "
+                              f"with full attention (and optionally sliding-window or linear-attention layers)")
     spec = groups[full[0]].kv_cache_spec
     local = [f"{field}={getattr(spec, field)}" for field in ("sliding_window", "attention_chunk_size")
              if getattr(spec, field, None) is not None]

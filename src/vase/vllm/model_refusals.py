@@ -2,10 +2,11 @@
 
 vase's vLLM plugin evicts one KV cache group of full-attention layers. vLLM 0.32 gives a hybrid model
 several groups: beside sliding-window groups (Gemma 3, gpt-oss) the plugin evicts the full-attention
-group only (`vase.vllm.groups`); beside recurrent/Mamba-style state (Qwen3-Next, Qwen3.5, whose
-linear attention vLLM's CPU build runs only in bf16) it is not written yet, so those models are
-refused here and run with vase's transformers engine instead, which evicts their full-attention
-layers (docs/models.md). Llama 4's chunked-local layers get a group of their own
+group only (`vase.vllm.groups`); beside recurrent/Mamba-style state groups (Qwen3-Next's gated-delta-net
+linear attention, which vLLM's CPU build runs only in bf16) likewise, the state left to vLLM. Only the
+linear-attention hybrids compared end to end are taken (`LINEAR_COMPARED`: Qwen3-Next); other recurrent
+hybrids (Qwen3.5, whose vLLM module needs torchvision; Jamba, Falcon-H1, ...) are refused here and run with
+vase's transformers engine instead, which evicts their full-attention layers (docs/models.md). Llama 4's chunked-local layers get a group of their own
 (`ChunkedLocalAttentionSpec`, neither full attention nor a sliding window) beside which the plugin does not
 evict yet either: refused here, evicted by the transformers engine. A model sliding every layer has nothing
 growing to evict. MLA's latent cache has no per-KV-head tokens to evict.
@@ -18,6 +19,10 @@ from typing import Any
 from vase.hybrid import CHUNKED, FULL, LINEAR, SLIDING, layer_types
 
 from .config import VaseConfigError
+
+#: `hf_text_config.model_type` of the linear-attention hybrids whose plugin runs were compared with stock vLLM and
+#: the transformers engine (tests/test_vllm_linear.py).
+LINEAR_COMPARED = ("qwen3_next",)
 
 _INSTEAD = ("run it with vase's transformers engine (--engine transformers), which evicts its full-attention "
             "layers (docs/models.md)")
@@ -32,9 +37,10 @@ def model_refusal(model_config: Any) -> str | None:
         return (f"{name} uses MLA (a compressed latent cache) that vase cannot evict per KV head: use a model with "
                 f"standard attention")
     types = set(layer_types(text))
-    if getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False) or LINEAR in types:
-        return (f"{name} ({kind}) has linear-attention (recurrent) layers beside full attention, which vase's vLLM "
-                f"plugin does not evict in yet: {_INSTEAD}")
+    recurrent = getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False)
+    if (recurrent or LINEAR in types) and not (kind in LINEAR_COMPARED and types == {LINEAR, FULL}):
+        return (f"{name} ({kind}) has recurrent (linear-attention or Mamba) layers, and vase's vLLM plugin evicts "
+                f"beside them only in {', '.join(LINEAR_COMPARED)} (compared end to end): {_INSTEAD}")
     if CHUNKED in types:
         # vLLM 0.32 gives these layers a ChunkedLocalAttentionSpec group (vllm/v1/kv_cache_interface.py), which
         # `groups.full_attention_group`'s allow-list (full attention beside sliding-window groups) does not take

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from copy import copy
 
-from ..hybrid import SLIDING, layer_types
+from ..hybrid import LINEAR, SLIDING, layer_types
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, evicts_under
 from .model_refusals import check_model_layers, local_layers_refusal
@@ -70,24 +70,34 @@ def check_engine_args(args, cfg: VaseVllmConfig) -> None:
         prepare_gpu_engine_args(args)  # piecewise CUDA graphs, no async scheduling (or refused)
 
 
-#: One line for prefix caching asked for on a model with sliding-window layers beside full attention.
+#: One line for prefix caching asked for on a model with sliding-window or linear-attention layers beside full
+#: attention.
 PREFIX_HYBRID_REFUSAL = ("vase keeps vLLM's prefix cache with full attention in every layer, and this model has "
-                         "sliding-window layers beside it (several KV cache groups, whose cached blocks the plugin "
-                         "does not copy before a compaction): set enable_prefix_caching=False or drop "
-                         "additional_config['vase']")
+                         "sliding-window or linear-attention layers beside it (several KV cache groups, whose cached "
+                         "blocks the plugin does not copy before a compaction): set enable_prefix_caching=False or "
+                         "drop additional_config['vase']")
 
 
 def check_prefix_caching(vllm_config, asked: bool | None) -> None:
-    """Prefix caching with vase: kept with full attention in every layer; with sliding-window layers beside it
-    (several KV cache groups) turned off, or refused in one line when `asked` for explicitly."""
+    """Prefix caching with vase: kept with full attention in every layer; with sliding-window or linear-attention
+    layers beside it (several KV cache groups) turned off, or refused in one line when `asked` for explicitly.
+    vLLM 0.32 itself allows it for linear-attention hybrids (`MambaModelConfig.verify_and_update_config` sets
+    mamba_cache_mode 'align', a recurrent state kept per block); turned off here, after that hook ran, the mode
+    is set back to 'none' (one state per request), as vLLM sets it with prefix caching off."""
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     text = getattr(model, "hf_text_config", None) or model.hf_config
-    sliding = model.get_sliding_window() is not None or SLIDING in set(layer_types(text))
+    types = set(layer_types(text))
+    sliding = model.get_sliding_window() is not None or SLIDING in types or LINEAR in types
     if cache.enable_prefix_caching and sliding:
         if asked:
             raise VaseConfigError(PREFIX_HYBRID_REFUSAL)
         cache.enable_prefix_caching = False
+        if LINEAR in types and getattr(cache, "mamba_cache_mode", "none") != "none":
+            # undo what vLLM's MambaModelConfig set for prefix caching (vllm/model_executor/models/config.py): its
+            # 'none' branch, one recurrent state per request (the runner asserts prefix caching under 'align')
+            cache.mamba_cache_mode = "none"
+            cache.mamba_block_size = model.max_model_len
 
 
 def check_cache_dtype(kv_cache_dtype) -> None:

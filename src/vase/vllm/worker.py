@@ -19,7 +19,9 @@ The step itself (1. and 2.) is `vase.vllm.runner_step.VaseStepMixin`, shared wit
 With sliding-window layers (Gemma 3, gpt-oss: several KV cache groups, `vase.vllm.groups`) all of
 this applies to the full-attention group only: its layers are evicted, its block table and slot
 mapping are made physical; the sliding-window groups keep vLLM's logical slots, and their
-metadata builders (`VaseLogicalLengthsBuilder`) the logical sequence lengths.
+metadata builders (`VaseLogicalLengthsBuilder`) the logical sequence lengths. Beside linear attention
+(Qwen3-Next: recurrent-state groups, `MambaSpec`) the same: vLLM's gated-delta-net metadata builder
+(`VaseLogicalGDNBuilder`) reads the logical lengths it reads without vase.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder, _get_attn_isa
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -91,6 +94,22 @@ class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
 
+def logical_metadata(runner, common_attn_metadata):
+    """`common_attn_metadata` with the logical sequence lengths (`runner.vase_logical_seq_lens`, [num_reqs]) in
+    place of the full-attention group's physical ones (seq_lens, max_seq_len and, where present, the CPU upper
+    bound); unchanged when no request in the step has evicted."""
+    logical = getattr(runner, "vase_logical_seq_lens", None)
+    if logical is None:
+        return common_attn_metadata
+    m = copy(common_attn_metadata)
+    n = m.seq_lens.shape[0]
+    m.seq_lens = logical[:n]
+    m.max_seq_len = int(logical[:n].max())
+    if getattr(m, "seq_lens_cpu_upper_bound", None) is not None:
+        m.seq_lens_cpu_upper_bound = logical[:n].to("cpu", m.seq_lens_cpu_upper_bound.dtype)
+    return m
+
+
 class VaseLogicalLengthsBuilder(CPUAttentionMetadataBuilder):
     """vLLM's CPU metadata builder for a sliding-window group: its layers read the logical sequence lengths
     (`vase_runner.vase_logical_seq_lens`), while the runner's shared `seq_lens` are the full-attention group's
@@ -99,13 +118,24 @@ class VaseLogicalLengthsBuilder(CPUAttentionMetadataBuilder):
     vase_runner = None
 
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-        logical = getattr(self.vase_runner, "vase_logical_seq_lens", None)
-        if logical is not None:
-            common_attn_metadata = copy(common_attn_metadata)
-            n = common_attn_metadata.seq_lens.shape[0]
-            common_attn_metadata.seq_lens = logical[:n]
-            common_attn_metadata.max_seq_len = int(logical[:n].max())
-        return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        return super().build(common_prefix_len, logical_metadata(self.vase_runner, common_attn_metadata),
+                             *args, **kwargs)
+
+
+class VaseLogicalGDNBuilder(GDNAttentionMetadataBuilder):
+    """vLLM's gated-delta-net (linear attention) metadata builder for a recurrent-state group (Qwen3-Next): the
+    logical sequence lengths, as `VaseLogicalLengthsBuilder`. Set on the instance by a class swap."""
+
+    vase_runner = None
+
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        return super().build(common_prefix_len, logical_metadata(self.vase_runner, common_attn_metadata),
+                             *args, **kwargs)
+
+
+#: vLLM's metadata builder of a group left to vLLM -> vase's, which reads the logical lengths.
+_LOGICAL_BUILDERS = {CPUAttentionMetadataBuilder: VaseLogicalLengthsBuilder,
+                     GDNAttentionMetadataBuilder: VaseLogicalGDNBuilder}
 
 
 class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
@@ -140,15 +170,17 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         first = self._vase_attach_layers(kv_cache_config, hybrid=True)
-        for gid, groups in enumerate(self.attn_groups):  # sliding-window groups: logical lengths
+        for gid, groups in enumerate(self.attn_groups):  # sliding-window and recurrent groups: logical lengths
             if gid == self.vase_group:
                 continue
             for group in groups:
                 for builder in group.metadata_builders:
-                    if type(builder) is not CPUAttentionMetadataBuilder:
-                        raise VaseConfigError(f"vase needs vLLM's CPU attention in every KV cache group, group {gid} "
-                                              f"builds {type(builder).__name__}: use a model with standard attention")
-                    builder.__class__ = VaseLogicalLengthsBuilder
+                    ours = _LOGICAL_BUILDERS.get(type(builder))
+                    if ours is None:
+                        raise VaseConfigError(f"vase needs vLLM's CPU attention or gated-delta-net linear attention "
+                                              f"in every other KV cache group, group {gid} builds "
+                                              f"{type(builder).__name__}: use a model with standard attention")
+                    builder.__class__ = ours
                     builder.vase_runner = self
         self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.model_config.dtype,
                                              str(self.cache_config.cache_dtype))
