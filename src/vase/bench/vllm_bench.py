@@ -459,6 +459,32 @@ def paired_summary(rows: Sequence[VllmBenchRow]) -> list[dict[str, Any]]:
     return out
 
 
+#: The `vase bench` flags vase's own decode bench reads and the vLLM bench does not (it benches --model, so
+#: --random-init would be written into a results file that measured another model).
+_NOT_READ = ("random_init", "layers", "clock", "bandwidth", "batch_sizes", "warmup", "warmup_tokens", "no_dynamic")
+
+
+def engine_bench(options: dict[str, Any], given: set[str], *, check_params: Callable[..., dict],
+                 split: Callable[..., list], log=print) -> dict[str, Path]:
+    """`vase bench --engine vllm` (the registry's ``bench`` hook): refuses the decode bench's flags in `given` (the
+    command-line names of those set), checks the methods' parameters with `check_params` (the CLI's
+    ``checked_params``), then :func:`cli_bench`. `options`: the command's settings by parameter name."""
+    o = options
+    dropped = [f"--{n.replace('_', '-')}" for n in _NOT_READ if n in given]
+    if dropped:  # the vLLM bench has its own rounds and files: these would be dropped
+        one = len(dropped) == 1
+        raise ValueError(f"{', '.join(dropped)} {'is' if one else 'are'} for the transformers engine's bench only: "
+                         f"drop {'it' if one else 'them'} with --engine vllm")
+    baseline = [m for m in o["methods"] if m != "full"]  # stock vLLM is the reference, never a vase config
+    params = check_params(baseline or o["methods"], o["param"], budgets=o["budgets"] if baseline else None,
+                          window=o["window"], engine=o["engine"])
+    return cli_bench(o["model"], o["methods"], o["budgets"], split(o["lengths"] or "2048", int, "--lengths"),
+                     requests=o["requests"], prompt_len=o["prompt_length"], window=o["window"],
+                     regimes=split(o["regimes"], str, "--regimes"), pool_requests=o["pool_requests"],
+                     block_size=o["block_size"], dtype=None if o["dtype"] == "auto" else o["dtype"], params=params,
+                     out=o["out"], repeats=o["repeats"], results=o["results"], command=o["command"], log=log)
+
+
 def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int], lengths: Sequence[int], *,
               requests: int, prompt_len: int, window: int, regimes: Sequence[str], pool_requests: float | None,
               block_size: int | None, dtype: str | None, params: dict, out: str | Path = "bench-out",

@@ -84,27 +84,17 @@ def bench(
         raise UserError(f"--repeats must be >= 1, got {repeats}")
     if results is not None and (results.name in ("", ".", "..") or results.is_dir()):
         raise UserError(f"--results must name a file (e.g. docs/results/bench.json), got {str(results)!r}")
-    if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
-        # Every flag the vLLM bench does not read (it benches --model, so --random-init would be written into a
-        # results file that measured another model).
-        transformers_only = [f"--{n.replace('_', '-')}" for n in ("random_init", "layers", "clock", "bandwidth",
-                                                                  "batch_sizes", "warmup", "warmup_tokens",
-                                                                  "no_dynamic") if given(ctx, n)]
-        if transformers_only:  # the vLLM bench has its own rounds and files: these would be dropped
-            raise UserError(f"{', '.join(transformers_only)} {'is' if len(transformers_only) == 1 else 'are'} for "
-                            f"the transformers engine's bench only: drop {'it' if len(transformers_only) == 1 else 'them'} "
-                            "with --engine vllm")
-        from ..bench.vllm_bench import cli_bench
+    own_bench = engine_info(engine).bench
+    if own_bench is not None:  # the engine runs its own bench (vLLM: N requests into one engine with a fixed KV pool)
+        from ..engines.registry import load_hook
 
-        baseline = [m for m in method_list if m != "full"]  # stock vLLM is the reference, never a vase config
-        params = checked_params(baseline or method_list, param, budgets=budget_list if baseline else None,
-                                window=window, engine=engine)
-        paths = cli_bench(model.model, method_list, budget_list, split_list(lengths or "2048", int, "--lengths"),
-                          requests=requests, prompt_len=prompt_length, window=window,
-                          regimes=split_list(regimes, str, "--regimes"), pool_requests=pool_requests,
-                          block_size=block_size, dtype=None if model.dtype == "auto" else model.dtype,
-                          params=params, out=out, repeats=repeats, results=results, command=invocation(),
-                          log=console.print)
+        options = dict(model=model.model, dtype=model.dtype, methods=method_list, budgets=budget_list,
+                       lengths=lengths, window=window, param=param, requests=requests, prompt_length=prompt_length,
+                       regimes=regimes, pool_requests=pool_requests, block_size=block_size, out=out,
+                       repeats=repeats, results=results, command=invocation(), engine=engine)
+        flags = {n for n in ("random_init", "layers", "clock", "bandwidth", "batch_sizes", "warmup", "warmup_tokens",
+                             "no_dynamic") if given(ctx, n)}
+        paths = load_hook(own_bench)(options, flags, check_params=checked_params, split=split_list, log=console.print)
         console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
         return
     ignored = [f"--{n.replace('_', '-')}" for n in ("requests", "regimes", "pool_requests", "block_size")

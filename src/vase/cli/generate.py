@@ -13,7 +13,7 @@ from ..checks import check_sampling
 from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_range, checked_params, console, given,
                      model_options, quant_options, warn)
 
-__all__ = ["generate", "read_prompts", "vllm_runner", "print_summary"]
+__all__ = ["generate", "read_prompts", "engine_runner", "print_summary"]
 
 
 def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
@@ -106,8 +106,9 @@ def generate(
         raise UserError("an empty prompt with --no-chat gives the model nothing to start from: give some text")
     if batch_size < 1:
         raise UserError("--batch-size must be >= 1")
-    if engine_info(engine).internal_batching:  # vLLM: it loads its own model and schedules the prompts
-        run, tok = vllm_runner(model, window, seed)
+    info = engine_info(engine)
+    if info.loads_model:  # the engine loads its own model (vLLM) and schedules the prompts
+        run, tok = engine_runner(engine, model, seed)
         mdl = None
     else:
         from ..generation import generate as run
@@ -143,22 +144,26 @@ def generate(
                 console.print(f"{label}{method} and {compare} diverge at token {step.at} (after ...{step.context!r})")
 
 
-def vllm_runner(model: ModelArgs, window: int, seed: int):
-    """`vase generate --engine vllm`: a `vase.generate`-like function over vLLM, and the tokenizer."""
-    from ..engines.vllm import VllmEngine
+def engine_runner(name: str, model: ModelArgs, seed: int):
+    """`vase generate --engine NAME` for an engine that loads its own model (the registry's ``loads_model``): a
+    `vase.generate`-like function over the started engine, and its tokenizer."""
+    from ..engines.registry import engine_class, engine_info
     from ..models import resolve_device, resolve_dtype
     from ..vllm.stats import summarize
 
     # The method, budget, window and seed were checked by the request spec (checked_params); dtype and device here,
-    # before vLLM starts. (An EvalConfig used to check them, with eval's default budgets and methods.)
+    # before the engine starts. (An EvalConfig used to check them, with eval's default budgets and methods.)
     resolve_dtype(model.dtype, resolve_device(model.device))
-    engine = VllmEngine(model.model, dtype=model.dtype, device=model.device, seed=seed)
+    engine = engine_class(name)(model.model, dtype=model.dtype, device=model.device, seed=seed)
     engine.start()
+    streams = engine_info(name).streaming
 
     def run(mdl, tok, batch, stream=None, **kwargs):
-        out = engine.generate(batch, **kwargs)  # vLLM loads its own model: mdl and tok are unused
-        out.stats.update(summarize(out.stats["rows"]))  # totals for the summary line
-        if stream is not None:
+        # the engine loads its own model: mdl and tok are unused
+        out = engine.generate(batch, **kwargs, **({"stream": stream} if streams else {}))
+        if not {"evictions", "kv_bytes", "kv_bytes_full"} <= out.stats.keys():
+            out.stats.update(summarize(out.stats["rows"]))  # totals for the summary line
+        if stream is not None and not streams:
             stream(0, out.texts[0])
         return out
 

@@ -54,8 +54,6 @@ FULL = "full"
 
 _DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 _ATTN = ("sdpa", "eager", "flash_attention_2")
-#: Where completions are generated: vase's own decode loop, or vLLM's LLM.generate (vase.engines.registry).
-_ENGINES = tuple(ENGINES)
 
 
 class ConfigError(ValueError):
@@ -286,7 +284,7 @@ class EvalConfig:
              f"name must be one folder name (no '/', '\\', '..' or leading '.'), got {self.name!r}: it names the "
              f"run folder inside output_dir")
         need(str(self.dtype) in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        need(self.engine in _ENGINES, f"engine must be one of {', '.join(_ENGINES)}, got {self.engine!r}")
+        need(self.engine in ENGINES, f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         forcing = [e for e, info in ENGINES.items() if info.forcing]
         need(not (self.fidelity and not ENGINES[self.engine].forcing),
              f"fidelity (teacher forcing) runs on the {' or '.join(forcing)} engine only, not on {self.engine!r}: drop "
@@ -567,10 +565,10 @@ def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
         dtype, kernel = config.dtype, config.engine
     runtime = {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
                "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
-    if engine.name == "vllm":  # its kernels and scheduler produce the tokens: its version is part of the run
-        from vase.engines.vllm import vllm_version
+    if engine.version is not None:  # its kernels and scheduler produce the tokens: its version is part of the run
+        from vase.engines.registry import load_hook
 
-        runtime["vllm"] = vllm_version()
+        runtime[engine.name] = load_hook(engine.version)()
     return runtime
 
 

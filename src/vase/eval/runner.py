@@ -709,7 +709,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
         TaskError: the task cannot be loaded.
     """
     engine = None
-    if config.engine != "transformers" and generate_fn is None:  # the default engine wraps generate_fn below
+    if ENGINES[config.engine].loads_model and generate_fn is None:  # the others wrap the model and generate_fn below
         engine = engine_class(config.engine)(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
     if generate_fn is None:
         from vase.generation import generate as generate_fn
