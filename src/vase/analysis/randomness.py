@@ -21,7 +21,6 @@ Tensor layouts: kept/candidate sets are bool [..., N] over sequence positions; l
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,114 +31,14 @@ from pathlib import Path
 import torch
 
 from ..policies import get_policy
+from .randomness_report import print_report, write_files
+from .randomness_stats import (Mixture, bootstrap_ratio, bootstrap_ratio_difference, consecutive_overlap, coverage,
+                               ensemble_kl, jaccard, relative_error, token_kl)
 
-# -- mechanics (pure tensor code, tested on hand-made inputs) -------------------------------------------------
-
-
-def jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Jaccard index |a & b| / |a | b| of bool sets [..., N] -> float [...] (1.0 for two empty sets)."""
-    inter = (a & b).sum(-1).double()
-    union = (a | b).sum(-1).double()
-    return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
-
-
-def consecutive_overlap(kept: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Jaccard of each kept set with the next: [E - 1, ...] for E sets of bool [..., N]."""
-    if len(kept) < 2:
-        return torch.empty(0)
-    return torch.stack([jaccard(a, b) for a, b in zip(kept[:-1], kept[1:])])
-
-
-def coverage(kept: Sequence[torch.Tensor], candidates: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Share of the positions ever offered to an eviction that survived at least one: float [...].
-
-    kept[e], candidates[e]: bool [..., N], what eviction e kept of what it was offered.
-    """
-    if not kept:
-        raise ValueError("coverage needs at least one eviction")
-    ever_kept = torch.stack(list(kept)).any(0)
-    ever_offered = torch.stack(list(candidates)).any(0)
-    return (ever_kept & ever_offered).sum(-1).double() / ever_offered.sum(-1).double().clamp(min=1)
-
-
-def token_kl(full_lp: torch.Tensor, comp_lp: torch.Tensor) -> torch.Tensor:
-    """KL(full || comp) per row: log-probs [T, V] -> float64 [T] (rows renormalised)."""
-    lf = full_lp.double().log_softmax(-1)
-    lc = comp_lp.double().log_softmax(-1)
-    p = lf.exp()
-    return torch.where(p > 0, p * (lf - lc), torch.zeros_like(p)).sum(-1)
-
-
-class Mixture:
-    """Running seed-average of next-token distributions, kept in log space: add [T, V] log-probs."""
-
-    def __init__(self) -> None:
-        self.log_sum: torch.Tensor | None = None
-        self.count = 0
-
-    def add(self, lp: torch.Tensor) -> None:
-        lp = lp.double().log_softmax(-1)
-        self.log_sum = lp if self.log_sum is None else torch.logaddexp(self.log_sum, lp)
-        self.count += 1
-
-    def log_probs(self) -> torch.Tensor:
-        """log of the mean distribution: [T, V] float64."""
-        return self.log_sum - math.log(self.count)
-
-
-def ensemble_kl(full_lp: torch.Tensor, seed_lps: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(KL(full || mean over seeds), mean over seeds of KL(full || seed)), each float64 [T]."""
-    mix = Mixture()
-    singles = []
-    for lp in seed_lps:
-        mix.add(lp)
-        singles.append(token_kl(full_lp, lp))
-    return token_kl(full_lp, mix.log_probs()), torch.stack(singles).mean(0)
-
-
-def bootstrap_ratio(num: Sequence[float], den: Sequence[float], *, n_boot: int = 2000, seed: int = 0,
-                    level: float = 0.95) -> tuple[float, float, float]:
-    """(ratio, lo, hi): sum(num) / sum(den) over problems and its percentile bootstrap interval,
-    resampling problems with replacement. num, den: one value per problem (e.g. the mean mixture
-    KL and the mean single-seed KL of each problem)."""
-    return _bootstrap(lambda idx: _ratio(num, den, idx), len(num), len(den), n_boot, seed, level)
-
-
-def bootstrap_ratio_difference(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float],
-                               den_b: Sequence[float], *, n_boot: int = 2000, seed: int = 0,
-                               level: float = 0.95) -> tuple[float, float, float]:
-    """(ratio_a - ratio_b, lo, hi), the same problems drawn for both in each resample (paired)."""
-    n = len(num_a)
-    if not n == len(den_a) == len(num_b) == len(den_b):
-        raise ValueError(f"paired ratios need one value per problem in each list, got {len(num_a)}, {len(den_a)}, "
-                         f"{len(num_b)}, {len(den_b)}")
-    return _bootstrap(lambda idx: _ratio(num_a, den_a, idx) - _ratio(num_b, den_b, idx), n, n, n_boot, seed, level)
-
-
-def _ratio(num: Sequence[float], den: Sequence[float], idx: Sequence[int]) -> float:
-    d = sum(den[i] for i in idx)
-    return sum(num[i] for i in idx) / d if d > 0 else math.nan
-
-
-def _bootstrap(stat: Callable[[Sequence[int]], float], n: int, n_den: int, n_boot: int, seed: int,
-               level: float) -> tuple[float, float, float]:
-    if n == 0 or n != n_den:
-        raise ValueError(f"bootstrap needs one numerator and one denominator per problem, got {n} and {n_den}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    gen = torch.Generator().manual_seed(seed)
-    draws = torch.randint(0, n, (n_boot, n), generator=gen).tolist()
-    values = torch.tensor(sorted(stat(d) for d in draws), dtype=torch.float64)
-    values = values[~values.isnan()]
-    if values.numel() == 0:
-        return stat(range(n)), math.nan, math.nan
-    lo, hi = torch.quantile(values, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
-    return stat(range(n)), lo, hi
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """||out - ref|| / ||ref|| over the last dim: [..., D] -> float32 [...]."""
-    return (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp(min=1e-12)
+__all__ = ["Arm", "Control", "Trace", "run_randomness", "traced_forced", "attention_modules", "print_report",
+           # the measures, from randomness_stats
+           "Mixture", "bootstrap_ratio", "bootstrap_ratio_difference", "consecutive_overlap", "coverage", "ensemble_kl",
+           "jaccard", "relative_error", "token_kl"]
 
 
 # -- tracing one teacher-forced run --------------------------------------------------------------------------
@@ -406,7 +305,7 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     report["controls"], report["comparisons"] = _controls(mixed, controls, budget, seed)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # wall time depends on the machine's load
-    _write(report, per_arm, out_dir)
+    write_files(report, per_arm, out_dir)
     return report
 
 
@@ -470,114 +369,3 @@ def _summarise(per_arm: dict, arms: Sequence[Arm], loops: dict, problems: list, 
             "loop_onsets": onsets,
         })
     return {"config": config, "problems": problems, "methods": rows, "free_generation": loops}
-
-
-CSV_COLUMNS = ("method", "stochastic", "kl_after_eviction", "top1_agree", "attn_err_mean", "coverage", "overlap",
-               "evictions", "ensemble_kl_mixture", "ensemble_kl_single_mean", "ensemble_ratio", "ensemble_ratio_lo",
-               "ensemble_ratio_hi", "loop_share")
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    return f"{v:.6g}" if isinstance(v, float) else str(v)
-
-
-def _write(report: dict, per_arm: dict, out_dir: Path) -> None:
-    (out_dir / "randomness.json").write_text(json.dumps(report, indent=2))
-    lines = [",".join(CSV_COLUMNS)]
-    for row in report["methods"] + report.get("controls", []):  # controls: the ensemble columns only
-        lines.append(",".join(_fmt(row.get(c)) for c in CSV_COLUMNS))
-    (out_dir / "randomness.csv").write_text("\n".join(lines) + "\n")
-    plot_randomness(report, per_arm, out_dir)
-
-
-def plot_randomness(report: dict, per_arm: dict, out_dir: Path) -> list[Path]:
-    """attn_error.png (per layer; over time) and mechanisms.png (coverage, overlap, ensemble KL)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["methods"]
-    paths = []
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for row in rows:
-        style = "-" if row["stochastic"] else "--"
-        ax1.plot(row["attn_err_per_layer"], style, label=row["method"])
-        curves = per_arm[row["method"]]["err_time"]
-        if curves:
-            n = min(len(c) for c in curves)
-            ax2.plot(torch.stack([c[:n] for c in curves]).mean(0).numpy(), style, label=row["method"], lw=1)
-    ax1.set_xlabel("layer")
-    ax1.set_ylabel("attention-output error vs full")
-    ax1.set_title("after the first eviction, per layer")
-    ax2.set_xlabel("generated token")
-    ax2.set_title("over time (mean over layers)")
-    ax1.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "attn_error.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 4, figsize=(14.5, 3.4))
-    names = [r["method"] for r in rows]
-    x = range(len(rows))
-    colors = ["tab:orange" if r["stochastic"] else "tab:blue" for r in rows]
-    axes[0].bar(x, [r["coverage"] or 0 for r in rows], color=colors)
-    axes[0].set_title("coverage (ever kept / ever offered)")
-    axes[1].bar(x, [r["overlap"] or 0 for r in rows], color=colors)
-    axes[1].set_title("overlap of consecutive kept sets")
-    single = [r["ensemble_kl_single_mean"] or r["kl_after_eviction"] or 0 for r in rows]
-    mix = [r["ensemble_kl_mixture"] if r["ensemble_kl_mixture"] is not None else float("nan") for r in rows]
-    axes[2].bar([i - 0.2 for i in x], single, width=0.4, label="single seed (mean)", color="tab:gray")
-    axes[2].bar([i + 0.2 for i in x], mix, width=0.4, label="seed mixture", color="tab:green")
-    axes[2].set_title("KL(full || .) after first eviction")
-    axes[2].legend(fontsize=7)
-    for ax in axes[:3]:
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-    # Mixture / single with bootstrap intervals: seed mixtures (orange) against the top-k controls (blue).
-    ratios = [r for r in rows if r.get("ensemble_ratio") is not None] + \
-        [c for c in report.get("controls", []) if c.get("ensemble_ratio") is not None]
-    for i, r in enumerate(ratios):
-        lo, hi = r.get("ensemble_ratio_lo"), r.get("ensemble_ratio_hi")
-        err = [[r["ensemble_ratio"] - lo], [hi - r["ensemble_ratio"]]] if lo is not None and not math.isnan(lo) else None
-        axes[3].bar(i, r["ensemble_ratio"], yerr=err, capsize=3, color="tab:orange" if r.get("stochastic") else "tab:blue")
-    axes[3].axhline(1.0, color="k", lw=0.5)
-    axes[3].set_xticks(range(len(ratios)))
-    axes[3].set_xticklabels([r["method"] for r in ratios], rotation=30, ha="right", fontsize=8)
-    axes[3].set_title("mixture / single KL (95% bootstrap)")
-    fig.tight_layout()
-    paths.append(out_dir / "mechanisms.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    return paths
-
-
-def print_report(report: dict, console) -> None:
-    """The study's table on a rich console."""
-    from rich.table import Table
-
-    c = report["config"]
-    table = Table(title=f"B={c['budget']}, w={c['window']}, {len(report['problems'])} trajectories, "
-                        f"{c['seeds']} seeds for stochastic methods ({report['seconds']:.0f} s)")
-    cols = [("method", "method", None), ("KL", "kl_after_eviction", ".4f"), ("top-1", "top1_agree", ".3f"),
-            ("attn err", "attn_err_mean", ".4f"), ("coverage", "coverage", ".3f"), ("overlap", "overlap", ".3f"),
-            ("KL mixture", "ensemble_kl_mixture", ".4f"), ("mix/single", "ensemble_ratio", ".3f"),
-            ("lo", "ensemble_ratio_lo", ".3f"), ("hi", "ensemble_ratio_hi", ".3f"),
-            ("loops", "loop_share", ".2f")]
-    for name, _, _ in cols:
-        table.add_column(name)
-    for row in report["methods"]:
-        table.add_row(*[str(row[k]) if f is None else ("-" if row[k] is None else format(row[k], f))
-                        for _, k, f in cols])
-    console.print(table)
-    for c in report.get("controls", []):
-        if c.get("ensemble_ratio") is not None:
-            console.print(f"control {c['method']} (top-k at B = {', '.join(map(str, c['budgets']))}): mixture / single "
-                          f"{c['ensemble_ratio']:.3f} [{c['ensemble_ratio_lo']:.3f}, {c['ensemble_ratio_hi']:.3f}]")
-    for c in report.get("comparisons", []):
-        console.print(f"{c['arm']} seeds vs {c['control']} on the same rows: ratio {c['arm_ratio']:.3f} vs "
-                      f"{c['control_ratio']:.3f}, difference {c['difference']:+.3f} "
-                      f"[{c['difference_lo']:+.3f}, {c['difference_hi']:+.3f}] ({c['problems']} problems)")

@@ -398,8 +398,3 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
     paths["results"] = write_results(Path(results) if results is not None else Path(out) / "vllm_bench.json",
                                      paired_summary(rows), finish(record), table=SUMMARY_TABLE)
     return paths
-
-
-# ----------------------------------------------------------------------------- report
-
-

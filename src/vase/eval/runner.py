@@ -103,11 +103,6 @@ FIDELITY_FIELDS: tuple[str, ...] = (
 VOLATILE_FIELDS: tuple[str, ...] = ("seconds", "prefill_seconds", "tokens_per_s", "batch_rows", "rank")
 
 
-
-
-# ----------------------------------------------------------------------------- small pieces
-
-
 # ----------------------------------------------------------------------------- the run
 
 
