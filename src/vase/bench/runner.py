@@ -176,10 +176,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
     clock: "wall" (perf_counter), or "cpu": this process's CPU time (`time.process_time`) for the
     step stamps and the eviction timer, on a CPU with one torch thread (a shared machine's other load
     then does not count; memory contention still does)."""
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
-    if clock == "cpu" and (device_of(model).type != "cpu" or torch.get_num_threads() != 1):
-        raise ValueError("clock='cpu' times one CPU thread: run on the CPU with one torch thread (--threads 1)")
+    _check_clock(model, clock)
     now = _cpu_now if clock == "cpu" else None
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
@@ -190,35 +187,13 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
     _set_attention(model, method)
     memory = PeakMemory(device)
     with memory:
-        timer = None
         compiled = compile and method != "dynamic"
-        if method == "dynamic":
-            cache = _dynamic_cache(model)
-        else:
-            params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
-            cache = EvictionCache(model, method, budget, window, seed=seed, max_length=prompt_length + new_tokens,
-                                  **params)  # budget None (full): the request spec's placeholder
-            timer = _EvictTimer(cache, device, now)  # eager evictions only (the compiled ones run inside the step)
-        run_decode = decode
-        if compiled:
-            from ..compiled import compile_cache, decode_compiled
-
-            cache = compile_cache(model, cache, batch, prompt_length + max(new_tokens, cache_tokens or 0))
-            run_decode = decode_compiled
-            if method == "full":
-                timer = None
+        cache, timer, run_decode = _bench_cache(model, method, budget, window, seed, batch, prompt_length, new_tokens,
+                                                compiled, cache_tokens, now, method_params, device)
         stamps: list[float] = []
         evict_marks: list[int] = []
         calls = 0
-        first_layer = cache.evicting_layers[0] if timer is not None else None
-        if compiled and timer is not None:
-            from ..compiled import decode_compiled
-
-            def evictions_now() -> int:  # the static cache counts once the steps are compiled
-                return (decode_compiled.last_cache or first_layer.cache).layers[0].evictions
-        else:
-            def evictions_now() -> int:
-                return first_layer.evictions if first_layer is not None else 0
+        evictions_now = _eviction_counter(cache, timer, compiled)
 
         def on_token(row: int, token: int) -> None:
             nonlocal calls
@@ -237,10 +212,68 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
     if any(len(r) != new_tokens for r in ids):
         raise RuntimeError(f"{method}: expected {new_tokens} tokens per row, got {[len(r) for r in ids]}")
 
+    out = _step_measures(stamps, evict_marks, batch, segments, prefill_s)
+    if compiled and method != "full":
+        from ..compiled import decode_compiled
+
+        cache = decode_compiled.last_cache or cache  # the static form the steps ran on
+    out.update(_cache_measures(cache, timer, compiled, out["decode_s"]))
+    out.update(peak_mem_bytes=memory.peak, peak_mem_delta_bytes=memory.delta, mem_method=memory.method)
+    del cache
+    return out
+
+
+def _check_clock(model, clock: str) -> None:
+    """ValueError for a clock `run_one` cannot read: an unknown one, or "cpu" off a one-thread CPU run."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and (device_of(model).type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='cpu' times one CPU thread: run on the CPU with one torch thread (--threads 1)")
+
+
+def _bench_cache(model, method: str, budget: int | None, window: int, seed: int, batch: int, prompt_length: int,
+                 new_tokens: int, compiled: bool, cache_tokens: int | None, now, method_params: dict,
+                 device: torch.device):
+    """The cache one run decodes into, its eviction timer (None: nothing to time) and the decode loop to run."""
+    timer = None
+    if method == "dynamic":
+        cache = _dynamic_cache(model)
+    else:
+        params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
+        cache = EvictionCache(model, method, budget, window, seed=seed, max_length=prompt_length + new_tokens,
+                              **params)  # budget None (full): the request spec's placeholder
+        timer = _EvictTimer(cache, device, now)  # eager evictions only (the compiled ones run inside the step)
+    run_decode = decode
+    if compiled:
+        from ..compiled import compile_cache, decode_compiled
+
+        cache = compile_cache(model, cache, batch, prompt_length + max(new_tokens, cache_tokens or 0))
+        run_decode = decode_compiled
+        if method == "full":
+            timer = None
+    return cache, timer, run_decode
+
+
+def _eviction_counter(cache, timer, compiled: bool) -> Callable[[], int]:
+    """A function reading how many times the first evicting layer has evicted so far (0 without a timer)."""
+    first_layer = cache.evicting_layers[0] if timer is not None else None
+    if compiled and timer is not None:
+        from ..compiled import decode_compiled
+
+        def evictions_now() -> int:  # the static cache counts once the steps are compiled
+            return (decode_compiled.last_cache or first_layer.cache).layers[0].evictions
+    else:
+        def evictions_now() -> int:
+            return first_layer.evictions if first_layer is not None else 0
+    return evictions_now
+
+
+def _step_measures(stamps: list[float], evict_marks: list[int], batch: int, segments: int, prefill_s: float) -> dict:
+    """Rates and step times from the per-step stamps and eviction counts of one run."""
     steps = [b - a for a, b in itertools.pairwise(stamps)]
     evicted = [b > a for a, b in itertools.pairwise(evict_marks)]
     decode_s = sum(steps)
-    out = {
+    return {
         "decode_s": decode_s,
         "prefill_s": prefill_s,
         "tok_s": len(steps) * batch / decode_s if decode_s > 0 else math.nan,
@@ -250,25 +283,21 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
         "step_ms": 1000 * statistics.median(steps) if steps else math.nan,
         "evict_step_ms": evict_step_cost(steps, evicted),
     }
-    if compiled and method != "full":
-        from ..compiled import decode_compiled
 
-        cache = decode_compiled.last_cache or cache  # the static form the steps ran on
+
+def _cache_measures(cache, timer, compiled: bool, decode_s: float) -> dict:
+    """Evictions, K/V bytes and eviction time of the cache a run ended with."""
     if timer is not None:
         stats = cache.stats()
         # Eager evictions are timed call by call; compiled ones run inside the step graph (not separable).
         evict_s = timer.total_seconds() if not compiled else math.nan
-        out.update(evictions=stats["evictions"], kv_bytes=stats["kv_bytes"], kv_bytes_alloc=stats["kv_bytes_capacity"],
-                   kv_bytes_full=stats["kv_bytes_full"], stored_length=stats["stored_length"],
-                   evict_ms=1000 * evict_s / stats["evictions"] if stats["evictions"] and not compiled else math.nan,
-                   evict_share=evict_s / decode_s if stats["evictions"] and decode_s > 0 else math.nan)
-    else:
-        kv = dynamic_kv_bytes(cache)
-        out.update(evictions=0, kv_bytes=kv, kv_bytes_alloc=kv, kv_bytes_full=kv,
-                   stored_length=int(cache.get_seq_length()), evict_ms=math.nan, evict_share=math.nan)
-    out.update(peak_mem_bytes=memory.peak, peak_mem_delta_bytes=memory.delta, mem_method=memory.method)
-    del cache
-    return out
+        return dict(evictions=stats["evictions"], kv_bytes=stats["kv_bytes"],
+                    kv_bytes_alloc=stats["kv_bytes_capacity"], kv_bytes_full=stats["kv_bytes_full"], stored_length=stats["stored_length"],
+                    evict_ms=1000 * evict_s / stats["evictions"] if stats["evictions"] and not compiled else math.nan,
+                    evict_share=evict_s / decode_s if stats["evictions"] and decode_s > 0 else math.nan)
+    kv = dynamic_kv_bytes(cache)
+    return dict(evictions=0, kv_bytes=kv, kv_bytes_alloc=kv, kv_bytes_full=kv,
+                stored_length=int(cache.get_seq_length()), evict_ms=math.nan, evict_share=math.nan)
 
 
 def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_lengths: Sequence[int],
