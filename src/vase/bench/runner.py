@@ -330,40 +330,11 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     the median over rounds of that round's ratio, with its range (`vs_full_lo` .. `vs_full_hi`).
     `clock`: "wall", or "cpu" (`run_one`: CPU time of one thread, for a loaded shared machine).
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-    if not output_lengths or min(output_lengths) < 2:
-        raise ValueError("output lengths must be >= 2 tokens (one decode step needs two tokens)")
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError("batch sizes must be >= 1")
-    if prompt_length < 1:
-        raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
-    evicting = [m for m in dict.fromkeys(methods) if m not in BASELINES]
-    if evicting and not budgets:
-        raise ValueError("give at least one budget for the evicting methods")
-    configs: list[tuple[str, int | None]] = []
-    if include_full or "full" in methods:
-        configs.append(("full", None))
-    if include_dynamic or "dynamic" in methods:
-        configs.append(("dynamic", None))
-    configs += [(m, b) for m in evicting for b in budgets]
-    modes = [False, True] if compile == "both" else [bool(compile)]
-    configs = [(m, b, c) for m, b in configs for c in modes if not (c and m == "dynamic")]
-
+    configs = _bench_configs(methods, budgets, output_lengths, batch_sizes, prompt_length, warmup, repeats,
+                             include_full, include_dynamic, compile)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    if bandwidth == "probe":
-        from .bandwidth import probe_bandwidth
-
-        bandwidth = probe_bandwidth(device)
-    elif isinstance(bandwidth, str):
-        raise ValueError(f"bandwidth must be 'probe', a number of bytes/s or None, got {bandwidth!r}")
-    try:
-        sizes = ModelBytes.from_model(model)
-    except (AttributeError, TypeError, ValueError):  # a shape the traffic model cannot count: rows without ceiling
-        sizes = None
+    bandwidth, sizes = _traffic_inputs(model, device, bandwidth)
     was_training = model.training
     original_attn = model.config._attn_implementation
     model.eval()
@@ -399,6 +370,49 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
             model.set_attn_implementation(original_attn)
         model.train(was_training)
     return add_ratios(rows)
+
+
+def _bench_configs(methods: Sequence[str], budgets: Sequence[int], output_lengths: Sequence[int],
+                   batch_sizes: Sequence[int], prompt_length: int, warmup: int, repeats: int, include_full: bool,
+                   include_dynamic: bool, compile: bool | str) -> list[tuple[str, int | None, bool]]:
+    """The (method, budget, compiled) configurations `run_bench` times, after checking its settings (ValueError)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if not output_lengths or min(output_lengths) < 2:
+        raise ValueError("output lengths must be >= 2 tokens (one decode step needs two tokens)")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError("batch sizes must be >= 1")
+    if prompt_length < 1:
+        raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
+    evicting = [m for m in dict.fromkeys(methods) if m not in BASELINES]
+    if evicting and not budgets:
+        raise ValueError("give at least one budget for the evicting methods")
+    configs: list[tuple[str, int | None]] = []
+    if include_full or "full" in methods:
+        configs.append(("full", None))
+    if include_dynamic or "dynamic" in methods:
+        configs.append(("dynamic", None))
+    configs += [(m, b) for m in evicting for b in budgets]
+    modes = [False, True] if compile == "both" else [bool(compile)]
+    return [(m, b, c) for m, b in configs for c in modes if not (c and m == "dynamic")]
+
+
+def _traffic_inputs(model, device: torch.device, bandwidth: float | str | None):
+    """The memory bandwidth in bytes/s ("probe": measured now) and the traffic model's byte counts (None: a shape
+    it cannot count) behind each row's ceiling."""
+    if bandwidth == "probe":
+        from .bandwidth import probe_bandwidth
+
+        bandwidth = probe_bandwidth(device)
+    elif isinstance(bandwidth, str):
+        raise ValueError(f"bandwidth must be 'probe', a number of bytes/s or None, got {bandwidth!r}")
+    try:
+        sizes = ModelBytes.from_model(model)
+    except (AttributeError, TypeError, ValueError):  # a shape the traffic model cannot count: rows without ceiling
+        sizes = None
+    return bandwidth, sizes
 
 
 def default_out_dir() -> Path:
