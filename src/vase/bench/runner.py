@@ -292,7 +292,8 @@ def _cache_measures(cache, timer, compiled: bool, decode_s: float) -> dict:
         # Eager evictions are timed call by call; compiled ones run inside the step graph (not separable).
         evict_s = timer.total_seconds() if not compiled else math.nan
         return dict(evictions=stats["evictions"], kv_bytes=stats["kv_bytes"],
-                    kv_bytes_alloc=stats["kv_bytes_capacity"], kv_bytes_full=stats["kv_bytes_full"], stored_length=stats["stored_length"],
+                    kv_bytes_alloc=stats["kv_bytes_capacity"], kv_bytes_full=stats["kv_bytes_full"],
+                    stored_length=stats["stored_length"],
                     evict_ms=1000 * evict_s / stats["evictions"] if stats["evictions"] and not compiled else math.nan,
                     evict_share=evict_s / decode_s if stats["evictions"] and decode_s > 0 else math.nan)
     kv = dynamic_kv_bytes(cache)
