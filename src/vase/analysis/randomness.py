@@ -199,23 +199,9 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     generates freely (same sampling and seed) for `loop_tokens` (default `max_new_tokens`)
     tokens; 0 skips it. Returns the report dict.
     """
-    from ..eval.failures import classify_failure
-    from ..eval.metrics import first_evicted_target
-    from ..generation import encode_prompts, eos_ids, forced_log_probs, generate
-    from .loops import loop_onset
+    from ..generation import encode_prompts, eos_ids, generate
 
-    if seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {seeds}")
-    if loop_tokens is not None and loop_tokens < 0:
-        raise ValueError(f"loop_tokens must be >= 0 (0 skips the free generation), got {loop_tokens}")
-    stochastic = {a.label for a in arms if a.stochastic}
-    if controls is None:
-        controls = [c for c in DEFAULT_CONTROLS if c.versus in stochastic and seeds > 1]
-    for c in controls:
-        if c.versus not in stochastic:
-            raise ValueError(f"control {c.label!r} compares with arm {c.versus!r}, which is not a stochastic arm "
-                             f"of this study ({', '.join(sorted(stochastic)) or 'none'})")
-        get_policy(c.method, **c.params).check(budget + min(c.offsets), window)
+    controls = _check_study(arms, controls, seeds, loop_tokens, budget, window)
     say = progress or (lambda msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -245,58 +231,18 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
         ref = traced_forced(model, prompt_ids, targets, method="full", budget=budget, window=window, keep_outputs=True)
         problems.append({"prompt_tokens": len(prompt_ids), "target_tokens": len(targets)})
         for arm in arms:
-            n_seeds = seeds if arm.stochastic else 1
-            acc = per_arm[arm.label]
-            mix = Mixture()
-            singles = []
-            for s in range(n_seeds):
-                say(f"prompt {i}: {arm.label} seed {s}")
-                tr = traced_forced(model, prompt_ids, targets, method=arm.method, budget=budget, window=window,
-                                   seed=seed + s, reference=ref.attn_out, **arm.params)
-                t0 = tr.evict_targets[0]  # measure after the first eviction only
-                kl = token_kl(ref.log_probs, tr.log_probs)
-                singles.append(kl[t0:])
-                mix.add(tr.log_probs[t0:])
-                acc["kl"].append(float(kl[t0:].mean()))
-                acc["top1"].append(float((ref.log_probs[t0:].argmax(-1) == tr.log_probs[t0:].argmax(-1))
-                                         .double().mean()))
-                err = tr.attn_err[:, t0 - 1:]  # error rows are fed targets 1..T-1
-                acc["err_layer"].append(err.mean(1))
-                acc["err_time"].append(tr.attn_err.mean(0))
-                acc["coverage"].append(float(coverage(tr.kept, tr.candidates).mean()))
-                acc["overlap"].append(float(consecutive_overlap(tr.kept).mean()) if len(tr.kept) > 1 else math.nan)
-                acc["evictions"].append(len(tr.kept))
-            if n_seeds > 1:
-                mix_kl, single_kl = token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)
-                acc["kl_mix"].append(float(mix_kl.mean()))
-                acc["kl_single"].append(float(single_kl.mean()))
-                mixed[arm.label].append((t0, mix_kl, single_kl))
+            _measure_arm(model, prompt_ids, targets, ref, arm, seeds if arm.stochastic else 1, budget, window, seed,
+                         per_arm[arm.label], mixed[arm.label], lambda msg, i=i: say(f"prompt {i}: {msg}"))
         for ctl in controls:
-            budgets = [budget + o for o in ctl.offsets]
-            t0 = max(first_evicted_target(len(prompt_ids), budget=b, window=window, evicts=True) for b in budgets)
-            mix, singles = Mixture(), []
-            for b in budgets:
-                say(f"prompt {i}: control {ctl.label} at B = {b}")
-                lp = forced_log_probs(model, prompt_ids, targets, method=ctl.method, budget=b, window=window,
-                                      seed=seed, **ctl.params)[t0:].cpu()
-                mix.add(lp)
-                singles.append(token_kl(ref.log_probs[t0:], lp))
-            mixed[ctl.label].append((t0, token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)))
+            mixed[ctl.label].append(_measure_control(model, prompt_ids, targets, ref, ctl, budget, window, seed,
+                                                     lambda msg, i=i: say(f"prompt {i}: {msg}")))
         del ref
     if not problems:
         raise ValueError(f"no trajectory was long enough to evict (budget {budget} + window {window}): lower "
                          "--budget or raise --max-new-tokens")
 
-    loops: dict[str, list] = {}
-    if loop_tokens > 0:
-        for label, method, params in [("full", "full", {})] + [(a.label, a.method, a.params) for a in arms]:
-            say(f"free generation: {label}, {loop_tokens} tokens")
-            g = generate(model, tokenizer, list(prompts), method=method, budget=budget, window=window,
-                         max_new_tokens=loop_tokens, seed=seed, **sampling, **params)
-            decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
-            loops[label] = [{"loop_onset": loop_onset(t, decode), "tokens": len(t),
-                             "failure": classify_failure(decode(t), not fin)}
-                            for t, fin in zip(g.token_ids, g.finished)]
+    loops = _free_generation(model, tokenizer, prompts, arms, budget, window, loop_tokens, seed, sampling, say) \
+        if loop_tokens > 0 else {}
 
     report = _summarise(per_arm, arms, loops, problems, dict(
         budget=budget, window=window, seeds=seeds, max_new_tokens=max_new_tokens, loop_tokens=loop_tokens,
@@ -307,6 +253,94 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     report["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # wall time depends on the machine's load
     write_files(report, per_arm, out_dir)
     return report
+
+
+def _check_study(arms: Sequence[Arm], controls: Sequence[Control] | None, seeds: int, loop_tokens: int | None,
+                 budget: int, window: int) -> Sequence[Control]:
+    """The study's settings checked (ValueError naming the setting), and its controls (default: those of
+    DEFAULT_CONTROLS whose arm is stochastic, with several seeds)."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if loop_tokens is not None and loop_tokens < 0:
+        raise ValueError(f"loop_tokens must be >= 0 (0 skips the free generation), got {loop_tokens}")
+    stochastic = {a.label for a in arms if a.stochastic}
+    if controls is None:
+        controls = [c for c in DEFAULT_CONTROLS if c.versus in stochastic and seeds > 1]
+    for c in controls:
+        if c.versus not in stochastic:
+            raise ValueError(f"control {c.label!r} compares with arm {c.versus!r}, which is not a stochastic arm "
+                             f"of this study ({', '.join(sorted(stochastic)) or 'none'})")
+        get_policy(c.method, **c.params).check(budget + min(c.offsets), window)
+    return controls
+
+
+def _measure_arm(model, prompt_ids: list[int], targets: list[int], ref: Trace, arm: Arm, n_seeds: int, budget: int,
+                 window: int, seed: int, acc: dict[str, list], mixed: list, say: Callable[[str], None]) -> None:
+    """One prompt through one arm at each of its `n_seeds` seeds: its measures appended to `acc`, and (several
+    seeds) its mixture's (first scored row, KL [T'], mean single KL [T']) to `mixed`."""
+    mix = Mixture()
+    singles = []
+    for s in range(n_seeds):
+        say(f"{arm.label} seed {s}")
+        tr = traced_forced(model, prompt_ids, targets, method=arm.method, budget=budget, window=window,
+                           seed=seed + s, reference=ref.attn_out, **arm.params)
+        t0 = tr.evict_targets[0]  # measure after the first eviction only
+        kl = token_kl(ref.log_probs, tr.log_probs)
+        singles.append(kl[t0:])
+        mix.add(tr.log_probs[t0:])
+        acc["kl"].append(float(kl[t0:].mean()))
+        acc["top1"].append(float((ref.log_probs[t0:].argmax(-1) == tr.log_probs[t0:].argmax(-1))
+                                 .double().mean()))
+        err = tr.attn_err[:, t0 - 1:]  # error rows are fed targets 1..T-1
+        acc["err_layer"].append(err.mean(1))
+        acc["err_time"].append(tr.attn_err.mean(0))
+        acc["coverage"].append(float(coverage(tr.kept, tr.candidates).mean()))
+        acc["overlap"].append(float(consecutive_overlap(tr.kept).mean()) if len(tr.kept) > 1 else math.nan)
+        acc["evictions"].append(len(tr.kept))
+    if n_seeds > 1:
+        mix_kl, single_kl = token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)
+        acc["kl_mix"].append(float(mix_kl.mean()))
+        acc["kl_single"].append(float(single_kl.mean()))
+        mixed.append((t0, mix_kl, single_kl))
+
+
+def _measure_control(model, prompt_ids: list[int], targets: list[int], ref: Trace, ctl: Control, budget: int,
+                     window: int, seed: int, say: Callable[[str], None]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """One prompt through one control: its method's runs at each budget offset, mixed; (first scored row, mixture
+    KL [T'], mean single KL [T'])."""
+    from ..eval.metrics import first_evicted_target
+    from ..generation import forced_log_probs
+
+    budgets = [budget + o for o in ctl.offsets]
+    t0 = max(first_evicted_target(len(prompt_ids), budget=b, window=window, evicts=True) for b in budgets)
+    mix, singles = Mixture(), []
+    for b in budgets:
+        say(f"control {ctl.label} at B = {b}")
+        lp = forced_log_probs(model, prompt_ids, targets, method=ctl.method, budget=b, window=window,
+                              seed=seed, **ctl.params)[t0:].cpu()
+        mix.add(lp)
+        singles.append(token_kl(ref.log_probs[t0:], lp))
+    return t0, token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)
+
+
+def _free_generation(model, tokenizer, prompts: Sequence[str], arms: Sequence[Arm], budget: int, window: int,
+                     loop_tokens: int, seed: int, sampling: dict, say: Callable[[str], None]) -> dict[str, list]:
+    """Loop onset: the full cache and each arm generate freely for `loop_tokens` tokens; per label, per prompt, the
+    loop onset, the length and the failure class."""
+    from ..eval.failures import classify_failure
+    from ..generation import generate
+    from .loops import loop_onset
+
+    loops: dict[str, list] = {}
+    for label, method, params in [("full", "full", {})] + [(a.label, a.method, a.params) for a in arms]:
+        say(f"free generation: {label}, {loop_tokens} tokens")
+        g = generate(model, tokenizer, list(prompts), method=method, budget=budget, window=window,
+                     max_new_tokens=loop_tokens, seed=seed, **sampling, **params)
+        decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+        loops[label] = [{"loop_onset": loop_onset(t, decode), "tokens": len(t),
+                         "failure": classify_failure(decode(t), not fin)}
+                        for t, fin in zip(g.token_ids, g.finished)]
+    return loops
 
 
 def _sums_from(rows: list[tuple[int, torch.Tensor, torch.Tensor]], start: Sequence[int]) -> tuple[list, list]:
