@@ -114,7 +114,7 @@ def generate(
         from ..generation import generate as run
 
         mdl, tok = model.load()
-    from ..batched import Divergence, Finished, Started, generate_batches
+    from ..batched import generate_batches
 
     single = len(prompts) == 1
 
@@ -125,6 +125,13 @@ def generate(
                              batch_size=batch_size, stream=stream if single else None, params=params, budget=budget,
                              window=window, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, greedy=greedy, chat_template=chat, **quant)
+    _print_steps(steps, single, method, compare, budget)
+
+def _print_steps(steps, single: bool, method: str, compare: str | None, budget: int) -> None:
+    """Print what `generate_batches` yields: a rule per method and the streamed text (one prompt) or each prompt's
+    text when its batch is done, the summary line, and where --compare's tokens diverge."""
+    from ..batched import Divergence, Finished, Started
+
     for step in steps:
         if isinstance(step, Started) and single:
             console.rule(f"[bold]{step.method}[/]" + ("" if step.second else f" B={budget}"))
