@@ -324,7 +324,8 @@ def test_numpy_scalars_are_the_numbers_they_hold():
     request in numpy scalars gives the same tokens, and the saved identity stays JSON."""
     import numpy as np
 
-    from vase.eval.config import EvalConfig, identity, identity_hash
+    from vase.eval.config import EvalConfig
+    from vase.eval.identity import identity, identity_hash
 
     model, tok = tiny_model(), tiny_tokenizer()
     plain = dict(method="snapkv", budget=24, window=8, max_new_tokens=12, temperature=0.5, top_p=0.9, greedy=False,

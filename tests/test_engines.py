@@ -15,6 +15,8 @@ import torch
 
 import vase
 from vase.engines import Engine, TransformersEngine, VllmEngine, engine_args, kv_bytes_per_token
+from vase.engines.registry import EngineInfo, engine_class, engine_info, register_engine
+from vase.errors import SpecError
 from vase.generation import eos_ids, forced_log_probs
 
 from .conftest import F64, tiny_model, tiny_tokenizer
@@ -47,7 +49,102 @@ def test_both_engines_satisfy_the_protocol(impl):
     for prop in ("tokenizer", "bytes_per_token"):
         assert isinstance(inspect.getattr_static(impl, prop), property), (impl.__name__, prop)
     assert impl.name in ("transformers", "vllm")
-    assert impl.supports_forcing == (impl is TransformersEngine)
+    assert engine_class(impl.name) is impl and engine_info(impl.name).forcing == (impl is TransformersEngine)
+    assert not hasattr(impl, "supports_forcing")  # the registry's `forcing` is the one flag
+
+
+# ----------------------------------------------------------------------------- a new engine from outside
+
+
+class ToyEngine:
+    """A third engine defined here, outside the package: it loads its own model (vase's tiny checkpoint) and
+    generates with vase.generate; it records its calls so the test sees that the doors went through it."""
+
+    name = "toy"
+    calls: list = []
+
+    def __init__(self, model=None, *, dtype="auto", device="auto", seed=0):
+        self.model_name, self.dtype, self.seed = model, dtype, seed
+        self.model = self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        self.start()
+        return self._tokenizer
+
+    @property
+    def bytes_per_token(self) -> int:
+        self.start()
+        return kv_bytes_per_token(self.model)
+
+    def start(self) -> None:
+        if self.model is None:
+            from vase.models import load_model
+
+            self.model, self._tokenizer = load_model(self.model_name, dtype="float32", device="cpu")
+
+    def generate(self, prompts, *, method="vase-attnv", budget=512, window=64, max_new_tokens=2048,
+                 temperature=0.6, top_p=0.95, top_k=None, greedy=False, seed=0, chat_template=True, **params):
+        self.start()
+        ToyEngine.calls.append(("generate", list(prompts), method, budget))
+        return vase.generate(self.model, self._tokenizer, prompts, method=method, budget=budget, window=window,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             greedy=greedy, seed=seed, chat_template=chat_template, **params)
+
+    def forced_log_probs(self, prompt_ids, target_ids, *, method="full", budget=512, window=64, seed=0,
+                         max_chunk=None, on_chunk=None, **params):
+        raise NotImplementedError("the toy engine does not teacher-force")
+
+    def close(self) -> None:
+        ToyEngine.calls.append(("close",))
+
+
+@pytest.fixture
+def toy_engine(monkeypatch):
+    """ToyEngine registered through the public API for one test (the registry restored after)."""
+    from vase.engines import registry
+
+    monkeypatch.setattr(registry, "ENGINES", dict(registry.ENGINES))
+    info = EngineInfo("toy", ToyEngine, forcing=False, internal_batching=False, loads_model=True, storage=True,
+                      compile=False, attn=False, streaming=False)
+    register_engine(info)
+    with pytest.raises(SpecError, match="already registered"):
+        register_engine(info)
+    ToyEngine.calls = []
+    return ToyEngine
+
+
+def test_a_toy_engine_registered_from_outside_runs_through_generate_and_eval(toy_engine, model_dir, capsys,
+                                                                             tmp_path):
+    """docs/architecture.md's recipe: one class implementing Engine + one registry entry, and `vase generate
+    --engine toy` and eval's runner use it (no other file edited); its flags are read (no --attn, no fidelity)."""
+    from vase.eval.config import ConfigError, EvalConfig
+    from vase.eval.runner import run_eval
+
+    from .conftest import run_main
+
+    for impl in (ToyEngine,):
+        for name in ("generate", "forced_log_probs", "start", "close"):
+            assert _params(getattr(impl, name)) == _params(getattr(Engine, name)), name
+    code, out, err = run_main(["generate", "--engine", "toy", "--model", model_dir, "--method", "snapkv",
+                               "--budget", "24", "--window", "8", "--max-new-tokens", "12", "--greedy", "--no-chat",
+                               "hello there"], capsys)
+    assert code == 0, err
+    assert toy_engine.calls == [("generate", ["hello there"], "snapkv", 24)]
+    assert "snapkv" in out and "tokens" in out
+    code, _, err = run_main(["generate", "--engine", "toy", "--model", model_dir, "--attn", "eager", "hi"], capsys)
+    assert code != 0 and "not on toy" in err
+
+    toy_engine.calls = []
+    cfg = EvalConfig(task="arith", limit=2, model=model_dir, engine="toy", methods=["full", "snapkv"], budgets=[24],
+                     window=8, samples=1, max_new_tokens=8, greedy=True, output_dir=str(tmp_path))
+    run_dir = run_eval(cfg, progress=False, summarize=False)
+    assert (run_dir / "samples.rank0.jsonl").is_file()
+    # one batch of both problems per method (vase's batches: the toy does not schedule them itself)
+    assert [(c[2], len(c[1])) for c in toy_engine.calls if c[0] == "generate"] == [("full", 2), ("snapkv", 2)]
+    assert toy_engine.calls[-1] == ("close",)
+    with pytest.raises(ConfigError, match="fidelity"):
+        EvalConfig(task="arith", model=model_dir, engine="toy", fidelity=True, output_dir=str(tmp_path))
 
 
 def test_the_transformers_engine_is_vase_generate_and_forced_log_probs():

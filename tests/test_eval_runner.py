@@ -21,7 +21,9 @@ import torch
 
 import vase
 from tests.helpers_tiny import tiny_model_and_tokenizer
-from vase.eval.config import ConfigError, EvalConfig, identity, identity_hash, load_config, run_name
+from vase.eval.config import ConfigError, EvalConfig
+from vase.eval.config_files import load_config
+from vase.eval.identity import identity, identity_hash, run_name
 from vase.eval.report import summarize
 from vase.eval.runner import (
     VOLATILE_FIELDS,
@@ -390,7 +392,7 @@ _NO_RESULT = ("batch_size", "fidelity", "output_dir", "name")  # the same sample
 def test_every_setting_that_changes_results_names_a_new_run(tmp_path):
     from dataclasses import fields
 
-    from vase.eval.config import RUNTIME_FIELDS
+    from vase.eval.identity import RUNTIME_FIELDS
     from vase.storages import storage_keywords
 
     placed = set(_NAMED) | set(_DATA) | set(_RUNTIME) | set(_NO_RESULT)

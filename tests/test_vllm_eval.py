@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from vase.eval.config import ConfigError, EvalConfig, identity, run_name
+from vase.eval.config import ConfigError, EvalConfig
+from vase.eval.identity import identity, run_name
 from vase.engines.vllm import vllm_available
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed here (pip install -e '.[vllm]')")
@@ -234,7 +235,7 @@ def test_greedy_full_agrees_with_the_transformers_engine(tmp_path):
 def test_the_vllm_version_is_part_of_the_runtime_identity(tmp_path, monkeypatch):
     """A run on another vLLM is refused on resume like one on another torch (its kernels make the tokens)."""
     import vase.engines.vllm as engine  # where eval.config reads the version
-    from vase.eval.config import runtime_identity
+    from vase.eval.identity import runtime_identity
 
     monkeypatch.setattr("vase.models.model_fingerprint", lambda model: "sha")
     v, t = _config(tmp_path), _config(tmp_path, engine="transformers")

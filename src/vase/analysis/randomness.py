@@ -21,7 +21,6 @@ Tensor layouts: kept/candidate sets are bool [..., N] over sequence positions; l
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,114 +31,14 @@ from pathlib import Path
 import torch
 
 from ..policies import get_policy
+from .randomness_report import print_report, write_files
+from .randomness_stats import (Mixture, bootstrap_ratio, bootstrap_ratio_difference, consecutive_overlap, coverage,
+                               ensemble_kl, jaccard, relative_error, token_kl)
 
-# -- mechanics (pure tensor code, tested on hand-made inputs) -------------------------------------------------
-
-
-def jaccard(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Jaccard index |a & b| / |a | b| of bool sets [..., N] -> float [...] (1.0 for two empty sets)."""
-    inter = (a & b).sum(-1).double()
-    union = (a | b).sum(-1).double()
-    return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
-
-
-def consecutive_overlap(kept: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Jaccard of each kept set with the next: [E - 1, ...] for E sets of bool [..., N]."""
-    if len(kept) < 2:
-        return torch.empty(0)
-    return torch.stack([jaccard(a, b) for a, b in zip(kept[:-1], kept[1:])])
-
-
-def coverage(kept: Sequence[torch.Tensor], candidates: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Share of the positions ever offered to an eviction that survived at least one: float [...].
-
-    kept[e], candidates[e]: bool [..., N], what eviction e kept of what it was offered.
-    """
-    if not kept:
-        raise ValueError("coverage needs at least one eviction")
-    ever_kept = torch.stack(list(kept)).any(0)
-    ever_offered = torch.stack(list(candidates)).any(0)
-    return (ever_kept & ever_offered).sum(-1).double() / ever_offered.sum(-1).double().clamp(min=1)
-
-
-def token_kl(full_lp: torch.Tensor, comp_lp: torch.Tensor) -> torch.Tensor:
-    """KL(full || comp) per row: log-probs [T, V] -> float64 [T] (rows renormalised)."""
-    lf = full_lp.double().log_softmax(-1)
-    lc = comp_lp.double().log_softmax(-1)
-    p = lf.exp()
-    return torch.where(p > 0, p * (lf - lc), torch.zeros_like(p)).sum(-1)
-
-
-class Mixture:
-    """Running seed-average of next-token distributions, kept in log space: add [T, V] log-probs."""
-
-    def __init__(self) -> None:
-        self.log_sum: torch.Tensor | None = None
-        self.count = 0
-
-    def add(self, lp: torch.Tensor) -> None:
-        lp = lp.double().log_softmax(-1)
-        self.log_sum = lp if self.log_sum is None else torch.logaddexp(self.log_sum, lp)
-        self.count += 1
-
-    def log_probs(self) -> torch.Tensor:
-        """log of the mean distribution: [T, V] float64."""
-        return self.log_sum - math.log(self.count)
-
-
-def ensemble_kl(full_lp: torch.Tensor, seed_lps: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(KL(full || mean over seeds), mean over seeds of KL(full || seed)), each float64 [T]."""
-    mix = Mixture()
-    singles = []
-    for lp in seed_lps:
-        mix.add(lp)
-        singles.append(token_kl(full_lp, lp))
-    return token_kl(full_lp, mix.log_probs()), torch.stack(singles).mean(0)
-
-
-def bootstrap_ratio(num: Sequence[float], den: Sequence[float], *, n_boot: int = 2000, seed: int = 0,
-                    level: float = 0.95) -> tuple[float, float, float]:
-    """(ratio, lo, hi): sum(num) / sum(den) over problems and its percentile bootstrap interval,
-    resampling problems with replacement. num, den: one value per problem (e.g. the mean mixture
-    KL and the mean single-seed KL of each problem)."""
-    return _bootstrap(lambda idx: _ratio(num, den, idx), len(num), len(den), n_boot, seed, level)
-
-
-def bootstrap_ratio_difference(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float],
-                               den_b: Sequence[float], *, n_boot: int = 2000, seed: int = 0,
-                               level: float = 0.95) -> tuple[float, float, float]:
-    """(ratio_a - ratio_b, lo, hi), the same problems drawn for both in each resample (paired)."""
-    n = len(num_a)
-    if not n == len(den_a) == len(num_b) == len(den_b):
-        raise ValueError(f"paired ratios need one value per problem in each list, got {len(num_a)}, {len(den_a)}, "
-                         f"{len(num_b)}, {len(den_b)}")
-    return _bootstrap(lambda idx: _ratio(num_a, den_a, idx) - _ratio(num_b, den_b, idx), n, n, n_boot, seed, level)
-
-
-def _ratio(num: Sequence[float], den: Sequence[float], idx: Sequence[int]) -> float:
-    d = sum(den[i] for i in idx)
-    return sum(num[i] for i in idx) / d if d > 0 else math.nan
-
-
-def _bootstrap(stat: Callable[[Sequence[int]], float], n: int, n_den: int, n_boot: int, seed: int,
-               level: float) -> tuple[float, float, float]:
-    if n == 0 or n != n_den:
-        raise ValueError(f"bootstrap needs one numerator and one denominator per problem, got {n} and {n_den}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    gen = torch.Generator().manual_seed(seed)
-    draws = torch.randint(0, n, (n_boot, n), generator=gen).tolist()
-    values = torch.tensor(sorted(stat(d) for d in draws), dtype=torch.float64)
-    values = values[~values.isnan()]
-    if values.numel() == 0:
-        return stat(range(n)), math.nan, math.nan
-    lo, hi = torch.quantile(values, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
-    return stat(range(n)), lo, hi
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """||out - ref|| / ||ref|| over the last dim: [..., D] -> float32 [...]."""
-    return (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp(min=1e-12)
+__all__ = ["Arm", "Control", "Trace", "run_randomness", "traced_forced", "attention_modules", "print_report",
+           # the measures, from randomness_stats
+           "Mixture", "bootstrap_ratio", "bootstrap_ratio_difference", "consecutive_overlap", "coverage", "ensemble_kl",
+           "jaccard", "relative_error", "token_kl"]
 
 
 # -- tracing one teacher-forced run --------------------------------------------------------------------------
@@ -300,23 +199,9 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     generates freely (same sampling and seed) for `loop_tokens` (default `max_new_tokens`)
     tokens; 0 skips it. Returns the report dict.
     """
-    from ..eval.failures import classify_failure
-    from ..eval.metrics import first_evicted_target
-    from ..generation import encode_prompts, eos_ids, forced_log_probs, generate
-    from .loops import loop_onset
+    from ..generation import encode_prompts, eos_ids, generate
 
-    if seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {seeds}")
-    if loop_tokens is not None and loop_tokens < 0:
-        raise ValueError(f"loop_tokens must be >= 0 (0 skips the free generation), got {loop_tokens}")
-    stochastic = {a.label for a in arms if a.stochastic}
-    if controls is None:
-        controls = [c for c in DEFAULT_CONTROLS if c.versus in stochastic and seeds > 1]
-    for c in controls:
-        if c.versus not in stochastic:
-            raise ValueError(f"control {c.label!r} compares with arm {c.versus!r}, which is not a stochastic arm "
-                             f"of this study ({', '.join(sorted(stochastic)) or 'none'})")
-        get_policy(c.method, **c.params).check(budget + min(c.offsets), window)
+    controls = _check_study(arms, controls, seeds, loop_tokens, budget, window)
     say = progress or (lambda msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -346,58 +231,18 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
         ref = traced_forced(model, prompt_ids, targets, method="full", budget=budget, window=window, keep_outputs=True)
         problems.append({"prompt_tokens": len(prompt_ids), "target_tokens": len(targets)})
         for arm in arms:
-            n_seeds = seeds if arm.stochastic else 1
-            acc = per_arm[arm.label]
-            mix = Mixture()
-            singles = []
-            for s in range(n_seeds):
-                say(f"prompt {i}: {arm.label} seed {s}")
-                tr = traced_forced(model, prompt_ids, targets, method=arm.method, budget=budget, window=window,
-                                   seed=seed + s, reference=ref.attn_out, **arm.params)
-                t0 = tr.evict_targets[0]  # measure after the first eviction only
-                kl = token_kl(ref.log_probs, tr.log_probs)
-                singles.append(kl[t0:])
-                mix.add(tr.log_probs[t0:])
-                acc["kl"].append(float(kl[t0:].mean()))
-                acc["top1"].append(float((ref.log_probs[t0:].argmax(-1) == tr.log_probs[t0:].argmax(-1))
-                                         .double().mean()))
-                err = tr.attn_err[:, t0 - 1:]  # error rows are fed targets 1..T-1
-                acc["err_layer"].append(err.mean(1))
-                acc["err_time"].append(tr.attn_err.mean(0))
-                acc["coverage"].append(float(coverage(tr.kept, tr.candidates).mean()))
-                acc["overlap"].append(float(consecutive_overlap(tr.kept).mean()) if len(tr.kept) > 1 else math.nan)
-                acc["evictions"].append(len(tr.kept))
-            if n_seeds > 1:
-                mix_kl, single_kl = token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)
-                acc["kl_mix"].append(float(mix_kl.mean()))
-                acc["kl_single"].append(float(single_kl.mean()))
-                mixed[arm.label].append((t0, mix_kl, single_kl))
+            _measure_arm(model, prompt_ids, targets, ref, arm, seeds if arm.stochastic else 1, budget, window, seed,
+                         per_arm[arm.label], mixed[arm.label], lambda msg, i=i: say(f"prompt {i}: {msg}"))
         for ctl in controls:
-            budgets = [budget + o for o in ctl.offsets]
-            t0 = max(first_evicted_target(len(prompt_ids), budget=b, window=window, evicts=True) for b in budgets)
-            mix, singles = Mixture(), []
-            for b in budgets:
-                say(f"prompt {i}: control {ctl.label} at B = {b}")
-                lp = forced_log_probs(model, prompt_ids, targets, method=ctl.method, budget=b, window=window,
-                                      seed=seed, **ctl.params)[t0:].cpu()
-                mix.add(lp)
-                singles.append(token_kl(ref.log_probs[t0:], lp))
-            mixed[ctl.label].append((t0, token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)))
+            mixed[ctl.label].append(_measure_control(model, prompt_ids, targets, ref, ctl, budget, window, seed,
+                                                     lambda msg, i=i: say(f"prompt {i}: {msg}")))
         del ref
     if not problems:
         raise ValueError(f"no trajectory was long enough to evict (budget {budget} + window {window}): lower "
                          "--budget or raise --max-new-tokens")
 
-    loops: dict[str, list] = {}
-    if loop_tokens > 0:
-        for label, method, params in [("full", "full", {})] + [(a.label, a.method, a.params) for a in arms]:
-            say(f"free generation: {label}, {loop_tokens} tokens")
-            g = generate(model, tokenizer, list(prompts), method=method, budget=budget, window=window,
-                         max_new_tokens=loop_tokens, seed=seed, **sampling, **params)
-            decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
-            loops[label] = [{"loop_onset": loop_onset(t, decode), "tokens": len(t),
-                             "failure": classify_failure(decode(t), not fin)}
-                            for t, fin in zip(g.token_ids, g.finished)]
+    loops = _free_generation(model, tokenizer, prompts, arms, budget, window, loop_tokens, seed, sampling, say) \
+        if loop_tokens > 0 else {}
 
     report = _summarise(per_arm, arms, loops, problems, dict(
         budget=budget, window=window, seeds=seeds, max_new_tokens=max_new_tokens, loop_tokens=loop_tokens,
@@ -406,8 +251,96 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     report["controls"], report["comparisons"] = _controls(mixed, controls, budget, seed)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # wall time depends on the machine's load
-    _write(report, per_arm, out_dir)
+    write_files(report, per_arm, out_dir)
     return report
+
+
+def _check_study(arms: Sequence[Arm], controls: Sequence[Control] | None, seeds: int, loop_tokens: int | None,
+                 budget: int, window: int) -> Sequence[Control]:
+    """The study's settings checked (ValueError naming the setting), and its controls (default: those of
+    DEFAULT_CONTROLS whose arm is stochastic, with several seeds)."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if loop_tokens is not None and loop_tokens < 0:
+        raise ValueError(f"loop_tokens must be >= 0 (0 skips the free generation), got {loop_tokens}")
+    stochastic = {a.label for a in arms if a.stochastic}
+    if controls is None:
+        controls = [c for c in DEFAULT_CONTROLS if c.versus in stochastic and seeds > 1]
+    for c in controls:
+        if c.versus not in stochastic:
+            raise ValueError(f"control {c.label!r} compares with arm {c.versus!r}, which is not a stochastic arm "
+                             f"of this study ({', '.join(sorted(stochastic)) or 'none'})")
+        get_policy(c.method, **c.params).check(budget + min(c.offsets), window)
+    return controls
+
+
+def _measure_arm(model, prompt_ids: list[int], targets: list[int], ref: Trace, arm: Arm, n_seeds: int, budget: int,
+                 window: int, seed: int, acc: dict[str, list], mixed: list, say: Callable[[str], None]) -> None:
+    """One prompt through one arm at each of its `n_seeds` seeds: its measures appended to `acc`, and (several
+    seeds) its mixture's (first scored row, KL [T'], mean single KL [T']) to `mixed`."""
+    mix = Mixture()
+    singles = []
+    for s in range(n_seeds):
+        say(f"{arm.label} seed {s}")
+        tr = traced_forced(model, prompt_ids, targets, method=arm.method, budget=budget, window=window,
+                           seed=seed + s, reference=ref.attn_out, **arm.params)
+        t0 = tr.evict_targets[0]  # measure after the first eviction only
+        kl = token_kl(ref.log_probs, tr.log_probs)
+        singles.append(kl[t0:])
+        mix.add(tr.log_probs[t0:])
+        acc["kl"].append(float(kl[t0:].mean()))
+        acc["top1"].append(float((ref.log_probs[t0:].argmax(-1) == tr.log_probs[t0:].argmax(-1))
+                                 .double().mean()))
+        err = tr.attn_err[:, t0 - 1:]  # error rows are fed targets 1..T-1
+        acc["err_layer"].append(err.mean(1))
+        acc["err_time"].append(tr.attn_err.mean(0))
+        acc["coverage"].append(float(coverage(tr.kept, tr.candidates).mean()))
+        acc["overlap"].append(float(consecutive_overlap(tr.kept).mean()) if len(tr.kept) > 1 else math.nan)
+        acc["evictions"].append(len(tr.kept))
+    if n_seeds > 1:
+        mix_kl, single_kl = token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)
+        acc["kl_mix"].append(float(mix_kl.mean()))
+        acc["kl_single"].append(float(single_kl.mean()))
+        mixed.append((t0, mix_kl, single_kl))
+
+
+def _measure_control(model, prompt_ids: list[int], targets: list[int], ref: Trace, ctl: Control, budget: int,
+                     window: int, seed: int, say: Callable[[str], None]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """One prompt through one control: its method's runs at each budget offset, mixed; (first scored row, mixture
+    KL [T'], mean single KL [T'])."""
+    from ..eval.metrics import first_evicted_target
+    from ..generation import forced_log_probs
+
+    budgets = [budget + o for o in ctl.offsets]
+    t0 = max(first_evicted_target(len(prompt_ids), budget=b, window=window, evicts=True) for b in budgets)
+    mix, singles = Mixture(), []
+    for b in budgets:
+        say(f"control {ctl.label} at B = {b}")
+        lp = forced_log_probs(model, prompt_ids, targets, method=ctl.method, budget=b, window=window,
+                              seed=seed, **ctl.params)[t0:].cpu()
+        mix.add(lp)
+        singles.append(token_kl(ref.log_probs[t0:], lp))
+    return t0, token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)
+
+
+def _free_generation(model, tokenizer, prompts: Sequence[str], arms: Sequence[Arm], budget: int, window: int,
+                     loop_tokens: int, seed: int, sampling: dict, say: Callable[[str], None]) -> dict[str, list]:
+    """Loop onset: the full cache and each arm generate freely for `loop_tokens` tokens; per label, per prompt, the
+    loop onset, the length and the failure class."""
+    from ..eval.failures import classify_failure
+    from ..generation import generate
+    from .loops import loop_onset
+
+    loops: dict[str, list] = {}
+    for label, method, params in [("full", "full", {})] + [(a.label, a.method, a.params) for a in arms]:
+        say(f"free generation: {label}, {loop_tokens} tokens")
+        g = generate(model, tokenizer, list(prompts), method=method, budget=budget, window=window,
+                     max_new_tokens=loop_tokens, seed=seed, **sampling, **params)
+        decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+        loops[label] = [{"loop_onset": loop_onset(t, decode), "tokens": len(t),
+                         "failure": classify_failure(decode(t), not fin)}
+                        for t, fin in zip(g.token_ids, g.finished)]
+    return loops
 
 
 def _sums_from(rows: list[tuple[int, torch.Tensor, torch.Tensor]], start: Sequence[int]) -> tuple[list, list]:
@@ -470,114 +403,3 @@ def _summarise(per_arm: dict, arms: Sequence[Arm], loops: dict, problems: list, 
             "loop_onsets": onsets,
         })
     return {"config": config, "problems": problems, "methods": rows, "free_generation": loops}
-
-
-CSV_COLUMNS = ("method", "stochastic", "kl_after_eviction", "top1_agree", "attn_err_mean", "coverage", "overlap",
-               "evictions", "ensemble_kl_mixture", "ensemble_kl_single_mean", "ensemble_ratio", "ensemble_ratio_lo",
-               "ensemble_ratio_hi", "loop_share")
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    return f"{v:.6g}" if isinstance(v, float) else str(v)
-
-
-def _write(report: dict, per_arm: dict, out_dir: Path) -> None:
-    (out_dir / "randomness.json").write_text(json.dumps(report, indent=2))
-    lines = [",".join(CSV_COLUMNS)]
-    for row in report["methods"] + report.get("controls", []):  # controls: the ensemble columns only
-        lines.append(",".join(_fmt(row.get(c)) for c in CSV_COLUMNS))
-    (out_dir / "randomness.csv").write_text("\n".join(lines) + "\n")
-    plot_randomness(report, per_arm, out_dir)
-
-
-def plot_randomness(report: dict, per_arm: dict, out_dir: Path) -> list[Path]:
-    """attn_error.png (per layer; over time) and mechanisms.png (coverage, overlap, ensemble KL)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["methods"]
-    paths = []
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for row in rows:
-        style = "-" if row["stochastic"] else "--"
-        ax1.plot(row["attn_err_per_layer"], style, label=row["method"])
-        curves = per_arm[row["method"]]["err_time"]
-        if curves:
-            n = min(len(c) for c in curves)
-            ax2.plot(torch.stack([c[:n] for c in curves]).mean(0).numpy(), style, label=row["method"], lw=1)
-    ax1.set_xlabel("layer")
-    ax1.set_ylabel("attention-output error vs full")
-    ax1.set_title("after the first eviction, per layer")
-    ax2.set_xlabel("generated token")
-    ax2.set_title("over time (mean over layers)")
-    ax1.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "attn_error.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 4, figsize=(14.5, 3.4))
-    names = [r["method"] for r in rows]
-    x = range(len(rows))
-    colors = ["tab:orange" if r["stochastic"] else "tab:blue" for r in rows]
-    axes[0].bar(x, [r["coverage"] or 0 for r in rows], color=colors)
-    axes[0].set_title("coverage (ever kept / ever offered)")
-    axes[1].bar(x, [r["overlap"] or 0 for r in rows], color=colors)
-    axes[1].set_title("overlap of consecutive kept sets")
-    single = [r["ensemble_kl_single_mean"] or r["kl_after_eviction"] or 0 for r in rows]
-    mix = [r["ensemble_kl_mixture"] if r["ensemble_kl_mixture"] is not None else float("nan") for r in rows]
-    axes[2].bar([i - 0.2 for i in x], single, width=0.4, label="single seed (mean)", color="tab:gray")
-    axes[2].bar([i + 0.2 for i in x], mix, width=0.4, label="seed mixture", color="tab:green")
-    axes[2].set_title("KL(full || .) after first eviction")
-    axes[2].legend(fontsize=7)
-    for ax in axes[:3]:
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-    # Mixture / single with bootstrap intervals: seed mixtures (orange) against the top-k controls (blue).
-    ratios = [r for r in rows if r.get("ensemble_ratio") is not None] + \
-        [c for c in report.get("controls", []) if c.get("ensemble_ratio") is not None]
-    for i, r in enumerate(ratios):
-        lo, hi = r.get("ensemble_ratio_lo"), r.get("ensemble_ratio_hi")
-        err = [[r["ensemble_ratio"] - lo], [hi - r["ensemble_ratio"]]] if lo is not None and not math.isnan(lo) else None
-        axes[3].bar(i, r["ensemble_ratio"], yerr=err, capsize=3, color="tab:orange" if r.get("stochastic") else "tab:blue")
-    axes[3].axhline(1.0, color="k", lw=0.5)
-    axes[3].set_xticks(range(len(ratios)))
-    axes[3].set_xticklabels([r["method"] for r in ratios], rotation=30, ha="right", fontsize=8)
-    axes[3].set_title("mixture / single KL (95% bootstrap)")
-    fig.tight_layout()
-    paths.append(out_dir / "mechanisms.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    return paths
-
-
-def print_report(report: dict, console) -> None:
-    """The study's table on a rich console."""
-    from rich.table import Table
-
-    c = report["config"]
-    table = Table(title=f"B={c['budget']}, w={c['window']}, {len(report['problems'])} trajectories, "
-                        f"{c['seeds']} seeds for stochastic methods ({report['seconds']:.0f} s)")
-    cols = [("method", "method", None), ("KL", "kl_after_eviction", ".4f"), ("top-1", "top1_agree", ".3f"),
-            ("attn err", "attn_err_mean", ".4f"), ("coverage", "coverage", ".3f"), ("overlap", "overlap", ".3f"),
-            ("KL mixture", "ensemble_kl_mixture", ".4f"), ("mix/single", "ensemble_ratio", ".3f"),
-            ("lo", "ensemble_ratio_lo", ".3f"), ("hi", "ensemble_ratio_hi", ".3f"),
-            ("loops", "loop_share", ".2f")]
-    for name, _, _ in cols:
-        table.add_column(name)
-    for row in report["methods"]:
-        table.add_row(*[str(row[k]) if f is None else ("-" if row[k] is None else format(row[k], f))
-                        for _, k, f in cols])
-    console.print(table)
-    for c in report.get("controls", []):
-        if c.get("ensemble_ratio") is not None:
-            console.print(f"control {c['method']} (top-k at B = {', '.join(map(str, c['budgets']))}): mixture / single "
-                          f"{c['ensemble_ratio']:.3f} [{c['ensemble_ratio_lo']:.3f}, {c['ensemble_ratio_hi']:.3f}]")
-    for c in report.get("comparisons", []):
-        console.print(f"{c['arm']} seeds vs {c['control']} on the same rows: ratio {c['arm_ratio']:.3f} vs "
-                      f"{c['control_ratio']:.3f}, difference {c['difference']:+.3f} "
-                      f"[{c['difference_lo']:+.3f}, {c['difference_hi']:+.3f}] ({c['problems']} problems)")

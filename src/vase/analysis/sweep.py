@@ -211,15 +211,7 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
                 quest_budget = equal_sparsity_budget(P, T, budget, window, t0)
                 for m in methods:
                     name, params = parse_method(m)
-                    policy = get_policy(name, **params)
-                    if _selects(m):
-                        b = quest_budget
-                        seen = selection_attended_sum(P, T, b, t0, n_layers=n_layers,
-                                                      dense_layers=sum(map(policy.attends_densely, range(n_layers))))
-                    elif policy.evicts:
-                        b, seen = budget, evicting_attended_sum(P, T, budget, window, t0)
-                    else:  # full: everything visible
-                        b, seen = budget, sum(P + t for t in range(t0, T))
+                    b, seen = _method_budget(m, P, T, budget, window, t0, quest_budget, n_layers)
                     say(f"{task} {i}: {m} at {c}x (B = {b})")
                     lp = forced_log_probs(model, prompt_ids, targets, method=name, budget=b, window=window, seed=seed,
                                           **params)
@@ -229,6 +221,36 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
                     acc[1] += T - t0
                     del lp
             del full_lp
+    rows = _sweep_rows(cells, budgets, attended)
+    report = {"config": {"methods": list(methods), "compressions": list(compressions), "window": window,
+                         "max_new_tokens": max_new_tokens, "seed": seed, "tasks": {k: len(v) for k, v in tasks.items()},
+                         "quest_budget": "per problem: round(mean tokens the evicting cache attends per scored row)"},
+              "rows": rows, "trajectories": trajectories, "skipped": skipped,
+              "seconds": round(time.perf_counter() - start, 1),
+              "cpu_seconds": round(time.process_time() - cpu_start, 1)}  # wall time depends on the machine's load
+    write_sweep(report, out_dir)
+    return report
+
+
+def _method_budget(m: str, P: int, T: int, budget: int, window: int, t0: int, quest_budget: int,
+                   n_layers: int) -> tuple[int, float]:
+    """Method `m`'s budget on one problem (a selecting method: the equal-sparsity one) and the tokens it attends,
+    summed over the scored rows t0..T-1 (P prompt + T target tokens)."""
+    name, params = parse_method(m)
+    policy = get_policy(name, **params)
+    if _selects(m):
+        seen = selection_attended_sum(P, T, quest_budget, t0, n_layers=n_layers,
+                                      dense_layers=sum(map(policy.attends_densely, range(n_layers))))
+        return quest_budget, seen
+    if policy.evicts:
+        return budget, evicting_attended_sum(P, T, budget, window, t0)
+    return budget, sum(P + t for t in range(t0, T))  # full: everything visible
+
+
+def _sweep_rows(cells: dict[tuple, list[dict]], budgets: dict[tuple, list[tuple[int, bool]]],
+                attended: dict[tuple, list[float]]) -> list[dict]:
+    """One row per (task, method, compression): the fidelity aggregated over its problems, the budgets and the
+    tokens attended per scored row."""
     rows = []
     for (task, m, c), parts in cells.items():
         agg = aggregate_fidelity(parts)
@@ -238,14 +260,7 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
                      "budget_mean": sum(b for b, _ in bs) / len(bs), "clamped": sum(cl for _, cl in bs),
                      "attended_mean": attended[(task, m, c)][0] / attended[(task, m, c)][1],
                      "selection": _selects(m)})
-    report = {"config": {"methods": list(methods), "compressions": list(compressions), "window": window,
-                         "max_new_tokens": max_new_tokens, "seed": seed, "tasks": {k: len(v) for k, v in tasks.items()},
-                         "quest_budget": "per problem: round(mean tokens the evicting cache attends per scored row)"},
-              "rows": rows, "trajectories": trajectories, "skipped": skipped,
-              "seconds": round(time.perf_counter() - start, 1),
-              "cpu_seconds": round(time.process_time() - cpu_start, 1)}  # wall time depends on the machine's load
-    write_sweep(report, out_dir)
-    return report
+    return rows
 
 
 CSV_COLUMNS = ("task", "method", "compression", "budget_mean", "clamped", "attended_mean", "kl", "top1", "dnll",

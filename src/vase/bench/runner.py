@@ -62,12 +62,9 @@ What is measured (per run; a row reports the median over `repeats` runs after `w
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import itertools
 import math
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -76,16 +73,14 @@ import torch
 
 from ..cache import EvictionCache
 from ..generation import PAPER_SAMPLING, Sampler, decode
-from ..policies import get_policy
-from ..storages import byte_model
-from ..schedule import num_evictions
-from .paired import alternating, paired_ratio
-from .traffic import ModelBytes, StepTraffic, decode_traffic, gain_share
+from .memory import PeakMemory, dynamic_kv_bytes
+from .paired import alternating
+from .rows import (BASELINES, add_ratios, add_traffic, evict_step_cost, expected_evictions, row_traffic, segment_rates,
+                   summarise)
+from .traffic import ModelBytes
 
 __all__ = ["BASELINES", "add_ratios", "expected_evictions", "row_traffic", "run_bench", "run_one"]
 
-#: the two full-cache references every benchmark can include
-BASELINES = ("full", "dynamic")
 
 #: next-token choice of every run: what `vase.generate` does by default (the paper's sampling, one
 #: generator per row), not greedy. Greedy decoding of a random-weight model collapses into a loop of
@@ -108,91 +103,6 @@ def _cpu_now() -> float:
 CLOCKS = ("wall", "cpu")
 
 
-# -- memory ----------------------------------------------------------------------------------------
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class _PeakMemory:
-    """Peak memory of one run: see the module docstring."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.method = ""
-        self.base = 0
-        self.peak = 0
-        self._stop: threading.Event | None = None
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _PeakMemory:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            self.method = "cuda-max-allocated"
-            return self
-        _malloc_trim()
-        if _reset_hwm() and _status_kb("VmHWM") is not None:
-            self.method = "vmhwm"
-            self.base = _status_kb("VmRSS") or 0
-            return self
-        self.base = _status_kb("VmRSS") or 0
-        if not self.base:
-            self.method = "unavailable"
-            return self
-        self.method = "rss-sampled"
-        self.peak = self.base
-        self._stop = threading.Event()
-
-        def sample() -> None:
-            while not self._stop.wait(0.001):
-                self.peak = max(self.peak, _status_kb("VmRSS") or 0)
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.method == "cuda-max-allocated":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        elif self.method == "vmhwm":
-            self.peak = _status_kb("VmHWM") or 0
-        elif self.method == "rss-sampled":
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, _status_kb("VmRSS") or 0)
-
-    @property
-    def delta(self) -> int:
-        return max(0, self.peak - self.base)
-
-
 # -- caches ----------------------------------------------------------------------------------------
 def _dynamic_cache(model):
     from transformers import DynamicCache
@@ -201,23 +111,6 @@ def _dynamic_cache(model):
         return DynamicCache(config=model.config)
     except TypeError:  # older transformers
         return DynamicCache()
-
-
-def _dynamic_kv_bytes(cache) -> int:
-    """Bytes a transformers cache holds: every layer's K/V, and a hybrid model's linear-attention states."""
-    from ..cache import kept_layer_bytes
-
-    return sum(kept_layer_bytes(layer) for layer in getattr(cache, "layers", []))
-
-
-def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window: int) -> int:
-    """Eviction events the schedule predicts for one unpadded row (`vase.schedule`, docs/methods.md).
-
-    After prefill the cache holds P tokens; the N new tokens need N - 1 more forwards (the
-    last token is never fed back). The first eviction runs before the token that would pass
-    max(P, B) + w, then one every w tokens.
-    """
-    return num_evictions(prompt_length, budget, window, max(new_tokens - 1, 0))
 
 
 class _EvictTimer:
@@ -283,10 +176,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
     clock: "wall" (perf_counter), or "cpu": this process's CPU time (`time.process_time`) for the
     step stamps and the eviction timer, on a CPU with one torch thread (a shared machine's other load
     then does not count; memory contention still does)."""
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
-    if clock == "cpu" and (device_of(model).type != "cpu" or torch.get_num_threads() != 1):
-        raise ValueError("clock='cpu' times one CPU thread: run on the CPU with one torch thread (--threads 1)")
+    _check_clock(model, clock)
     now = _cpu_now if clock == "cpu" else None
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
@@ -295,37 +185,15 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
     cuda = device.type == "cuda"
 
     _set_attention(model, method)
-    memory = _PeakMemory(device)
+    memory = PeakMemory(device)
     with memory:
-        timer = None
         compiled = compile and method != "dynamic"
-        if method == "dynamic":
-            cache = _dynamic_cache(model)
-        else:
-            params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
-            cache = EvictionCache(model, method, budget, window, seed=seed, max_length=prompt_length + new_tokens,
-                                  **params)  # budget None (full): the request spec's placeholder
-            timer = _EvictTimer(cache, device, now)  # eager evictions only (the compiled ones run inside the step)
-        run_decode = decode
-        if compiled:
-            from ..compiled import compile_cache, decode_compiled
-
-            cache = compile_cache(model, cache, batch, prompt_length + max(new_tokens, cache_tokens or 0))
-            run_decode = decode_compiled
-            if method == "full":
-                timer = None
+        cache, timer, run_decode = _bench_cache(model, method, budget, window, seed, batch, prompt_length, new_tokens,
+                                                compiled, cache_tokens, now, method_params, device)
         stamps: list[float] = []
         evict_marks: list[int] = []
         calls = 0
-        first_layer = cache.evicting_layers[0] if timer is not None else None
-        if compiled and timer is not None:
-            from ..compiled import decode_compiled
-
-            def evictions_now() -> int:  # the static cache counts once the steps are compiled
-                return (decode_compiled.last_cache or first_layer.cache).layers[0].evictions
-        else:
-            def evictions_now() -> int:
-                return first_layer.evictions if first_layer is not None else 0
+        evictions_now = _eviction_counter(cache, timer, compiled)
 
         def on_token(row: int, token: int) -> None:
             nonlocal calls
@@ -344,70 +212,93 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
     if any(len(r) != new_tokens for r in ids):
         raise RuntimeError(f"{method}: expected {new_tokens} tokens per row, got {[len(r) for r in ids]}")
 
-    steps = [b - a for a, b in itertools.pairwise(stamps)]
-    evicted = [b > a for a, b in itertools.pairwise(evict_marks)]
-    decode_s = sum(steps)
-    out = {
-        "decode_s": decode_s,
-        "prefill_s": prefill_s,
-        "tok_s": len(steps) * batch / decode_s if decode_s > 0 else math.nan,
-        "seg_tok_s": _segment_rates(steps, batch, segments),
-        # the same parts over the steps after the first eviction: the steady state of a bounded cache
-        "steady_tok_s": _segment_rates(steps[evicted.index(True) + 1:], batch, segments) if any(evicted) else [],
-        "step_ms": 1000 * statistics.median(steps) if steps else math.nan,
-        "evict_step_ms": _evict_step_cost(steps, evicted),
-    }
+    out = _step_measures(stamps, evict_marks, batch, segments, prefill_s)
     if compiled and method != "full":
         from ..compiled import decode_compiled
 
         cache = decode_compiled.last_cache or cache  # the static form the steps ran on
-    if timer is not None:
-        stats = cache.stats()
-        # Eager evictions are timed call by call; compiled ones run inside the step graph (not separable).
-        evict_s = timer.total_seconds() if not compiled else math.nan
-        out.update(evictions=stats["evictions"], kv_bytes=stats["kv_bytes"], kv_bytes_alloc=stats["kv_bytes_capacity"],
-                   kv_bytes_full=stats["kv_bytes_full"], stored_length=stats["stored_length"],
-                   evict_ms=1000 * evict_s / stats["evictions"] if stats["evictions"] and not compiled else math.nan,
-                   evict_share=evict_s / decode_s if stats["evictions"] and decode_s > 0 else math.nan)
-    else:
-        kv = _dynamic_kv_bytes(cache)
-        out.update(evictions=0, kv_bytes=kv, kv_bytes_alloc=kv, kv_bytes_full=kv,
-                   stored_length=int(cache.get_seq_length()), evict_ms=math.nan, evict_share=math.nan)
+    out.update(_cache_measures(cache, timer, compiled, out["decode_s"]))
     out.update(peak_mem_bytes=memory.peak, peak_mem_delta_bytes=memory.delta, mem_method=memory.method)
     del cache
     return out
 
 
-def _segment_rates(steps: list[float], batch: int, segments: int) -> list[float]:
-    n = len(steps)
-    k = max(1, min(segments, n))
-    rates = []
-    for i in range(k):
-        part = steps[i * n // k:(i + 1) * n // k]
-        rates.append(len(part) * batch / sum(part) if part and sum(part) > 0 else math.nan)
-    return rates
+def _check_clock(model, clock: str) -> None:
+    """ValueError for a clock `run_one` cannot read: an unknown one, or "cpu" off a one-thread CPU run."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and (device_of(model).type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='cpu' times one CPU thread: run on the CPU with one torch thread (--threads 1)")
 
 
-def _evict_step_cost(steps: list[float], evicted: list[bool], radius: int = 8) -> float:
-    costs = []
-    for i, ev in enumerate(evicted):
-        if not ev:
-            continue
-        near = [steps[j] for j in range(max(0, i - radius), min(len(steps), i + radius + 1)) if not evicted[j]]
-        if near:
-            costs.append(steps[i] - statistics.median(near))
-    return 1000 * statistics.median(costs) if costs else math.nan
+def _bench_cache(model, method: str, budget: int | None, window: int, seed: int, batch: int, prompt_length: int,
+                 new_tokens: int, compiled: bool, cache_tokens: int | None, now, method_params: dict,
+                 device: torch.device):
+    """The cache one run decodes into, its eviction timer (None: nothing to time) and the decode loop to run."""
+    timer = None
+    if method == "dynamic":
+        cache = _dynamic_cache(model)
+    else:
+        params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
+        cache = EvictionCache(model, method, budget, window, seed=seed, max_length=prompt_length + new_tokens,
+                              **params)  # budget None (full): the request spec's placeholder
+        timer = _EvictTimer(cache, device, now)  # eager evictions only (the compiled ones run inside the step)
+    run_decode = decode
+    if compiled:
+        from ..compiled import compile_cache, decode_compiled
+
+        cache = compile_cache(model, cache, batch, prompt_length + max(new_tokens, cache_tokens or 0))
+        run_decode = decode_compiled
+        if method == "full":
+            timer = None
+    return cache, timer, run_decode
 
 
-# -- the grid ------------------------------------------------------------------------------------
-def _median(values: Sequence[float]) -> float:
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return statistics.median(vals) if vals else math.nan
+def _eviction_counter(cache, timer, compiled: bool) -> Callable[[], int]:
+    """A function reading how many times the first evicting layer has evicted so far (0 without a timer)."""
+    first_layer = cache.evicting_layers[0] if timer is not None else None
+    if compiled and timer is not None:
+        from ..compiled import decode_compiled
+
+        def evictions_now() -> int:  # the static cache counts once the steps are compiled
+            return (decode_compiled.last_cache or first_layer.cache).layers[0].evictions
+    else:
+        def evictions_now() -> int:
+            return first_layer.evictions if first_layer is not None else 0
+    return evictions_now
 
 
-def _model_label(model) -> str:
-    label = getattr(model, "vase_shape", None) or getattr(model.config, "name_or_path", "") or ""
-    return str(label) or type(model).__name__
+def _step_measures(stamps: list[float], evict_marks: list[int], batch: int, segments: int, prefill_s: float) -> dict:
+    """Rates and step times from the per-step stamps and eviction counts of one run."""
+    steps = [b - a for a, b in itertools.pairwise(stamps)]
+    evicted = [b > a for a, b in itertools.pairwise(evict_marks)]
+    decode_s = sum(steps)
+    return {
+        "decode_s": decode_s,
+        "prefill_s": prefill_s,
+        "tok_s": len(steps) * batch / decode_s if decode_s > 0 else math.nan,
+        "seg_tok_s": segment_rates(steps, batch, segments),
+        # the same parts over the steps after the first eviction: the steady state of a bounded cache
+        "steady_tok_s": segment_rates(steps[evicted.index(True) + 1:], batch, segments) if any(evicted) else [],
+        "step_ms": 1000 * statistics.median(steps) if steps else math.nan,
+        "evict_step_ms": evict_step_cost(steps, evicted),
+    }
+
+
+def _cache_measures(cache, timer, compiled: bool, decode_s: float) -> dict:
+    """Evictions, K/V bytes and eviction time of the cache a run ended with."""
+    if timer is not None:
+        stats = cache.stats()
+        # Eager evictions are timed call by call; compiled ones run inside the step graph (not separable).
+        evict_s = timer.total_seconds() if not compiled else math.nan
+        return dict(evictions=stats["evictions"], kv_bytes=stats["kv_bytes"],
+                    kv_bytes_alloc=stats["kv_bytes_capacity"], kv_bytes_full=stats["kv_bytes_full"],
+                    stored_length=stats["stored_length"],
+                    evict_ms=1000 * evict_s / stats["evictions"] if stats["evictions"] and not compiled else math.nan,
+                    evict_share=evict_s / decode_s if stats["evictions"] and decode_s > 0 else math.nan)
+    kv = dynamic_kv_bytes(cache)
+    return dict(evictions=0, kv_bytes=kv, kv_bytes_alloc=kv, kv_bytes_full=kv,
+                stored_length=int(cache.get_seq_length()), evict_ms=math.nan, evict_share=math.nan)
 
 
 def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_lengths: Sequence[int],
@@ -440,40 +331,11 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     the median over rounds of that round's ratio, with its range (`vs_full_lo` .. `vs_full_hi`).
     `clock`: "wall", or "cpu" (`run_one`: CPU time of one thread, for a loaded shared machine).
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-    if not output_lengths or min(output_lengths) < 2:
-        raise ValueError("output lengths must be >= 2 tokens (one decode step needs two tokens)")
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError("batch sizes must be >= 1")
-    if prompt_length < 1:
-        raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
-    evicting = [m for m in dict.fromkeys(methods) if m not in BASELINES]
-    if evicting and not budgets:
-        raise ValueError("give at least one budget for the evicting methods")
-    configs: list[tuple[str, int | None]] = []
-    if include_full or "full" in methods:
-        configs.append(("full", None))
-    if include_dynamic or "dynamic" in methods:
-        configs.append(("dynamic", None))
-    configs += [(m, b) for m in evicting for b in budgets]
-    modes = [False, True] if compile == "both" else [bool(compile)]
-    configs = [(m, b, c) for m, b in configs for c in modes if not (c and m == "dynamic")]
-
+    configs = _bench_configs(methods, budgets, output_lengths, batch_sizes, prompt_length, warmup, repeats,
+                             include_full, include_dynamic, compile)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    if bandwidth == "probe":
-        from .bandwidth import probe_bandwidth
-
-        bandwidth = probe_bandwidth(device)
-    elif isinstance(bandwidth, str):
-        raise ValueError(f"bandwidth must be 'probe', a number of bytes/s or None, got {bandwidth!r}")
-    try:
-        sizes = ModelBytes.from_model(model)
-    except (AttributeError, TypeError, ValueError):  # a shape the traffic model cannot count: rows without ceiling
-        sizes = None
+    bandwidth, sizes = _traffic_inputs(model, device, bandwidth)
     was_training = model.training
     original_attn = model.config._attn_implementation
     model.eval()
@@ -497,9 +359,9 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
                                                                 prompt_length, window, segments, seed,
                                                                 compile=comp, clock=clock, **method_params))
                     if rep == repeats - 1:  # this configuration is done: report it now
-                        row = _summarise(runs[(method, budget, comp)], model, device, dtype, method, budget,
+                        row = summarise(runs[(method, budget, comp)], model, device, dtype, method, budget,
                                          length, batch, prompt_length, window, repeats, comp)
-                        _add_traffic(row, model, sizes, bandwidth, method_params)
+                        add_traffic(row, model, sizes, bandwidth, method_params)
                         row["clock"] = clock
                         rows.append(row)
                         if progress is not None:
@@ -511,168 +373,47 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     return add_ratios(rows)
 
 
-def _summarise(runs: list[dict], model, device, dtype, method: str, budget: int | None, length: int, batch: int,
-               prompt_length: int, window: int, repeats: int, compiled: bool = False) -> dict:
-    # Selection (Quest) attends B tokens per step but holds the full cache and evicts nothing.
-    selects = method not in BASELINES and not get_policy(method).evicts
-    evicts = method not in BASELINES and not selects
-    evictions = runs[0]["evictions"]
-    expected = expected_evictions(prompt_length, length, budget, window) if evicts else 0
-    fired = evictions > 0 if evicts else None
-    flag = ""
-    if evicts and not fired:
-        flag = (f"eviction never fired: prompt {prompt_length} + {length} new tokens <= budget {budget} + window "
-                f"{window}; not a speed-up")
-    elif evicts and evictions != expected:
-        flag = f"{evictions} evictions, schedule predicts {expected}"
-    elif selects:
-        flag = "selection: holds the full cache; a dense kernel still reads all of it"
-    segs = [_median([r["seg_tok_s"][i] for r in runs]) for i in range(len(runs[0]["seg_tok_s"]))]
-    seg_ratio = segs[-1] / segs[0] if len(segs) > 1 and segs[0] > 0 else math.nan
-    # each round's own last/first ratio: its spread says whether a flat rate is within the noise
-    run_ratios = [r["seg_tok_s"][-1] / r["seg_tok_s"][0] for r in runs
-                  if len(r["seg_tok_s"]) > 1 and r["seg_tok_s"][0] > 0]
-    steady = [_median([r["steady_tok_s"][i] for r in runs]) for i in range(len(runs[0]["steady_tok_s"]))]
-    steady_ratio = steady[-1] / steady[0] if len(steady) > 1 and steady[0] > 0 else math.nan
-    if evicts and fired and steady_ratio < 0.95:
-        flag = (flag + "; " if flag else "") + (f"rate fell after the first eviction (last/first part "
-                                                f"{steady_ratio:.2f})")
-    return {
-        "model": _model_label(model),
-        "device": str(device),
-        "dtype": str(dtype).replace("torch.", ""),
-        "attn": _base_attention(model),
-        "batch": batch,
-        "method": method,
-        "budget": budget if evicts or selects else None,
-        "window": window if evicts or selects else None,
-        "prompt_length": prompt_length,
-        "new_tokens": length,
-        "repeats": repeats,
-        "tok_s": _median([r["tok_s"] for r in runs]),
-        "tok_s_runs": ";".join(repr(float(r['tok_s'])) for r in runs),  # one per round, in order: the pairs
-        "seg_tok_s": ";".join(f"{s:.2f}" for s in segs),
-        "seg_ratio": seg_ratio,
-        "seg_ratio_lo": min(run_ratios) if run_ratios else math.nan,
-        "seg_ratio_hi": max(run_ratios) if run_ratios else math.nan,
-        "steady_ratio": steady_ratio,
-        "compiled": compiled,
-        "step_ms": _median([r["step_ms"] for r in runs]),
-        "decode_s": _median([r["decode_s"] for r in runs]),
-        "prefill_s": _median([r["prefill_s"] for r in runs]),
-        "evictions": evictions,
-        "expected_evictions": expected if evicts else None,
-        "eviction_fired": fired,
-        "evict_ms": _median([r["evict_ms"] for r in runs]),
-        "evict_step_ms": _median([r["evict_step_ms"] for r in runs]),
-        "evict_share": _median([r["evict_share"] for r in runs]),
-        "kv_bytes": runs[0]["kv_bytes"],
-        "kv_bytes_alloc": runs[0]["kv_bytes_alloc"],
-        "kv_bytes_full": runs[0]["kv_bytes_full"],
-        "stored_length": runs[0]["stored_length"],
-        "peak_mem_bytes": int(_median([r["peak_mem_bytes"] for r in runs])),
-        "peak_mem_delta_bytes": int(_median([r["peak_mem_delta_bytes"] for r in runs])),
-        "mem_method": runs[0]["mem_method"],
-        "vs_full": None,
-        "vs_full_lo": None,
-        "vs_full_hi": None,
-        "vs_dynamic": None,
-        "vs_dynamic_lo": None,
-        "vs_dynamic_hi": None,
-        "ceiling_vs_full": None,
-        "gain_vs_full": None,
-        "ceiling_vs_dynamic": None,
-        "gain_vs_dynamic": None,
-        "kv_vs_full": None,
-        "flag": flag,
-    }
+def _bench_configs(methods: Sequence[str], budgets: Sequence[int], output_lengths: Sequence[int],
+                   batch_sizes: Sequence[int], prompt_length: int, warmup: int, repeats: int, include_full: bool,
+                   include_dynamic: bool, compile: bool | str) -> list[tuple[str, int | None, bool]]:
+    """The (method, budget, compiled) configurations `run_bench` times, after checking its settings (ValueError)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if not output_lengths or min(output_lengths) < 2:
+        raise ValueError("output lengths must be >= 2 tokens (one decode step needs two tokens)")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError("batch sizes must be >= 1")
+    if prompt_length < 1:
+        raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
+    evicting = [m for m in dict.fromkeys(methods) if m not in BASELINES]
+    if evicting and not budgets:
+        raise ValueError("give at least one budget for the evicting methods")
+    configs: list[tuple[str, int | None]] = []
+    if include_full or "full" in methods:
+        configs.append(("full", None))
+    if include_dynamic or "dynamic" in methods:
+        configs.append(("dynamic", None))
+    configs += [(m, b) for m in evicting for b in budgets]
+    modes = [False, True] if compile == "both" else [bool(compile)]
+    return [(m, b, c) for m, b in configs for c in modes if not (c and m == "dynamic")]
 
 
-def _base_attention(model) -> str:
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    return impl.removeprefix("vase_")
+def _traffic_inputs(model, device: torch.device, bandwidth: float | str | None):
+    """The memory bandwidth in bytes/s ("probe": measured now) and the traffic model's byte counts (None: a shape
+    it cannot count) behind each row's ceiling."""
+    if bandwidth == "probe":
+        from .bandwidth import probe_bandwidth
 
-
-def row_traffic(model, method: str, budget: int | None, window: int, prompt_length: int, new_tokens: int,
-                batch: int, compiled: bool = False, sizes: ModelBytes | None = None,
-                **method_params) -> StepTraffic | None:
-    """The traffic model's mean bytes per decode step of one bench configuration; None for selection
-    methods (Quest: the dense kernel reads the full cache, its own traffic is not modelled)."""
-    sizes = sizes or ModelBytes.from_model(model)
-    if method in BASELINES:
-        return decode_traffic(sizes, method, prompt_length, new_tokens, batch, compiled=compiled)
-    policy = get_policy(method)
-    if not policy.evicts:
-        return None
-    quant = byte_model(model, policy, budget, window, method_params)  # the storage's own (`vase.storages`)
-    return decode_traffic(sizes, "evicting", prompt_length, new_tokens, batch, budget, window, compiled=compiled,
-                          quant=quant)
-
-
-def _add_traffic(row: dict, model, sizes: ModelBytes | None, bandwidth: float | None, method_params: dict) -> None:
-    """The row's bytes per step and, with a bandwidth, the fastest rate it allows and the share reached."""
-    t = None if sizes is None else row_traffic(
-        model, row["method"], row["budget"], window=row["window"] or 0, prompt_length=row["prompt_length"],
-        new_tokens=row["new_tokens"], batch=row["batch"], compiled=bool(row["compiled"]), sizes=sizes,
-        **method_params)
-    row.update(bytes_step=None, bytes_weights=None, bytes_kv=None, roofline_tok_s=None, roofline_share=None,
-               bandwidth_gbs=bandwidth / 1e9 if bandwidth else None)
-    if t is None:
-        return
-    row.update(bytes_step=t.total, bytes_weights=t.weights, bytes_kv=t.kv)
-    if bandwidth:
-        row["roofline_tok_s"] = bandwidth * row["batch"] / t.total
-        row["roofline_share"] = row["tok_s"] / row["roofline_tok_s"]
-
-
-def _runs(row: dict) -> list[float]:
-    raw = row.get("tok_s_runs")
-    return [float(v) for v in str(raw).split(";") if v] if raw not in (None, "") else []
-
-
-def _ratio(row: dict, ref: dict) -> tuple[float, float, float] | None:
-    """Row over reference: paired per round when both carry one rate per round, else the ratio of the medians."""
-    mine, theirs = _runs(row), _runs(ref)
-    if mine and len(mine) == len(theirs):
-        med, lo, hi = paired_ratio(mine, theirs)
-        return None if math.isnan(med) else (med, lo, hi)
-    if ref["tok_s"] and ref["tok_s"] > 0:
-        r = row["tok_s"] / ref["tok_s"]
-        return r, r, r
-    return None
-
-
-def _ceiling(row: dict, ref: dict) -> float | None:
-    mine, theirs = row.get("bytes_step"), ref.get("bytes_step")
-    return theirs / mine if mine and theirs else None
-
-
-def add_ratios(rows: list[dict]) -> list[dict]:
-    """Fill the ratios of `rows` in place (also for partial results); returns rows.
-
-    `vs_full` / `vs_dynamic` (median over paired rounds, range in `_lo` / `_hi`), `kv_vs_full`, and
-    beside each ratio the ceiling the traffic model allows (the reference's bytes per step over the
-    row's) and the share of the ceiling's gain reached, (ratio - 1) / (ceiling - 1)."""
-    refs: dict[tuple, dict] = {}
-    for row in rows:
-        if row["method"] in BASELINES:
-            refs[(row["method"], row["batch"], row["new_tokens"], bool(row.get("compiled")))] = row
-    for row in rows:
-        if row["eviction_fired"] is False:
-            continue  # never report a configuration that did not evict as a speed-up
-        comp = bool(row.get("compiled"))  # compiled rows against the compiled full cache (StaticCache)
-        for name, ref in (("full", refs.get(("full", row["batch"], row["new_tokens"], comp))),
-                          ("dynamic", refs.get(("dynamic", row["batch"], row["new_tokens"], False)))):
-            ratio = _ratio(row, ref) if ref else None
-            if ratio is None:
-                continue
-            row[f"vs_{name}"], row[f"vs_{name}_lo"], row[f"vs_{name}_hi"] = ratio
-            ceiling = _ceiling(row, ref)
-            row[f"ceiling_vs_{name}"] = ceiling
-            row[f"gain_vs_{name}"] = gain_share(ratio[0], ceiling)
-            if name == "full" and ref["kv_bytes"]:
-                row["kv_vs_full"] = row["kv_bytes"] / ref["kv_bytes"]
-    return rows
+        bandwidth = probe_bandwidth(device)
+    elif isinstance(bandwidth, str):
+        raise ValueError(f"bandwidth must be 'probe', a number of bytes/s or None, got {bandwidth!r}")
+    try:
+        sizes = ModelBytes.from_model(model)
+    except (AttributeError, TypeError, ValueError):  # a shape the traffic model cannot count: rows without ceiling
+        sizes = None
+    return bandwidth, sizes
 
 
 def default_out_dir() -> Path:

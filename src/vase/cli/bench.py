@@ -84,44 +84,55 @@ def bench(
         raise UserError(f"--repeats must be >= 1, got {repeats}")
     if results is not None and (results.name in ("", ".", "..") or results.is_dir()):
         raise UserError(f"--results must name a file (e.g. docs/results/bench.json), got {str(results)!r}")
-    if engine_info(engine).internal_batching:  # vLLM: N requests into one engine with a fixed KV pool
-        # Every flag the vLLM bench does not read (it benches --model, so --random-init would be written into a
-        # results file that measured another model).
-        transformers_only = [f"--{n.replace('_', '-')}" for n in ("random_init", "layers", "clock", "bandwidth",
-                                                                  "batch_sizes", "warmup", "warmup_tokens",
-                                                                  "no_dynamic") if given(ctx, n)]
-        if transformers_only:  # the vLLM bench has its own rounds and files: these would be dropped
-            raise UserError(f"{', '.join(transformers_only)} {'is' if len(transformers_only) == 1 else 'are'} for "
-                            f"the transformers engine's bench only: drop {'it' if len(transformers_only) == 1 else 'them'} "
-                            "with --engine vllm")
-        from ..bench.vllm_bench import cli_bench
+    o = dict(lengths=lengths, window=window, param=param, requests=requests, prompt_length=prompt_length, out=out,
+             regimes=regimes, pool_requests=pool_requests, block_size=block_size, repeats=repeats, results=results,
+             batch_sizes=batch_sizes, clock=clock, kv_bits=kv_bits, random_init=random_init, layers=layers,
+             warmup=warmup, warmup_tokens=warmup_tokens, no_dynamic=no_dynamic, compile=compile_, bandwidth=bandwidth)
+    own_bench = engine_info(engine).bench
+    if own_bench is not None:  # the engine runs its own bench (vLLM: N requests into one engine with a fixed KV pool)
+        paths = _engine_bench(own_bench, ctx, engine, model, method_list, budget_list, o)
+    else:
+        paths = _decode_bench(ctx, model, method_list, budget_list, o)
+    console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
-        baseline = [m for m in method_list if m != "full"]  # stock vLLM is the reference, never a vase config
-        params = checked_params(baseline or method_list, param, budgets=budget_list if baseline else None,
-                                window=window, engine=engine)
-        paths = cli_bench(model.model, method_list, budget_list, split_list(lengths or "2048", int, "--lengths"),
-                          requests=requests, prompt_len=prompt_length, window=window,
-                          regimes=split_list(regimes, str, "--regimes"), pool_requests=pool_requests,
-                          block_size=block_size, dtype=None if model.dtype == "auto" else model.dtype,
-                          params=params, out=out, repeats=repeats, results=results, command=invocation(),
-                          log=console.print)
-        console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
-        return
+
+def _engine_bench(hook: str, ctx: typer.Context, engine: str, model: ModelArgs, method_list: list[str],
+                  budget_list: list[int], o: dict) -> dict[str, Path]:
+    """`bench --engine NAME` for an engine with a bench of its own (the registry's ``bench`` hook): the written
+    paths. `o`: the command's other options by parameter name."""
+    from ..engines.registry import load_hook
+
+    options = dict(model=model.model, dtype=model.dtype, methods=method_list, budgets=budget_list,
+                   lengths=o["lengths"], window=o["window"], param=o["param"], requests=o["requests"],
+                   prompt_length=o["prompt_length"], regimes=o["regimes"], pool_requests=o["pool_requests"],
+                   block_size=o["block_size"], out=o["out"], repeats=o["repeats"], results=o["results"],
+                   command=invocation(), engine=engine)
+    flags = {n for n in ("random_init", "layers", "clock", "bandwidth", "batch_sizes", "warmup", "warmup_tokens",
+                         "no_dynamic") if given(ctx, n)}
+    return load_hook(hook)(options, flags, check_params=checked_params, split=split_list, log=console.print)
+
+
+def _decode_bench(ctx: typer.Context, model: ModelArgs, method_list: list[str], budget_list: list[int],
+                  o: dict) -> dict[str, Path]:
+    """vase's own decode bench (`vase.bench.runner.run_bench`) on --model or a --random-init shape: the written
+    paths. `o`: the command's other options by parameter name."""
     ignored = [f"--{n.replace('_', '-')}" for n in ("requests", "regimes", "pool_requests", "block_size")
                if given(ctx, n)]
     if ignored:
         warn(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored on the transformers engine "
              f"(they size vLLM's pool): add --engine vllm, or drop {'it' if len(ignored) == 1 else 'them'}")
-    length_list = split_list(lengths or "1024,4096", int, "--lengths")
-    batch_list = split_list(batch_sizes, int, "--batch-sizes")
+    length_list = split_list(o["lengths"] or "1024,4096", int, "--lengths")
+    batch_list = split_list(o["batch_sizes"], int, "--batch-sizes")
+    clock, layers, random_init, bandwidth = o["clock"], o["layers"], o["random_init"], o["bandwidth"]
     if clock not in ("wall", "cpu"):
         raise UserError(f"--clock must be wall or cpu, got {clock!r}")
     import torch
 
     if clock == "cpu" and torch.get_num_threads() != 1:
         raise UserError("--clock cpu times one thread: add --threads 1 before the command (vase --threads 1 bench ...)")
-    quant = quant_options(kv_bits, None)
-    params = {**checked_params(method_list, param, budgets=budget_list, window=window, storage=quant), **quant}
+    quant = quant_options(o["kv_bits"], None)
+    params = {**checked_params(method_list, o["param"], budgets=budget_list, window=o["window"], storage=quant),
+              **quant}
     from ..bench.report import write_report, write_results_file
     from ..bench.runner import run_bench
     from ..provenance import finish, provenance
@@ -133,15 +144,14 @@ def bench(
         mdl = random_model(random_init, model, layers)
     else:
         mdl, _ = model.load()
-    rows = run_bench(mdl, method_list, budget_list, length_list, batch_list, prompt_length=prompt_length,
-                     window=window, warmup=warmup, warmup_tokens=warmup_tokens, repeats=repeats,
-                     include_dynamic=not no_dynamic,
-                     compile="both" if compile_ else False,
+    rows = run_bench(mdl, method_list, budget_list, length_list, batch_list, prompt_length=o["prompt_length"],
+                     window=o["window"], warmup=o["warmup"], warmup_tokens=o["warmup_tokens"], repeats=o["repeats"],
+                     include_dynamic=not o["no_dynamic"],
+                     compile="both" if o["compile"] else False,
                      bandwidth="probe" if bandwidth is None else (bandwidth * 1e9 or None), clock=clock, **params)
-    paths = write_report(rows, out, console=console)
-    paths["results"] = write_results_file(rows, results or out / "bench.json", finish(record))
-    console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
-
+    paths = write_report(rows, o["out"], console=console)
+    paths["results"] = write_results_file(rows, o["results"] or o["out"] / "bench.json", finish(record))
+    return paths
 
 def random_model(spec: str, model: ModelArgs, layers: int | None = None):
     """`bench --random-init`: a named shape or a config.json (its first `layers` decoder layers), random weights;

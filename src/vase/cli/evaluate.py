@@ -56,7 +56,7 @@ def evaluate(
 
     Every finished sample is saved at once; run the same command again to resume.
     """
-    from ..eval.config import load_config
+    from ..eval.config_files import load_config
 
     if task is not None and task_file is not None:
         raise UserError(f"give --task or --task-file, not both: --task {task} would label the problems of "
@@ -167,7 +167,7 @@ def check_run_dir(run_dir: Path) -> None:
                         f"'results:'")
     if not run_dir.is_dir():
         raise UserError(f"no such run folder: {run_dir}")
-    from ..eval.config import read_run_config
+    from ..eval.identity import read_run_config
 
     read_run_config(run_dir)  # a config.json that is not JSON: one line, not a page without its settings
 

@@ -13,7 +13,7 @@ from ..checks import check_sampling
 from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_range, checked_params, console, given,
                      model_options, quant_options, warn)
 
-__all__ = ["generate", "read_prompts", "vllm_runner", "print_summary"]
+__all__ = ["generate", "read_prompts", "engine_runner", "print_summary"]
 
 
 def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
@@ -106,14 +106,15 @@ def generate(
         raise UserError("an empty prompt with --no-chat gives the model nothing to start from: give some text")
     if batch_size < 1:
         raise UserError("--batch-size must be >= 1")
-    if engine_info(engine).internal_batching:  # vLLM: it loads its own model and schedules the prompts
-        run, tok = vllm_runner(model, window, seed)
+    info = engine_info(engine)
+    if info.loads_model:  # the engine loads its own model (vLLM) and schedules the prompts
+        run, tok = engine_runner(engine, model, seed)
         mdl = None
     else:
         from ..generation import generate as run
 
         mdl, tok = model.load()
-    from ..batched import Divergence, Finished, Started, generate_batches
+    from ..batched import generate_batches
 
     single = len(prompts) == 1
 
@@ -124,6 +125,13 @@ def generate(
                              batch_size=batch_size, stream=stream if single else None, params=params, budget=budget,
                              window=window, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              top_k=top_k, greedy=greedy, chat_template=chat, **quant)
+    _print_steps(steps, single, method, compare, budget)
+
+def _print_steps(steps, single: bool, method: str, compare: str | None, budget: int) -> None:
+    """Print what `generate_batches` yields: a rule per method and the streamed text (one prompt) or each prompt's
+    text when its batch is done, the summary line, and where --compare's tokens diverge."""
+    from ..batched import Divergence, Finished, Started
+
     for step in steps:
         if isinstance(step, Started) and single:
             console.rule(f"[bold]{step.method}[/]" + ("" if step.second else f" B={budget}"))
@@ -143,22 +151,26 @@ def generate(
                 console.print(f"{label}{method} and {compare} diverge at token {step.at} (after ...{step.context!r})")
 
 
-def vllm_runner(model: ModelArgs, window: int, seed: int):
-    """`vase generate --engine vllm`: a `vase.generate`-like function over vLLM, and the tokenizer."""
-    from ..engines.vllm import VllmEngine
+def engine_runner(name: str, model: ModelArgs, seed: int):
+    """`vase generate --engine NAME` for an engine that loads its own model (the registry's ``loads_model``): a
+    `vase.generate`-like function over the started engine, and its tokenizer."""
+    from ..engines.registry import engine_class, engine_info
     from ..models import resolve_device, resolve_dtype
     from ..vllm.stats import summarize
 
     # The method, budget, window and seed were checked by the request spec (checked_params); dtype and device here,
-    # before vLLM starts. (An EvalConfig used to check them, with eval's default budgets and methods.)
+    # before the engine starts. (An EvalConfig used to check them, with eval's default budgets and methods.)
     resolve_dtype(model.dtype, resolve_device(model.device))
-    engine = VllmEngine(model.model, dtype=model.dtype, device=model.device, seed=seed)
+    engine = engine_class(name)(model.model, dtype=model.dtype, device=model.device, seed=seed)
     engine.start()
+    streams = engine_info(name).streaming
 
     def run(mdl, tok, batch, stream=None, **kwargs):
-        out = engine.generate(batch, **kwargs)  # vLLM loads its own model: mdl and tok are unused
-        out.stats.update(summarize(out.stats["rows"]))  # totals for the summary line
-        if stream is not None:
+        # the engine loads its own model: mdl and tok are unused
+        out = engine.generate(batch, **kwargs, **({"stream": stream} if streams else {}))
+        if not {"evictions", "kv_bytes", "kv_bytes_full"} <= out.stats.keys():
+            out.stats.update(summarize(out.stats["rows"]))  # totals for the summary line
+        if stream is not None and not streams:
             stream(0, out.texts[0])
         return out
 

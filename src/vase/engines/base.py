@@ -17,14 +17,15 @@ class Engine(Protocol):
     """What the harness asks of a generation engine (:class:`~vase.engines.TransformersEngine`,
     :class:`~vase.engines.VllmEngine`).
 
-    An engine owns its model and tokenizer; methods and budgets are per call. ``supports_forcing``
-    says whether :meth:`forced_log_probs` works (vLLM: no, it raises NotImplementedError).
+    An engine owns its model and tokenizer; methods and budgets are per call. What it can do (teacher
+    forcing, its own batching, loading its own model, ...) is its entry in :mod:`vase.engines.registry`,
+    which every door reads; :meth:`forced_log_probs` raises NotImplementedError where ``forcing`` is False.
+    Its constructor is ``Class(model, tokenizer)`` (a loaded transformers model) or, with the registry's
+    ``loads_model``, ``Class(model_name, dtype=, device=, seed=)``.
     """
 
-    #: "transformers" or "vllm" (the eval's ``engine`` setting).
+    #: its registry name (the eval's ``engine`` setting, ``--engine``).
     name: str
-    #: Whether :meth:`forced_log_probs` is available.
-    supports_forcing: bool
 
     @property
     def tokenizer(self) -> Any:

@@ -26,7 +26,6 @@ class TransformersEngine:
     """
 
     name = "transformers"
-    supports_forcing = True
 
     def __init__(self, model, tokenizer, *, generate_fn: Callable[..., GenerationOutput] | None = None,
                  forced_fn: Callable[..., torch.Tensor] | None = None):

@@ -188,7 +188,6 @@ class VllmEngine:
     """
 
     name = "vllm"
-    supports_forcing = False
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", seed: int = 0,
                  in_process: bool = True, **engine_kwargs: Any):

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from vase.eval.cells import LEGEND, table_cells
-from vase.eval.config import FULL, records_of_run
+from vase.eval.config import FULL
+from vase.eval.identity import records_of_run
 from vase.eval.paired import first_divergence
 from vase.eval.plots import figures
 from vase.eval.report import run_header, run_window

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from vase.eval.cells import DEFAULT_CELLS, LEGEND, table_cells
-from vase.eval.config import FULL, records_of_run
+from vase.eval.config import FULL
+from vase.eval.identity import records_of_run
 from vase.eval.plots import PLOT_FILES, figures, write_plots
 from vase.eval.render import column_widths, fit_columns, print_table, write_csv, write_markdown
 from vase.eval.store import FIDELITY, SAMPLES

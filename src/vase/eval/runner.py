@@ -28,10 +28,7 @@ Run directory (``<output_dir>/<run_name>``)::
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import math
 import re
 import os
 import socket
@@ -40,7 +37,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,22 +45,24 @@ import torch
 from vase import schedule
 from vase.engines.base import kv_bytes_per_token  # noqa: F401 - re-exported (tests, callers)
 from vase.engines.registry import ENGINES, engine_class
-from vase.eval.config import (FULL, ConfigError, EvalConfig, MethodSpec, identity, identity_changes, identity_hash,
-                              run_name, runtime_identity)
+from vase.eval.config import FULL, ConfigError, EvalConfig, MethodSpec
+from vase.eval.identity import identity, identity_hash, run_name, runtime_identity
+from vase.eval.distributed import Dist, dist_env
 from vase.eval.failures import classify_failure
+from vase.eval.fidelity_pass import FidelityPass
 from vase.eval.grading import extract_answer, is_correct
-from vase.eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target, kl_per_token, kv_schedule
+from vase.eval.metrics import kv_schedule
 from vase.eval.prompts import build_user_message
+from vase.eval.run_files import RunConflictError, append_line, write_run_config
 from vase.eval.run_provenance import record_end, record_start
+from vase.eval.sample_rows import finite, problem_label, row_cache_stats, sample_seed
 from vase.eval.store import (
     FIDELITY,
     FIDELITY_KEY,
     SAMPLE_KEY,
     SAMPLES,
     JsonlStore,
-    create_once,
     fsync_dir,
-    rank_files,
     rank_path,
     read_all,
     record_key,
@@ -104,185 +102,6 @@ FIDELITY_FIELDS: tuple[str, ...] = (
 #: Fields that depend on timing or on how the work was split, not on the results.
 VOLATILE_FIELDS: tuple[str, ...] = ("seconds", "prefill_seconds", "tokens_per_s", "batch_rows", "rank")
 
-# Rows of the [T, vocab] log-prob matrices turned into float64 at a time by the fidelity metrics.
-_FIDELITY_CHUNK = 1024
-_DIST_TIMEOUT_ENV = "VASE_DIST_TIMEOUT_S"
-
-
-class RunConflictError(ConfigError):
-    """The run directory holds a run with a different identity: it is never overwritten."""
-
-
-# ----------------------------------------------------------------------------- small pieces
-
-
-def sample_seed(seed: int, problem_index: int, sample: int) -> int:
-    """The seed of sample ``sample`` of problem ``problem_index``: the same for every method.
-
-    A hash (not ``seed + i``) so that neighbouring runs and problems never share streams; 31 bits.
-    """
-    digest = hashlib.sha256(f"vase-eval:{int(seed)}:{int(problem_index)}:{int(sample)}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF
-
-
-def dist_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the torchrun / accelerate environment (0, 1, 0 alone)."""
-    def env_int(name: str, default: str) -> int:
-        text = os.environ.get(name, default) or default
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"the environment variable {name}={text!r} is not an integer: unset it, or let torchrun "
-                              f"set it") from None
-
-    world = env_int("WORLD_SIZE", "1")
-    local = os.environ.get("LOCAL_RANK")
-    rank = env_int("RANK", local if local is not None else "0")
-    local_rank = env_int("LOCAL_RANK", "0") if local is not None else rank
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"bad distributed environment: RANK={rank} WORLD_SIZE={world}")
-    if world > 1:
-        dist_timeout()  # read at the end of the run: refused at its start
-    return rank, world, local_rank
-
-
-def problem_label(problem: Any) -> str:
-    """``problem 'mine-2' (row 2 of data/mine.jsonl)``: how a message names one problem of the run."""
-    meta = getattr(problem, "meta", None) or {}
-    row = f" (row {meta['index'] + 1} of {meta['source']})" if isinstance(meta.get("index"), int) and \
-        meta.get("source") else ""
-    return f"problem {problem.id!r}{row}"
-
-
-def dist_timeout() -> float:
-    """Seconds the ranks wait for each other at the end: $VASE_DIST_TIMEOUT_S (default a day); ConfigError naming the
-    variable when it is no positive number."""
-    text = os.environ.get(_DIST_TIMEOUT_ENV)
-    if text is None or not text.strip():
-        return 24 * 3600.0
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"the environment variable {_DIST_TIMEOUT_ENV}={text!r} is not a positive number of seconds: "
-                          f"set it to e.g. 3600, or unset it (default: a day)")
-    return seconds
-
-
-def row_cache_stats(prompt_length: int, n_generated: int, finished: bool, *, budget: int | None, window: int,
-                    evicts: bool, bytes_per_token: int) -> dict[str, int]:
-    """What one sequence's cache held, from the eviction schedule (`vase.schedule`, docs/methods.md).
-
-    ``generate``'s stats describe the whole batch at its end (finished rows have left), so the
-    per-sequence numbers are derived: tokens fed = prompt + generated (the token sampled at the
-    length cap is never fed); a row evicts when it would pass ``max(P, B) + w`` (then ``B + w``)
-    and drops to ``B``. Returns evictions, stored/seen/peak lengths and the matching bytes.
-    """
-    written = n_generated - (0 if finished or n_generated == 0 else 1)
-    s = schedule.sequence_stats(prompt_length, budget if evicts else None, window, written)
-    return {
-        "evictions": s.evictions,
-        "stored_length": s.stored,
-        "seen_length": s.seen,
-        "peak_length": s.peak,
-        "kv_bytes": s.stored * bytes_per_token,
-        "kv_bytes_peak": s.peak * bytes_per_token,
-        "kv_bytes_full": s.seen * bytes_per_token,
-    }
-
-
-def _finite(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def _json_roundtrip(value: Any) -> Any:
-    return json.loads(json.dumps(value, sort_keys=True))
-
-
-def write_run_config(run_dir: Path, meta: dict[str, Any]) -> None:
-    """Create ``config.json`` atomically, or check that the one there has the same identity.
-
-    Raises RunConflictError naming the settings that differ; the file is never overwritten.
-    """
-    path = run_dir / "config.json"
-    text = json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    orphans = [p.name for kind in (SAMPLES, FIDELITY) for p in rank_files(run_dir, kind)]
-    if orphans and not os.path.lexists(path):  # results whose settings are unknown: never adopt them
-        raise RunConflictError(f"{run_dir} holds {orphans[0]} but no config.json, so the settings of those results "
-                               f"are unknown: restore config.json, or move the folder away (or use another run "
-                               f"name) to start afresh")
-    create_once(path, text)  # temp + fsync + link: appears whole, never overwritten
-    for _ in range(50):  # the file appears whole (link / exclusive create); retry a read that races a writer
-        try:
-            existing = json.loads(path.read_text(encoding="utf-8"))
-            break
-        except json.JSONDecodeError:
-            time.sleep(0.1)
-    else:
-        raise RunConflictError(f"{path} is not valid JSON: move it away or use another --output-dir")
-    if not isinstance(existing, dict):
-        raise RunConflictError(f"{path} is not a vase run config (a JSON {type(existing).__name__}, not an "
-                               f"object): move it away or use another --output-dir")
-    old, new = existing.get("identity"), _json_roundtrip(meta["identity"])
-    if old != new:
-        changes = identity_changes(old, new)
-        detail = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
-        raise RunConflictError(
-            f"{run_dir} already holds a run with different settings ({detail}). It is never overwritten: "
-            f"choose another run name or output dir")
-
-
-def _append_line(path: Path, record: dict[str, Any]) -> None:
-    line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
-# ----------------------------------------------------------------------------- distributed
-
-
-class _Dist:
-    """A gloo group used only to wait for every rank at the end."""
-
-    def __init__(self, world: int, rank: int):
-        self.dist = None
-        self.group = None
-        self.created = False
-        if world <= 1:
-            return
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover
-            dist = None
-        if dist is None or not dist.is_available():
-            warnings.warn("torch.distributed is unavailable: ranks will not wait for each other; run "
-                          "`vase summarize` when every rank has finished", stacklevel=3)
-            return
-        timeout = timedelta(seconds=dist_timeout())
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
-            self.created = True
-        elif dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
-        self.dist = dist
-
-    def barrier(self) -> None:
-        if self.dist is not None:
-            self.dist.barrier(group=self.group)
-
-    def close(self) -> None:
-        if self.dist is not None and self.created and self.dist.is_initialized():
-            self.dist.destroy_process_group()
-        self.dist = None
-
 
 # ----------------------------------------------------------------------------- the run
 
@@ -293,7 +112,7 @@ class _Unit:
     budget: int | None
 
 
-class _Runner:
+class _Runner(FidelityPass):
     def __init__(self, config: EvalConfig, model, tokenizer, generate_fn, forced_fn, progress: bool, engine=None):
         self.config = config
         # The engine everything is generated and teacher-forced with: a vase.engines.VllmEngine (--engine vllm),
@@ -447,7 +266,7 @@ class _Runner:
 
     def _append_start(self, done: int, total: int) -> None:
         c = self.config
-        _append_line(self.run_dir / "starts.jsonl", {
+        append_line(self.run_dir / "starts.jsonl", {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "pid": os.getpid(),
             "rank": self.rank, "world_size": self.world, "samples_done": done, "samples_total": total,
             "batch_size": c.batch_size, "fidelity": c.fidelity, "device": c.device, "dtype": c.dtype,
@@ -473,9 +292,9 @@ class _Runner:
             raise ValueError(problem_label(self.problems[batch[int(m.group(1))][0]]) + str(e)[m.end():]) from None
         if len(out.texts) != len(batch):
             raise RuntimeError(f"generate returned {len(out.texts)} completions for {len(batch)} prompts")
-        seconds = _finite(out.seconds)
-        prefill = _finite(getattr(out, "prefill_seconds", None))
-        tps = _finite(getattr(out, "tokens_per_second", None))
+        seconds = finite(out.seconds)
+        prefill = finite(getattr(out, "prefill_seconds", None))
+        tps = finite(getattr(out, "tokens_per_second", None))
         stats = dict(getattr(out, "stats", None) or {})
         per_row = stats.get("rows") if isinstance(stats.get("rows"), list) else None
         records = []
@@ -595,99 +414,6 @@ class _Runner:
             est["kv_bytes_peak"] = quant.held(est["peak_length"], peak_step, cap) + bounded
         return {k: est[k] for k in keys}
 
-    # -- fidelity --------------------------------------------------------------------------------
-    def _fidelity(self, i: int, store: JsonlStore, done: set) -> int:
-        """Teacher-force problem i's reference trajectory through every pending method; records written."""
-        c = self.config
-        p = self.problems[i]
-        pending = [u for u in self.units if (u.label, u.budget, p.id) not in done]
-        if not pending:
-            return 0
-        ref = self.references.get(p.id)
-        if ref is None or "token_ids" not in ref:
-            warnings.warn(f"fidelity: no full-cache reference trajectory for {p.id}; skipped", stacklevel=2)
-            return 0
-        targets = list(ref["token_ids"])
-        seed0 = sample_seed(c.seed, i, 0)
-        base = {"problem_id": p.id, "problem_index": i, "seed": seed0, "rank": self.rank}
-        written = 0
-        if not targets:  # the reference stopped at once: nothing to compare
-            for u in pending:
-                store.append({**base, "method": u.label, "budget": u.budget, "n_tokens": 0, "kl_mean": None,
-                              "top1_agree": None, "top1_disagree_share": None, "dnll_mean": None, "seconds": 0.0})
-                done.add((u.label, u.budget, p.id))
-                written += 1
-            return written
-        from vase.generation import encode_prompts
-
-        ids, _ = encode_prompts(self.tokenizer, [build_user_message(p)], c.chat_template)
-        prompt_ids = ids[0].tolist()
-        if "prompt_length" in ref and len(prompt_ids) != int(ref["prompt_length"]):
-            raise RuntimeError(f"fidelity: prompt of {p.id} encodes to {len(prompt_ids)} tokens, but generation "
-                               f"saw {ref['prompt_length']}")
-        target_t = torch.tensor(targets, dtype=torch.long)
-        t0 = time.perf_counter()
-        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=None,
-                                               window=c.window, seed=seed0)
-        full_seconds = time.perf_counter() - t0
-        for u in pending:
-            spec = self.specs[u.label]
-            t0 = time.perf_counter()
-            extra: dict[str, Any] = {}
-            if u.label == FULL:
-                comp = full_lp  # the reference against itself: zero by definition
-                extra = self._noise_floor(prompt_ids, targets, full_lp, target_t, seed0)
-            else:
-                comp = self.engine.forced_log_probs(prompt_ids, targets, method=spec.method, budget=u.budget,
-                                                    window=c.window, seed=seed0, **spec.cache_params)
-            m = _chunked_fidelity(full_lp, comp, target_t)
-            # Means over the targets after the first eviction only: earlier ones are full's own and dilute it.
-            # Selection (Quest) is measured from the same target on as the eviction methods at its budget.
-            t_ev = first_evicted_target(len(prompt_ids), budget=u.budget, window=c.window,
-                                        evicts=spec.evicts or spec.policy.selects)
-            extra["first_evicted"] = t_ev
-            extra["n_tokens_evicted"] = max(0, len(targets) - t_ev) if t_ev is not None else 0
-            if t_ev is not None and t_ev < len(targets):
-                me = _chunked_fidelity(full_lp[t_ev:], comp[t_ev:], target_t[t_ev:])
-                extra.update(kl_mean_evicted=me["kl_mean"], top1_agree_evicted=me["top1_agree"],
-                             dnll_mean_evicted=me["dnll_mean"])
-            del comp
-            store.append({**base, "method": u.label, "budget": u.budget, "n_tokens": int(m["n_tokens"]),
-                          "kl_mean": m["kl_mean"], "top1_agree": m["top1_agree"],
-                          "top1_disagree_share": m["top1_disagree_share"], "dnll_mean": m["dnll_mean"], **extra,
-                          "seconds": time.perf_counter() - t0 + (full_seconds if u.label == FULL else 0.0)})
-            done.add((u.label, u.budget, p.id))
-            written += 1
-        return written
-
-
-    def _noise_floor(self, prompt_ids: list[int], targets: list[int], full_lp: torch.Tensor, target_t: torch.Tensor,
-                     seed: int) -> dict[str, Any]:
-        """Full against full teacher-forced in chunks of ``w`` (the compressed caches' feeding): the KL that
-        arithmetic alone produces. None when the forced function has no ``max_chunk`` argument."""
-        try:
-            chunked = self.engine.forced_log_probs(prompt_ids, targets, method=FULL,
-                                                   budget=max(self.config.budgets, default=512),
-                                                   window=self.config.window, seed=seed, max_chunk=self.config.window)
-        except TypeError:  # a stand-in forced function without chunking
-            return {"noise_kl_mean": None, "noise_top1_agree": None}
-        m = _chunked_fidelity(full_lp, chunked, target_t)
-        # Per target (4 significant digits), so a summary takes the noise over each budget's own KL targets.
-        per = torch.cat([kl_per_token(full_lp[a:a + _FIDELITY_CHUNK], chunked[a:a + _FIDELITY_CHUNK])
-                         for a in range(0, full_lp.shape[0], _FIDELITY_CHUNK)])
-        return {"noise_kl_mean": m["kl_mean"], "noise_top1_agree": m["top1_agree"],
-                "noise_kl_tokens": [float(f"{v:.4g}") for v in per.tolist()]}
-
-
-def _chunked_fidelity(full_lp: torch.Tensor, comp_lp: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
-    """fidelity_metrics over row chunks, pooled (bounds the float64 copies to a chunk)."""
-    T = full_lp.shape[0]
-    targets = targets.to(full_lp.device)
-    parts = [fidelity_metrics(full_lp[a:a + _FIDELITY_CHUNK], comp_lp[a:a + _FIDELITY_CHUNK],
-                              targets[a:a + _FIDELITY_CHUNK]) for a in range(0, T, _FIDELITY_CHUNK)]
-    return parts[0] if len(parts) == 1 else aggregate_fidelity(parts)
-
-
 def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callable | None = None,
              progress: bool = True, *, forced_fn: Callable | None = None, summarize: bool = True,
              wide: bool = False) -> Path:
@@ -709,7 +435,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
         TaskError: the task cannot be loaded.
     """
     engine = None
-    if config.engine != "transformers" and generate_fn is None:  # the default engine wraps generate_fn below
+    if ENGINES[config.engine].loads_model and generate_fn is None:  # the others wrap the model and generate_fn below
         engine = engine_class(config.engine)(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
     if generate_fn is None:
         from vase.generation import generate as generate_fn
@@ -719,7 +445,7 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
         warnings.warn("a model object was passed but config.model is None: the run is labelled as the default "
                       "model; set config.model to a label that identifies the model", stacklevel=2)
     runner = _Runner(config, model, tokenizer, generate_fn, forced_fn, progress, engine=engine)
-    dist = _Dist(runner.world, runner.rank)
+    dist = Dist(runner.world, runner.rank)
     try:
         run_dir = runner.prepare()
         started = record_start(run_dir, runner.rank)  # the run's own commit, machine and load (scripts/eval_results.py)
