@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests.conft
 
 
 def _scenarios(quick: bool) -> list[dict]:
-    from vase.policies import method_names
+    from vase.core.policies import method_names
 
     out = []
     for method in method_names():
@@ -39,7 +39,7 @@ def _scenarios(quick: bool) -> list[dict]:
 
 def _run_tf(sc: dict) -> dict:
     import vase
-    from vase import decoding
+    from vase.generation import decoding
     from tests.conftest import F64, tiny_model, tiny_tokenizer
 
     torch.set_num_threads(1)

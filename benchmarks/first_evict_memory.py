@@ -53,8 +53,8 @@ def old_key_redundancy(keys: torch.Tensor) -> torch.Tensor:
 
 def one_row(name: str, prompts: list[int], shape: dict, budget: int, window: int, block_size: int,
             old_max: int) -> dict:
-    from vase.policies import get_policy
-    from vase.policies.scores import window_attention
+    from vase.core.policies import get_policy
+    from vase.core.policies.scores import window_attention
     from vase.vllm.paged import RequestPolicyState, evict_paged
 
     dtype = getattr(torch, shape["dtype"])
@@ -102,7 +102,7 @@ def one_row(name: str, prompts: list[int], shape: dict, budget: int, window: int
 
 
 def main() -> None:
-    from vase.policies import POLICIES
+    from vase.core.policies import POLICIES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", default="2048,8192,32768,131072", help="comma-separated prompt lengths")
@@ -130,7 +130,7 @@ def main() -> None:
         names = [m.strip() for m in args.methods.split(",") if m.strip()]
     torch.set_num_threads(1)
 
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     shape = {"kv_heads": args.kv_heads, "q_heads": args.q_heads, "head_dim": args.head_dim, "dtype": args.dtype}
     record = provenance(shape=shape, budget=args.budget, window=args.window, block_size=args.block_size,

@@ -103,8 +103,8 @@ def _tiny(device: str):
 
 def check(device: str, log, methods_compiled: tuple[str, ...] | None = None, backend: str = "inductor") -> list[dict]:
     """Part (a): one dict per evicting method."""
-    from vase.compiled import CompiledSteps, teacher_forced
-    from vase.policies import POLICIES
+    from vase.generation.compiled import CompiledSteps, teacher_forced
+    from vase.core.policies import POLICIES
 
     B, w, P, T = 16, 4, 10, 30
     gen = torch.Generator().manual_seed(0)
@@ -154,11 +154,11 @@ def speed_run(model, kind: str, args, new_tokens: int, device: torch.device, cac
     """One timed decode; kind: dynamic | static-compiled | vase-eager | vase-compiled."""
     from transformers import DynamicCache
 
-    from vase.attention import uninstall
+    from vase.hf.attention import uninstall
     from vase.bench.runner import BENCH_SAMPLER
-    from vase.cache import EvictionCache
-    from vase.compiled import compile_cache, compiled_steps, config_key, decode_compiled
-    from vase.generation import decode
+    from vase.caches.eager import EvictionCache
+    from vase.generation.compiled import compile_cache, compiled_steps, config_key, decode_compiled
+    from vase.generation.generate import decode
 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -277,8 +277,8 @@ SPEED_TABLE = {"columns": ["kind", "new_tokens", "tok_s", "tok_s_first", "first_
 
 
 def write(report: dict, out: Path) -> None:
-    """The raw report and its markdown, and one results file per part (vase.provenance) for docs/gpu.md."""
-    from vase.provenance import write_results
+    """The raw report and its markdown, and one results file per part (vase.files.provenance) for docs/gpu.md."""
+    from vase.files.provenance import write_results
 
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     (out / "gpu_check.md").write_text(to_markdown(report))
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
 
-    from vase.provenance import provenance
+    from vase.files.provenance import provenance
 
     report["provenance"] = provenance()
     if args.source_commit:
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     if not args.skip_speed:
         speed(args, device, log, start, out, report)
     report["total_s"] = round(time.perf_counter() - start, 1)
-    from vase.provenance import finish
+    from vase.files.provenance import finish
 
     finish(report["provenance"])
     write(report, out)

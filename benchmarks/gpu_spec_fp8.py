@@ -17,7 +17,7 @@ Runs, each as soon as it is timed (a warm-up generate first):
 Each row: tok/s (new tokens / wall time), target forwards, accepted tokens per forward (new tokens / forwards),
 K/V bytes held at the end, peak memory, evictions, and whether the tokens equal the plain run of the same cache.
 
-Writes gpu_spec_fp8.json (`vase.provenance.write_results`) and gpu_spec_fp8.md into --out, rewritten after every
+Writes gpu_spec_fp8.json (`vase.files.provenance.write_results`) and gpu_spec_fp8.md into --out, rewritten after every
 run; --deadline-s stops starting new runs past that many seconds.
 """
 
@@ -72,7 +72,7 @@ def _sync(device: torch.device) -> None:
 
 def _cache(model, kind: str, args):
     """The cache of one run: None (transformers' DynamicCache) or an EvictionCache."""
-    from vase.cache import EvictionCache
+    from vase.caches.eager import EvictionCache
 
     if kind == "dynamic":
         return None
@@ -95,7 +95,7 @@ def run_one(model, prompt: torch.Tensor, kind: str, decoding: str, args, device:
     """One timed generate; returns its row (tokens under "_tokens")."""
     from transformers import DynamicCache
 
-    from vase.compat import cache_kwargs
+    from vase.hf.compat import cache_kwargs
 
     cache = _cache(model, kind, args)
     cache = DynamicCache() if cache is None else cache
@@ -135,7 +135,7 @@ def to_markdown(rows: list[dict], args) -> str:
 
 
 def write(rows: list[dict], record: dict, out: Path, args) -> None:
-    from vase.provenance import write_results
+    from vase.files.provenance import write_results
 
     # rows skipped past the deadline are named in the provenance: a results table holds measured rows only
     record = {**record, "skipped": [f"{r['cache']} {r['decoding']}" for r in rows if r.get("skipped")]}
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     out = Path(args.out or os.environ.get("OUT") or "gpu-spec-fp8-results")
     out.mkdir(parents=True, exist_ok=True)
     from vase.bench.shapes import build_random_model
-    from vase.provenance import provenance
+    from vase.files.provenance import provenance
 
     record = provenance(settings={k: v for k, v in vars(args).items()}, device=str(device))
     if args.source_commit:

@@ -34,7 +34,7 @@ def ceiling_rows(lengths: list[int], budget: int, window: int, prompt: int) -> l
     """One row per entry of SHAPES: bytes per step and the ceiling vs full at each length (batch 1)."""
     from vase.bench.shapes import build_random_model
     from vase.bench.traffic import ModelBytes, decode_traffic
-    from vase.hybrid import full_attention_layers, layer_types
+    from vase.hf.hybrid import full_attention_layers, layer_types
 
     rows = []
     for name, layers, dtype in SHAPES:
@@ -70,7 +70,7 @@ def main() -> None:
     if not lengths or min(lengths) < 2 or args.budget < 1 or args.window < 1 or args.prompt_length < 1:
         ap.error("--lengths must be >= 2 tokens each; --budget, --window and --prompt-length >= 1")
 
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     record = provenance(note="computed by the traffic model, nothing timed")
     rows = ceiling_rows(lengths, args.budget, args.window, args.prompt_length)

@@ -96,8 +96,8 @@ def worker(args: argparse.Namespace) -> None:
         kwarg = "past_key_values"
     else:
         sys.path.insert(0, str(ROOT / "src"))
-        from vase.cache import EvictionCache
-        from vase.compat import CACHE_KWARG
+        from vase.caches.eager import EvictionCache
+        from vase.hf.compat import CACHE_KWARG
 
         if args.worker == "vase-compiled":
             return _compiled_worker(model, prompt, args)
@@ -146,14 +146,14 @@ def _report(library: str, tokens: int, N: int, decode_s: float, cpu_s: float, pe
 
 
 def _compiled_worker(model, prompt, args: argparse.Namespace) -> None:
-    """vase's compiled decode (`vase.compiled.decode_compiled`: the steps over the fixed-size static cache run
+    """vase's compiled decode (`vase.generation.compiled.decode_compiled`: the steps over the fixed-size static cache run
     as torch.compile'd graphs). One untimed run first compiles the plain and the evicting graph; the timed run
     starts at its first token (the prefill's), as the hand-written loop does, and runs the same N - 1 forwards."""
     import torch
 
-    from vase.cache import EvictionCache
-    from vase.compiled import decode_compiled
-    from vase.decoding import Sampler
+    from vase.caches.eager import EvictionCache
+    from vase.generation.compiled import decode_compiled
+    from vase.generation.decoding import Sampler
 
     P, N, B, w = args.prompt_length, args.tokens, args.budget, args.window
     mask = torch.ones_like(prompt)
@@ -240,7 +240,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from vase.bench.paired import alternating, paired_ratio
     from vase.bench.shapes import resolve_shape
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
     if not lengths or min(lengths) < 2 or args.rounds < 1:

@@ -53,9 +53,9 @@ def profile_config(model, method: str, budget: int | None, window: int, prompt: 
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from vase.attention import uninstall
-    from vase.cache import EvictionCache, EvictionLayer
-    from vase.compat import cache_kwargs
+    from vase.hf.attention import uninstall
+    from vase.caches.eager import EvictionCache, EvictionLayer
+    from vase.hf.compat import cache_kwargs
 
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).expand(batch, prompt)
@@ -129,7 +129,7 @@ def main() -> None:
     from vase.bench.bandwidth import probe_bandwidth
     from vase.bench.shapes import build_random_model
     from vase.bench.traffic import ModelBytes, decode_traffic
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     record = provenance(threads=args.threads)
     model = build_random_model(args.shape)

@@ -32,10 +32,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from vase.bench.shapes import build_random_model
-    from vase.cache import EvictionCache
-    from vase.decoding import prefill
-    from vase.provenance import finish, provenance, write_results
-    from vase.static import StaticEvictionCache
+    from vase.caches.eager import EvictionCache
+    from vase.generation.decoding import prefill
+    from vase.files.provenance import finish, provenance, write_results
+    from vase.caches.static import StaticEvictionCache
 
     record = provenance()
     model = build_random_model("smollm2-135m", dtype=torch.float32, device="cpu", attn_implementation="sdpa")

@@ -17,9 +17,9 @@ import time
 import torch
 
 from vase.bench.shapes import build_random_model
-from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
-from vase.quant_cache import QuantLayer
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import cache_kwargs
+from vase.storage.quantized import QuantLayer
 
 CONFIGS = [("full", 16), ("full", 8), ("full", 4), ("full", 2), ("vase-attnv", 16), ("vase-attnv", 4)]
 

@@ -5,7 +5,7 @@
 1. Decodes a trajectory per problem with the full cache (the embedded SmolLM2-135M-Instruct,
    GSM8K problems from --data-dir, paper sampling, stop at EOS); grades its answer.
 2. Teacher-forces every trajectory through each compressed cache (chunks end where decoding
-   would evict, as `vase.generation.forced_log_probs`) and records per token KL(full || cache)
+   would evict, as `vase.generation.generate.forced_log_probs`) and records per token KL(full || cache)
    and top-1 agreement (after the cache's first eviction), and the K/V bytes it holds at its
    steady-state peak (the largest after the first eviction; quantization alone: at the end).
 3. Writes results.json, a markdown table per question to stdout and tables.md, and the
@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from vase.cache import EvictionCache
+from vase.caches.eager import EvictionCache
 from vase.eval.grading import is_correct
 from vase.eval.prompts import build_prompt
 from vase.eval.tasks import load_task
-from vase.generation import Sampler, decode, encode_prompts, eos_ids, forced_log_probs
+from vase.generation.generate import Sampler, decode, encode_prompts, eos_ids, forced_log_probs
 from vase.models import load_model
-from vase.quant_cache import QuantStorage, entry_bytes
+from vase.storage.quantized import QuantStorage, entry_bytes
 
 WINDOW = 8  # small runs (a few hundred tokens) need a small window to reach 1/16 of the full cache
 FLUSH = 8
@@ -97,7 +97,7 @@ def held_bytes(cache: EvictionCache, full_bytes: int) -> int:
 
 
 def forced(model, prompt: list[int], target: list[int], cfg: Config, budget: int, seed: int) -> dict:
-    """Teacher-force `target` [T] through the configured cache (`vase.generation.forced_log_probs`, observed
+    """Teacher-force `target` [T] through the configured cache (`vase.generation.generate.forced_log_probs`, observed
     chunk by chunk): log-probs [T, V], peak bytes, first eviction."""
     kw = dict(cfg.params)
     if cfg.bits != 16:
@@ -197,7 +197,7 @@ def trajectories(model, tok, n: int, max_new: int, data_dir: str, task: str, min
 
 def value_stats(values: list[torch.Tensor]) -> dict:
     """Value-range statistics of one full cache: max/median per head, share of tokens over 5x/3x."""
-    from vase.policies import value_magnitude
+    from vase.core.policies import value_magnitude
 
     ratios = []
     for v in values:

@@ -36,7 +36,7 @@ def llama3_70b_config():
 def shape_of(name: str) -> dict:
     """Evicted layers, query and KV heads, head_dim and the parameter count of a shape."""
     from vase.bench.shapes import build_random_model
-    from vase.hybrid import full_attention_layers
+    from vase.hf.hybrid import full_attention_layers
 
     config = llama3_70b_config() if name == "llama-3-70b" else name
     model = build_random_model(config, dtype="bfloat16", device="meta", attn_implementation="eager")
@@ -47,7 +47,7 @@ def shape_of(name: str) -> dict:
 
 
 def ring_row(name: str, tp: int, budget: int, window: int, gpu_gib: float, util: float, block: int) -> dict:
-    from vase.schedule import max_blocks
+    from vase.core.schedule import max_blocks
     from vase.vllm.ring_size import ring_bytes_per_request, ring_reserve, ring_rows
 
     s = shape_of(name)
@@ -84,7 +84,7 @@ def main() -> None:
     if not budgets or min(budgets) <= args.window or args.window < 1 or not 0 < args.util <= 1:
         ap.error("each budget must exceed --window >= 1, and --util must be in (0, 1]")
 
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     record = provenance(note="computed from the shapes and vase.vllm.ring_size, nothing timed or allocated",
                         gpu_gib=args.gpu_gib, util=args.util, block_size=args.block_size)

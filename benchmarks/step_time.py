@@ -16,7 +16,7 @@ work other than the schedule.
 
 alternates eager, compiled, eager, compiled, ..., eager (5 compiled runs between 6 eager ones): each
 compiled run is paired with the mean of the eager runs on either side, and the result is the median
-ratio with its range, written with its provenance (`vase.provenance`) when `--out` is given.
+ratio with its range, written with its provenance (`vase.files.provenance`) when `--out` is given.
 With the defaults (prompt 128, B + w = 576) no eviction falls in the 340 steps; `--prompt 500 --warm 150`
 evicts at steps 76 and 140 and times steps 150 .. 189 with 522 .. 561 tokens stored (the steady band
 B .. B + w), no eviction among them.
@@ -58,11 +58,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from vase.bench.shapes import build_random_model
-    from vase.cache import EvictionCache
-    from vase.compat import cache_kwargs
-    from vase.compiled import StaticStepper, compiled_steps
-    from vase.decoding import prefill
-    from vase.static import StaticEvictionCache, activate
+    from vase.caches.eager import EvictionCache
+    from vase.hf.compat import cache_kwargs
+    from vase.generation.compiled import StaticStepper, compiled_steps
+    from vase.generation.decoding import prefill
+    from vase.caches.static import StaticEvictionCache, activate
 
     model = build_random_model(args.shape, dtype=torch.float32, device="cpu", attn_implementation="sdpa")
     ids = torch.randint(0, 1000, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
 
     if args.repeats < 1:
         raise SystemExit("step_time.py: --repeats must be at least 1")
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     record = provenance()
     if args.profile:

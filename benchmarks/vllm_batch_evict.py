@@ -82,7 +82,7 @@ def engine_steps(path: str, k: int, n_new: int, mode: str) -> dict:
 
 
 def kernel_times(k: int, repeats: int) -> dict:
-    from vase.policies import get_policy
+    from vase.core.policies import get_policy
     from vase.vllm.paged import EvictionJob, RequestPolicyState, evict_paged, evict_paged_batch
 
     policy, length = get_policy("snapkv"), B + W
@@ -122,7 +122,7 @@ def main() -> None:
         ap.error(f"--requests >= 1 each, --tokens > {B + W - PROMPT} (so that requests evict), --repeats >= 1")
 
     from tests.vllm_tiny import save_tiny_llama
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     record = provenance(budget=B, window=W, block_size=BLOCK, prompt=PROMPT, tokens=args.tokens, method="snapkv")
     path = save_tiny_llama(tempfile.mkdtemp(prefix="vase-tiny-"))

@@ -8,7 +8,7 @@ Four engines, each started once: stock vLLM with kv_cache_dtype auto (fp32) and 
 w = 32) with auto and fp8. Each round runs the same greedy batch through all four in turn (paired; the order
 rotates each round): tok/s (generated tokens / wall seconds of the batch) and the peak KV bytes one request held
 (its peak blocks in the full-attention group x the bytes of one block over all layers, from vLLM's KV cache
-spec). Writes docs/results/vllm-fp8.json (vase.provenance): per engine the median and range of tok/s over the
+spec). Writes docs/results/vllm-fp8.json (vase.files.provenance): per engine the median and range of tok/s over the
 rounds, the peak KV bytes per request (the same every round), and whether its tokens equal its own first round.
 Needs x86 with AVX-512 or AMX (vLLM's CPU fp8 kernel).
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vase.provenance import finish, provenance, write_results  # noqa: E402
+from vase.files.provenance import finish, provenance, write_results  # noqa: E402
 
 METHOD, BUDGET, WINDOW, BLOCK = "vase-attnv", 128, 32, 32
 ENGINES = [("stock vLLM", "auto", False), ("stock vLLM", "fp8", False), (f"vase {METHOD}", "auto", True),

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.test_vllm_exact import _compare, prompt_ids  # noqa: E402
 from tests.test_vllm_hybrid import B, BLOCK, N_NEW, W, _transformers_run, _vllm_run, save_tiny_hybrid  # noqa: E402
 from tests.vllm_tiny import start_llm  # noqa: E402
-from vase.provenance import finish, provenance, write_results  # noqa: E402
+from vase.files.provenance import finish, provenance, write_results  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
 

@@ -96,7 +96,7 @@ def main() -> None:
 
     from vase.bench.paired import alternating, paired_ratio
     from vase.models import model_dir
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
     from vase.vllm import additional_config
 
     record = provenance(note=f"{args.rounds} paired, alternating rounds (stock, plugin without eviction, plugin "

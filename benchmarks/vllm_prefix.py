@@ -11,7 +11,7 @@
    preemptions; vase-attnv with prefix caching on (the children share the prompt's blocks) and off, and stock
    vLLM with prefix caching on.
 
-Writes docs/results/vllm-prefix-ttft.json and docs/results/vllm-prefix-samples.json (vase.provenance) and a CSV
+Writes docs/results/vllm-prefix-ttft.json and docs/results/vllm-prefix-samples.json (vase.files.provenance) and a CSV
 beside each (a scale other than small adds `-<scale>` to the names). `--scale small` (the default) is the issue's
 setting scaled down to a few minutes on one core.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vase.provenance import finish, provenance, write_results  # noqa: E402
+from vase.files.provenance import finish, provenance, write_results  # noqa: E402
 
 SCALES = {  # the issue's setting, and the one run on the shared 2-core CPU
     "issue": dict(requests=16, system=1024, question=32, ttft_new=64, problems=8, n=8, prompt=256, new=1024,

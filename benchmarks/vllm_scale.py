@@ -224,7 +224,7 @@ def preemption_stats(meter: Meter, arrivals: dict[str, int], first_limit: int) -
 
 
 def part_preemption(path: str, long: int, tokens: int, pool: int, late: int, repeats: int, preempt_at: int) -> tuple[list[dict], dict]:
-    from vase import schedule
+    from vase.core import schedule
     from vase.vllm import additional_config
 
     vase_cfg = additional_config("snapkv", PRE_B, PRE_W)
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
                  f"{PRE_PROMPT} < --preempt-at < {PRE_PROMPT + tokens}")
 
     from tests.vllm_tiny import save_tiny_llama
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     setting = (dict(method="snapkv", budget=REQ_B, window=REQ_W, prompt=REQ_PROMPT, requests=counts)
                if args.part == "requests" else

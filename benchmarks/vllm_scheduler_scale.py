@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--scan-up-to", type=int, default=256, help="measure the scan variant up to this many")
     parser.add_argument("--results", default="docs/results/vllm-scheduler-scale.json")
     args = parser.parse_args()
-    from vase.provenance import finish, provenance, write_results
+    from vase.files.provenance import finish, provenance, write_results
 
     record = provenance(command="PYTHONPATH=src OMP_NUM_THREADS=1 python " + " ".join(sys.argv),
                         setup=f"snapkv B={BUDGET} w={WINDOW}, block {BLOCK}, {PROMPT}-token prompts (groups of 4 "

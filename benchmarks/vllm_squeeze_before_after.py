@@ -8,7 +8,7 @@ The same `vase bench --engine vllm` command once per plugin version (PYTHONPATH)
 """
 import csv, os, subprocess, sys
 sys.path.insert(0, "/work/wt/vllm/src")
-from vase.provenance import provenance, finish, write_results
+from vase.files.provenance import provenance, finish, write_results
 
 ARGS = ["bench", "--engine", "vllm", "--methods", "snapkv", "--budgets", "64", "--window", "16", "--lengths", "256",
         "--prompt-length", "64", "--requests", "8", "--regimes", "squeeze", "--block-size", "32"]

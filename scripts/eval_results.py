@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vase.eval.report import parse_reference, summarize
 from vase.eval.run_provenance import run_provenance
-from vase.provenance import write_results
+from vase.files.provenance import write_results
 
 MAKE_EVAL = ("vase --threads 1 eval --task recall-3 --limit 16 --samples 1 --greedy --methods "
              "streamingllm,snapkv,rkv,vase-attnv,vase-dkv --budgets 12,32 --window 4 --max-new-tokens 32 "

@@ -1,7 +1,7 @@
 """Render every figure table of README.md and docs/*.md from its results file (`make docs`).
 
 A figure table sits between two markers that name its results file (written by
-`vase.provenance.write_results`: `{"provenance": {...}, "rows": [...], "table": {...}}`):
+`vase.files.provenance.write_results`: `{"provenance": {...}, "rows": [...], "table": {...}}`):
 
     <!-- results: docs/results/make-eval.json -->
     | ... the table, and one line of provenance under it ...
@@ -66,7 +66,7 @@ def load_results(results: str, root: Path = ROOT) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{results}: not UTF-8 (byte {e.start}): rewrite it with vase.provenance.write_results") \
+        raise ValueError(f"{results}: not UTF-8 (byte {e.start}): rewrite it with vase.files.provenance.write_results") \
             from None
     try:
         data = json.loads(text)

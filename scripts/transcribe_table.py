@@ -4,7 +4,7 @@
         --commit 1a73df5 --command "python benchmarks/x.py ..." --machine "2-core CPU, ..." [--status TEXT]
 
 reads the Markdown table whose header is on LINE of DOC, writes its cells (as printed) to the results
-file through `vase.provenance.write_results` with `"source": "transcribed, not rerun"`, the date and
+file through `vase.files.provenance.write_results` with `"source": "transcribed, not rerun"`, the date and
 commit at which it was measured (as the docs and git log give them) and when it was transcribed, and
 replaces the table in DOC by its results block (rendered by scripts/render_docs.py). For a figure
 that cannot be rerun now; a rerun writes its own results file with full provenance instead.
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_docs import ROOT, SEPARATOR, render_block  # noqa: E402
 
-from vase.provenance import git_commit, write_results  # noqa: E402
+from vase.files.provenance import git_commit, write_results  # noqa: E402
 
 
 def _cells(line: str) -> list[str]:

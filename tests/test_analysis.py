@@ -8,8 +8,8 @@ import torch
 
 from vase.analysis import kept_map, loop_onset, value_statistics
 from vase.analysis.inspect import inspect_generation
-from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import cache_kwargs
 
 from .conftest import tiny_model, tiny_tokenizer
 

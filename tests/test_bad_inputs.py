@@ -26,12 +26,12 @@ import torch
 import vase
 from tests.conftest import run_main, tiny_model, tiny_tokenizer
 from tests.helpers_tiny import tiny_model_and_tokenizer
-from vase.cache import EvictedStateError
+from vase.caches.eager import EvictedStateError
 from vase.cli import main
 from vase.eval.config import ConfigError, EvalConfig
 from vase.eval.store import StoreError
 from vase.models import ModelLoadError, load_model, model_fingerprint
-from vase.policies import UnknownMethodError, get_policy
+from vase.core.policies import UnknownMethodError, get_policy
 
 # ----------------------------------------------------------------------------- the fixtures
 
@@ -189,8 +189,8 @@ def _records(run_dir: Path) -> list[tuple]:
 
 
 def _interrupt_after(n: int):
-    """Patch vase.generation.generate to raise KeyboardInterrupt on call n + 1 (Ctrl-C mid-run)."""
-    import vase.generation as generation
+    """Patch vase.generation.generate.generate to raise KeyboardInterrupt on call n + 1 (Ctrl-C mid-run)."""
+    import vase.generation.generate as generation
 
     real, calls = generation.generate, []
 
@@ -204,7 +204,7 @@ def _interrupt_after(n: int):
 
 
 def _setup_interrupt(ctx):
-    import vase.generation as generation
+    import vase.generation.generate as generation
 
     ctx["monkeypatch"].setattr(generation, "generate", _interrupt_after(2))
 
@@ -220,7 +220,7 @@ def _check_interrupt(ctx):
 
 
 def _setup_delete(ctx):
-    import vase.generation as generation
+    import vase.generation.generate as generation
 
     real, calls = generation.generate, []
 
@@ -396,7 +396,7 @@ def _check_orphan_kept(ctx):
 
 
 def _setup_emptied(ctx):
-    import vase.generation as generation
+    import vase.generation.generate as generation
 
     real, calls = generation.generate, []
 
@@ -465,7 +465,7 @@ def _dangling(ctx, name: str = "out"):
 
 
 def _check_context(ctx, prompt: int, cap: int):
-    from vase.generation import check_context
+    from vase.generation.generate import check_context
 
     assert check_context(ctx["tiny"][0], [prompt], cap) is None  # grows as needed: nothing preallocated
 

@@ -120,7 +120,7 @@ def test_steady_parts_start_after_the_first_eviction(tiny, monkeypatch):
     takes 10 ms until the cache has evicted and 20 ms after, the steady parts run at 50 tok/s, the whole run's first
     part faster; a cache that never evicts has no steady parts."""
     import vase.bench.runner as runner
-    from vase.cache import EvictionLayer
+    from vase.caches.eager import EvictionLayer
 
     clock = {"now": 0.0, "evicted": False}
     evict = EvictionLayer.evict

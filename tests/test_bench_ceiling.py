@@ -13,9 +13,9 @@ from vase.bench import runner as runner_mod
 from vase.bench.bandwidth import probe_bandwidth
 from vase.bench.paired import alternating, paired_ratio
 from vase.bench.traffic import ModelBytes, decode_traffic, gain_share
-from vase.cache import EvictionLayer
-from vase.policies import get_policy
-from vase.quant_cache import QuantBytes
+from vase.caches.eager import EvictionLayer
+from vase.core.policies import get_policy
+from vase.storage.quantized import QuantBytes
 
 # The tiny shape (tests, `vase.bench.shapes`): vocab 256, hidden 64, MLP 128, 2 layers, 4 query heads, 2 KV heads,
 # head_dim 16, tied embedding, Qwen3 (q_norm and k_norm of head_dim), float32.
@@ -79,7 +79,7 @@ def test_evicting_traffic_by_hand(sizes):
     assert t.kv_write == 512
     assert t.evict == 3 * 512 * (6 + 4) / 8
     assert t.total == WEIGHTS + EMBED_ROW + 3328 + 512 + 1920 + 2048
-    # Compiled (vase.static): all B + w = 6 slots every step.
+    # Compiled (vase.caches.static): all B + w = 6 slots every step.
     assert decode_traffic(sizes, "evicting", 8, 9, 1, budget=4, window=2, compiled=True).kv_read == 512 * 6
 
 
@@ -219,7 +219,7 @@ def test_paired_repeats_alternate_and_take_the_median_of_the_round_ratios(tiny, 
 
 def test_cli_writes_results_with_provenance_and_flat_rows(tmp_path, capsys):
     from vase.cli import main
-    from vase.provenance import read_results
+    from vase.files.provenance import read_results
 
     results = tmp_path / "results" / "bench.json"
     with pytest.raises(SystemExit) as done:
@@ -245,7 +245,7 @@ def test_cli_writes_results_with_provenance_and_flat_rows(tmp_path, capsys):
 
 def test_cli_layers_cuts_the_random_shape(tmp_path, capsys):
     from vase.cli import main
-    from vase.provenance import read_results
+    from vase.files.provenance import read_results
 
     kv = {}
     for layers in (None, 1):

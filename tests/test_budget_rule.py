@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from vase.cache import EvictionCache
-from vase.checks import check_budget_window
+from vase.caches.eager import EvictionCache
+from vase.core.checks import check_budget_window
 from vase.cli import checked_params
 from vase.eval.config import ConfigError, EvalConfig
-from vase.policies import get_policy
+from vase.core.policies import get_policy
 from vase.vllm.config import VaseConfigError, VaseVllmConfig
 
 # (method, params, B, w, accepted). snapkv protects no sinks, so B = 66, w = 64 is legal: `vase eval`

@@ -8,10 +8,10 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 import vase
-from vase.attention import UnsupportedModelError
-from vase.cache import EvictedStateError, EvictionCache
-from vase.compat import cache_kwargs
-from vase.generation import encode_prompts
+from vase.hf.attention import UnsupportedModelError
+from vase.caches.eager import EvictedStateError, EvictionCache
+from vase.hf.compat import cache_kwargs
+from vase.generation.generate import encode_prompts
 
 from .conftest import F64, tiny_model
 
@@ -321,7 +321,7 @@ def test_per_row_stats_follow_each_rows_schedule(tokenizer):
 from dataclasses import dataclass  # noqa: E402
 from typing import ClassVar  # noqa: E402
 
-from vase.policies import Policy  # noqa: E402
+from vase.core.policies import Policy  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -385,7 +385,7 @@ def test_policy_state_hooks_are_kept_aligned_and_per_row():
 
 # -- the one mask builder -----------------------------------------------------------------------------------
 
-from vase.masks import and_selection, causal_padding_mask, mask_kind, real_slots  # noqa: E402
+from vase.hf.masks import and_selection, causal_padding_mask, mask_kind, real_slots  # noqa: E402
 
 
 @pytest.mark.parametrize("q_len", [1, 3, 7])
@@ -424,17 +424,17 @@ def test_attention_module_does_not_import_the_cache():
     import subprocess
     import sys
 
-    code = "import sys, vase.attention; assert 'vase.cache' not in sys.modules"
+    code = "import sys, vase.hf.attention; assert 'vase.caches.eager' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cache_keyword_is_the_one_this_transformers_takes():
-    """vase.compat picks `cache=` (5.24+) or `past_key_values=` (5.16-5.23): the model's forward must name it."""
+    """vase.hf.compat picks `cache=` (5.24+) or `past_key_values=` (5.16-5.23): the model's forward must name it."""
     import inspect
 
     from transformers import Qwen3ForCausalLM
 
-    from vase.compat import CACHE_KWARG, TRANSFORMERS_VERSION, _release
+    from vase.hf.compat import CACHE_KWARG, TRANSFORMERS_VERSION, _release
 
     assert CACHE_KWARG in inspect.signature(Qwen3ForCausalLM.forward).parameters
     assert (5, 16, 1) <= TRANSFORMERS_VERSION < (6,)

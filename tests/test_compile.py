@@ -1,4 +1,4 @@
-"""The compiled decode step (`vase.static`, `vase.compiled`): same kept sets and logits as the eager
+"""The compiled decode step (`vase.caches.static`, `vase.generation.compiled`): same kept sets and logits as the eager
 cache through several evictions, no recompilation and no graph break at an eviction.
 
 Tiny float64 models on CPU; the compiled runs teacher-force the same tokens as the eager ones, so
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
-from vase.compiled import CompiledSteps, teacher_forced
-from vase.policies import POLICIES
-from vase.static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import cache_kwargs
+from vase.generation.compiled import CompiledSteps, teacher_forced
+from vase.core.policies import POLICIES
+from vase.caches.static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable
 
 B, W, P, STEPS = 16, 4, 10, 30  # first eviction after 10 steps, then one every 4: 5 evictions per row
 EVICTING = [name for name, cls in POLICIES.items() if cls.evicts and not getattr(cls, "selects", False)]
@@ -86,7 +86,7 @@ def test_inductor_step_keeps_what_eager_keeps(model, method):
     _assert_same(model, method, "inductor")
 
 
-# Quantized storage (vase.static_storage.StaticQuant): the stores' flush every `flush_every` tokens runs inside the
+# Quantized storage (vase.storage.static.StaticQuant): the stores' flush every `flush_every` tokens runs inside the
 # step; these cover the flush falling on and off eviction steps, the reserve (quant_guard), the key scale and 2 bits.
 QUANT = [("vase-attnv", {"kv_bits": 4}), ("snapkv", {"kv_bits": 2, "quant_guard": 3, "flush_every": 3}),
          ("h2o", {"kv_bits": 8, "quant_key_scale": True, "flush_every": 5}),
@@ -106,8 +106,8 @@ def test_inductor_quantized_step_keeps_what_eager_keeps(model):
 def test_planes_are_the_dequantized_values_in_plane_order(bits):
     """`StaticQuant.attend` reads the codes as `planes`: the very values `dequantize` gives (times the key scale),
     bit for bit, in `plane_order`."""
-    from vase.quant import dequantize, quantize
-    from vase.static_storage import plane_order, planes
+    from vase.storage.packing import dequantize, quantize
+    from vase.storage.static import plane_order, planes
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 7, 64, generator=gen) * 3
@@ -124,7 +124,7 @@ def test_tag_widening_is_exact(cap):
     """The quantized stores' slot tags (`slot_dtype`) widened to int64 inside an inductor graph, as `renumber` and
     `attend` do: the same indices as eager. Fails on AVX2 code (ATEN_CPU_CAPABILITY=avx2, `make test-avx2`)
     when the tags are int8 or int32: torch 2.13's vectorized widening gives out-of-range indices there."""
-    from vase.quant_cache import slot_dtype
+    from vase.storage.quantized import slot_dtype
 
     def lookup(tags: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         wide = tags.long()
@@ -140,8 +140,8 @@ def test_quantized_flush_runs_at_the_eager_steps_only(model, monkeypatch):
     """The flush is a graph variant the host picks (`StaticQuant.flush_due`): it runs at exactly the steps where the
     eager storage flushes (its counter back to 0), and the stores' fill (full-precision and packed entries per
     head) matches the eager storage's after every step (a flush at every step would quantize early)."""
-    from vase.compiled import StaticStepper
-    from vase.decoding import prefill
+    from vase.generation.compiled import StaticStepper
+    from vase.generation.decoding import prefill
 
     storage = {"kv_bits": 4, "flush_every": 3}
     ids, mask, feed = _inputs(2)
@@ -188,7 +188,7 @@ def test_batch_of_one_and_long_prompt(model):
 def test_no_recompilation_over_evictions(model, storage, monkeypatch):
     """One graph per step variant that ran (plain, evicting; with quantized storage also the flush variant of
     each), compiled when it first runs; 3 more evictions (and flushes) compile nothing."""
-    from vase.compiled import StaticStepper
+    from vase.generation.compiled import StaticStepper
 
     backend = Counter()
     steps = CompiledSteps(backend=backend)
@@ -215,7 +215,7 @@ def test_no_recompilation_over_evictions(model, storage, monkeypatch):
 
 def test_no_graph_break_at_an_eviction(model):
     """dynamo's explain over the evicting step: one graph, no break."""
-    from vase.compiled import _evicting_step
+    from vase.generation.compiled import _evicting_step
 
     ids, mask, feed = _inputs(1)
     cache = EvictionCache(model, "vase-attnv", B, W, seed=[0])
@@ -243,7 +243,7 @@ def test_refusals_are_one_clear_line(model):
         check_compilable(EvictionCache(model, "vase-attnv", B, W, kv_bits=4, quant_select="random"), "sdpa")
     with pytest.raises(CompileUnsupportedError, match="quest"):
         check_compilable(EvictionCache(model, "quest", 32, W), "sdpa")
-    from vase.compiled import compile_cache
+    from vase.generation.compiled import compile_cache
 
     with pytest.raises(CompileUnsupportedError, match="drop kv_bits for 'full'"):
         compile_cache(model, EvictionCache(model, "full", window=W, kv_bits=8), 1, 40)
@@ -255,7 +255,7 @@ def test_refusals_are_one_clear_line(model):
 def test_generate_compile_gives_the_eager_tokens(model, method, storage):
     """vase.generate(compile=...) end to end: padded batch, greedy, same tokens, evictions and bytes as eager."""
     from tests.conftest import tiny_tokenizer
-    from vase.generation import generate
+    from vase.generation.generate import generate
 
     tok = tiny_tokenizer()
     kw = dict(method=method, budget=B, window=W, max_new_tokens=36, greedy=True, ignore_eos=True, chat_template=False,
@@ -272,7 +272,7 @@ def test_generate_compile_gives_the_eager_tokens(model, method, storage):
 
 def test_generate_compile_refuses_the_random_reserve_in_one_line(model):
     from tests.conftest import tiny_tokenizer
-    from vase.generation import generate
+    from vase.generation.generate import generate
 
     with pytest.raises(CompileUnsupportedError, match="quant_select"):
         generate(model, tiny_tokenizer(), ["hi"], budget=B, window=W, max_new_tokens=4, compile=True, kv_bits=4,

@@ -37,7 +37,7 @@ def test_results_files_carry_provenance(path):
     assert isinstance(data["rows"], list) and prov.get("date") and prov.get("command"), path.name
     if prov.get("source", "").startswith("transcribed"):  # not rerun: when and where it was first published
         assert prov.get("commit") and prov.get("machine") and prov["transcribed"]["from"], path.name
-    elif "collected" not in prov.get("source", ""):  # measured through vase.provenance
+    elif "collected" not in prov.get("source", ""):  # measured through vase.files.provenance
         assert prov.get("commit") and prov["machine"].get("cpu") and prov.get("versions"), path.name
 
 
@@ -57,7 +57,7 @@ def test_every_relative_link_in_the_docs_resolves():
 
 def _site(tmp_path: Path, doc: str, rows=None, table=None) -> Path:
     (tmp_path / "docs" / "results").mkdir(parents=True)
-    from vase.provenance import write_results
+    from vase.files.provenance import write_results
 
     write_results(tmp_path / "docs" / "results" / "x.json", rows or [{"method": "full", "tok/s": "16.45"}],
                   {"date": "2026-12-03", "commit": "abc", "machine": {"cpu": "cpu", "cores": 2}, "command": "vase bench"},

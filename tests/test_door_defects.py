@@ -18,7 +18,7 @@ import pytest
 import vase
 import vase.vllm
 from tests.conftest import run_main, tiny_model, tiny_tokenizer
-from vase.cache import EvictionCache
+from vase.caches.eager import EvictionCache
 
 MISSING = "/nonexistent/model"
 
@@ -94,7 +94,7 @@ def test_full_gets_one_placeholder_budget():
     """The budget of `full` was computed four ways (max(512, w + 8), 512, w + 1, prompt + new tokens)."""
     from pathlib import Path
 
-    from vase.schedule import placeholder_budget
+    from vase.core.schedule import placeholder_budget
 
     cache = EvictionCache(None, "full", None, 16, num_layers=1)
     assert cache.cfg.budget == placeholder_budget(16)
@@ -111,7 +111,7 @@ def test_quest_check_says_what_it_does():
     """Quest.check promised a page/window check and only called super(): the page/window rule it promised is not
     needed (pages are scored on the tokens before the window, so any window is exact: test_quest's chunk test runs
     a window shorter than a page), so Quest keeps the contract's check and the budget rule is its only rule."""
-    from vase.policies import Quest, get_policy
+    from vase.core.policies import Quest, get_policy
 
     assert "check" not in vars(Quest)
     quest = get_policy("quest")

@@ -19,11 +19,11 @@ import pytest
 import vase
 import vase.vllm
 from tests.conftest import tiny_model, tiny_tokenizer
-from vase.cache import EvictionCache
+from vase.caches.eager import EvictionCache
 from vase.cli import main
-from vase.errors import SpecError
+from vase.core.errors import SpecError
 from vase.eval.config import ConfigError, EvalConfig
-from vase.spec import RequestSpec
+from vase.core.spec import RequestSpec
 
 # (method, params, B, w, storage keywords): the storage is spelled one way, `kv_bits` (-p kv_bits=4 on every CLI door)
 TABLE: list[tuple[str, dict, int, int, dict]] = [
@@ -106,7 +106,7 @@ def door_verdict(door: str, row: tuple, tiny, capsys, monkeypatch, tmp_path) -> 
         elif door == "generate-compiled":
             def reached(*a, **k):
                 raise Reached
-            monkeypatch.setattr("vase.compiled.compile_cache", reached)
+            monkeypatch.setattr("vase.generation.compiled.compile_cache", reached)
             vase.generate(model, tok, "hi", method=method, budget=budget, window=window, max_new_tokens=1,
                           chat_template=False, compile=True, **params, **storage)
         elif door == "eval-config":
@@ -166,7 +166,7 @@ def test_every_door_says_what_the_spec_says(door, row, tiny, capsys, monkeypatch
     monkeypatch.setenv("VASE_CACHE_DIR", str(tmp_path / "cache"))
     method, params, budget, window, storage = row
     expected = spec_says(*row, engine="vllm" if door in VLLM_DOORS else None)
-    if door in VLLM_DOORS and expected is None and method != "full" and not vase.policies.get_policy(method).evicts:
+    if door in VLLM_DOORS and expected is None and method != "full" and not vase.core.policies.get_policy(method).evicts:
         pytest.skip("the plugin has nothing to do for a method that does not evict")
     if door == "cli-generate-vllm" and expected is None and importlib.util.find_spec("vllm") is None:
         pytest.skip("an accepted request goes on to need vLLM, which this environment lacks")

@@ -15,9 +15,9 @@ import torch
 
 import vase
 from vase.engines import Engine, TransformersEngine, VllmEngine, engine_args, kv_bytes_per_token
-from vase.engines.registry import EngineInfo, engine_class, engine_info, register_engine
-from vase.errors import SpecError
-from vase.generation import eos_ids, forced_log_probs
+from vase.core.capabilities import EngineInfo, engine_class, engine_info, register_engine
+from vase.core.errors import SpecError
+from vase.generation.generate import eos_ids, forced_log_probs
 
 from .conftest import F64, tiny_model, tiny_tokenizer
 

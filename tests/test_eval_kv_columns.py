@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import vase
-from vase.cache import EvictionCache
-from vase.compat import CACHE_KWARG, cache_kwargs
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import CACHE_KWARG, cache_kwargs
 from vase.eval.config import EvalConfig
 from vase.eval.runner import run_eval
 from vase.eval.store import read_all

@@ -307,7 +307,7 @@ def test_float32_forcing_equals_decoding_but_for_value_guard_ties(method, extra,
     tokens and a single token round differently; the guard can then keep the other copy, and the rows after that
     eviction differ (0.07 nats here; up to 0.19 seen on a row of the tiny model). Before the first eviction the
     two always agree. (float64 models agree everywhere: tests/test_quant.py.)"""
-    from vase.generation import forced_log_probs
+    from vase.generation.generate import forced_log_probs
 
     from .conftest import tiny_model
 

@@ -13,7 +13,7 @@ from vase.eval.prompts import build_user_message
 from vase.eval.report import COLUMNS, PLOT_FILES, conclusion, summarize, summary_rows
 from vase.eval.runner import run_eval
 from vase.eval.tasks import load_task
-from vase.generation import GenerationOutput
+from vase.generation.generate import GenerationOutput
 
 GOLD = {build_user_message(p): p.answer for p in load_task("arith", limit=8)}
 

@@ -43,7 +43,7 @@ from vase.eval.store import (
     read_jsonl,
     record_key,
 )
-from vase.generation import GenerationOutput
+from vase.generation.generate import GenerationOutput
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = dict(task="arith", limit=3, methods=["snapkv", "vase-attnv"], budgets=[24], window=8, samples=2,
@@ -393,7 +393,7 @@ def test_every_setting_that_changes_results_names_a_new_run(tmp_path):
     from dataclasses import fields
 
     from vase.eval.identity import RUNTIME_FIELDS
-    from vase.storages import storage_keywords
+    from vase.storage.registry import storage_keywords
 
     placed = set(_NAMED) | set(_DATA) | set(_RUNTIME) | set(_NO_RESULT)
     assert {f.name for f in fields(EvalConfig)} == placed  # a new setting is placed in one of the tables above

@@ -1,4 +1,4 @@
-"""The fp8 storage (`vase.fp8_cache`, kind `fp8` of the storage registry, keyword `kv_dtype`): K/V stored as float8
+"""The fp8 storage (`vase.storage.fp8`, kind `fp8` of the storage registry, keyword `kv_dtype`): K/V stored as float8
 with per-layer scales of 1.0 (vLLM's default), dequantized on read. References: transformers' DynamicCache fed
 K/V rounded through float8 (nothing evicted), and a dense evicting cache whose storage rounds through float8
 (evicting: the same kept sets). float32 models: fp8 rounding of float32 K/V is one cast."""
@@ -13,13 +13,13 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import vase
 from vase import cache_kwargs
-from vase.cache import EvictionCache, EvictionLayer
-from vase.errors import SpecError
-from vase.fp8_cache import Fp8Bytes, Fp8Config, Fp8Storage
-from vase.policies import get_policy
-from vase.spec import RequestSpec
-from vase.storage import DenseStorage
-from vase.storages import StorageKind, byte_model, register_storage, static_refusal, storage_kinds
+from vase.caches.eager import EvictionCache, EvictionLayer
+from vase.core.errors import SpecError
+from vase.storage.fp8 import Fp8Bytes, Fp8Config, Fp8Storage
+from vase.core.policies import get_policy
+from vase.core.spec import RequestSpec
+from vase.storage.protocol import DenseStorage
+from vase.storage.registry import StorageKind, byte_model, register_storage, static_refusal, storage_kinds
 
 B, W = 16, 4
 PROMPT = torch.arange(5, 17)[None]
@@ -85,7 +85,7 @@ def ref_kind():
     register_storage(StorageKind(name="ref-fp8", spec=RefSpec, config=RefConfig,
                                  eager=lambda config, window, layer_idx: RefStorage(config.fmt)))
     yield
-    import vase.storages as reg
+    import vase.storage.registry as reg
 
     reg._KINDS[:] = before
 

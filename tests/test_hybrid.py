@@ -18,10 +18,10 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 import vase
-from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
-from vase.hybrid import bounded_bytes, kv_bytes_per_layer_token, layer_types, recurrent_state_bytes
-from vase.static import CompileUnsupportedError
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import cache_kwargs
+from vase.hf.hybrid import bounded_bytes, kv_bytes_per_layer_token, layer_types, recurrent_state_bytes
+from vase.caches.static import CompileUnsupportedError
 
 from .hybrid_models import FAMILIES, hybrid_model
 from .test_cache import _ByteTokenizer, _stored_masks
@@ -275,7 +275,7 @@ def test_llama4_evicts_only_its_global_layers():
     """vase evicts Llama 4's NoPE (global, full-attention) layers and leaves each chunked-local layer to
     transformers' own sliding layer with the chunk as window: after 40 steps through 5+ evictions the chunked
     layers hold the last chunk - 1 = 7 tokens, equal to the model's own DynamicCache's on the same tokens."""
-    from vase.hybrid import CHUNKED
+    from vase.hf.hybrid import CHUNKED
 
     model = hybrid_model("llama4")
     cfg = model.config
@@ -364,7 +364,7 @@ def test_compiled_decode_refuses_hybrid_models_naming_the_layer_type(family, kin
 def test_layer_mixes_vase_cannot_evict_are_refused_in_one_line():
     from transformers import Gemma3TextConfig
 
-    from vase.support import UnsupportedModelError, config_problem
+    from vase.hf.support import UnsupportedModelError, config_problem
 
     base = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, num_hidden_layers=2, sliding_window=8)
@@ -462,7 +462,7 @@ def _vllm_stand_in(hf):
 def test_models_page_is_in_step_with_support():
     from pathlib import Path
 
-    from vase.support import config_problem
+    from vase.hf.support import config_problem
     from vase.vllm.model_refusals import model_refusal
 
     from .hybrid_models import hybrid_config
@@ -491,7 +491,7 @@ def test_bench_shapes_of_hybrid_families():
 
     from vase.bench.shapes import resolve_shape
     from vase.engines import kv_bytes_per_token
-    from vase.support import config_problem
+    from vase.hf.support import config_problem
 
     text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
     rows = _table(text, "| shape | full-attention layers |")
@@ -509,7 +509,7 @@ def test_bench_shapes_of_hybrid_families():
 
 def test_time_averaged_bounded_bytes_sum_every_step():
     """`bounded_bytes_mean` (the eval's kv_bytes_time_mean of a hybrid model) is the plain mean over the steps."""
-    from vase.hybrid import bounded_bytes_mean
+    from vase.hf.hybrid import bounded_bytes_mean
 
     from .hybrid_models import hybrid_config
 
@@ -576,7 +576,7 @@ def test_teacher_forcing_equals_decoding_on_hybrid_models(family):
     """`forced_log_probs` feeds chunks up to the next eviction (several tokens per forward through the sliding and
     linear-attention layers too): the log-probs of decoding the same tokens one at a time (float32 output; the
     gated delta rule's chunked and recurrent forms round apart by ~1e-6)."""
-    from vase.generation import forced_log_probs
+    from vase.generation.generate import forced_log_probs
 
     model = hybrid_model(family)
     torch.manual_seed(1)
@@ -595,12 +595,12 @@ def test_quantized_storage_on_a_hybrid_model_counts_its_evicting_layers(tmp_path
     from tests.helpers_tiny import tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
-    from vase import schedule
+    from vase.core import schedule
     from vase.eval.config import EvalConfig
     from vase.eval.runner import run_eval
     from vase.eval.store import rank_files, read_jsonl
-    from vase.policies import get_policy
-    from vase.quant_cache import QuantBytes
+    from vase.core.policies import get_policy
+    from vase.storage.quantized import QuantBytes
 
     from .hybrid_models import hybrid_config
 
@@ -657,7 +657,7 @@ def test_a_pending_layer_left_by_another_cache_is_not_taken_by_this_forward():
     layer) must not take it: it would record queries into the other cache's ring and mask with its slots."""
     import vase
     from tests.conftest import tiny_model
-    from vase.attention import PENDING_LAYER
+    from vase.hf.attention import PENDING_LAYER
 
     torch.manual_seed(0)
     ids = torch.randint(3, 60, (1, 12))

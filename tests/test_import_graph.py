@@ -2,7 +2,7 @@
 functions, read statically (AST) from src/vase, so a lazy import cannot hide a cycle either.
 
 KNOWN_CYCLES is empty (the last one, generation <-> compiled, went when both took the shared decode pieces from
-vase.decoding): any cycle fails."""
+vase.generation.decoding): any cycle fails."""
 
 from __future__ import annotations
 
@@ -123,9 +123,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_walk_sees_lazy_imports_and_finds_a_planted_cycle():
     graph = import_graph()
-    assert "vase.quant_cache" in graph["vase.cache"]  # the cache picks its storage
-    assert "vase.generation" in graph["vase.eval.runner"]  # imported inside functions only
-    assert "vase.schedule" in graph["vase.vllm.stats"]  # `from .. import schedule`
+    assert "vase.storage.quantized" in graph["vase.caches.eager"]  # the cache picks its storage
+    assert "vase.generation.generate" in graph["vase.eval.runner"]  # imported inside functions only
+    assert "vase.core.schedule" in graph["vase.vllm.stats"]  # `from .. import schedule`
     planted = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(planted) == ["a", "b", "c", "a"] and cycles(planted) == {frozenset("abc")}
     assert find_cycle({"a": {"b"}, "b": set()}) is None and cycles({"a": {"b"}, "b": set()}) == set()
@@ -133,8 +133,8 @@ def test_the_walk_sees_lazy_imports_and_finds_a_planted_cycle():
 
 def test_the_storages_meet_the_cache_without_a_cycle():
     graph = import_graph()
-    assert "vase.cache" not in graph["vase.quant_cache"] and "vase.cache" not in graph["vase.storage"]
-    assert not any({"vase.cache", "vase.quant_cache"} & c for c in cycles(graph))
+    assert "vase.caches.eager" not in graph["vase.storage.quantized"] and "vase.caches.eager" not in graph["vase.storage.protocol"]
+    assert not any({"vase.caches.eager", "vase.storage.quantized"} & c for c in cycles(graph))
 
 
 def test_the_package_has_no_import_cycle_but_the_known_ones():
@@ -160,8 +160,8 @@ def core_imports_of_the_harness(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_core_imports_nothing_from_the_harness():
     graph = import_graph()
-    assert "vase.spec" in graph["vase.cache"]  # the walk sees the core's edges ...
-    assert core_imports_of_the_harness({"vase.batched": {"vase.eval.paired"}}) == ["vase.batched -> vase.eval.paired"]
+    assert "vase.core.spec" in graph["vase.caches.eager"]  # the walk sees the core's edges ...
+    assert core_imports_of_the_harness({"vase.generation.batched": {"vase.eval.paired"}}) == ["vase.generation.batched -> vase.eval.paired"]
     assert core_imports_of_the_harness(graph) == []  # ... and none of them points up
 
 
@@ -185,7 +185,7 @@ def test_test_oracles_live_under_tests():
 
 
 def test_one_atomic_file_writer():
-    """Files are replaced in one place (`vase.atomic`); the model store's folder renames are another operation."""
+    """Files are replaced in one place (`vase.files.atomic`); the model store's folder renames are another operation."""
     writers = sorted(module_name(p) for p in (SRC / PACKAGE).rglob("*.py")
                      if "os.replace(" in p.read_text() or ".replace(path)" in p.read_text())
-    assert writers == ["vase.atomic"]
+    assert writers == ["vase.files.atomic"]

@@ -1,4 +1,4 @@
-"""The one eviction kernel (`vase.kernel`) and the one query ring (`vase.ring`), through the three engines.
+"""The one eviction kernel (`vase.core.kernel`) and the one query ring (`vase.core.ring`), through the three engines.
 
 The same K/V/queries go through the eager `EvictionLayer`, the static (compiled-form) `StaticLayer`
 and the vLLM plugin's paged eviction (`evict_paged`, scattered blocks in a scrambled layout): at every
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.test_vllm_paged import _dense_run, _paged_run
-from vase import schedule
-from vase.cache import EvictionCache
-from vase.kernel import compact_slots, gather_slots, keep_index
-from vase.policies import get_policy, method_names
-from vase.ring import new_ring, ring_read, ring_write
-from vase.static import StaticEvictionCache, ready
+from vase.core import schedule
+from vase.caches.eager import EvictionCache
+from vase.core.kernel import compact_slots, gather_slots, keep_index
+from vase.core.policies import get_policy, method_names
+from vase.core.ring import new_ring, ring_read, ring_write
+from vase.caches.static import StaticEvictionCache, ready
 
 STATIC = [m for m in method_names() if get_policy(m).evicts and not get_policy(m).selects]
 

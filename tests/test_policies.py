@@ -1,7 +1,7 @@
 """Eviction policies checked against references written here from docs/methods.md (the selection, the score and each method).
 
 The references are plain loops / tensor code in float64 and use none of the library's
-helpers (no vase.policies.scores, no base helpers); only the public `select`,
+helpers (no vase.core.policies.scores, no base helpers); only the public `select`,
 `window_attention`, `sample_without_replacement` and `get_policy` are exercised.
 Layout: keys/values [batch, kv_heads, n, head_dim], queries [batch, q_heads, window, head_dim].
 """
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-import vase.policies as P
-from vase.policies import POLICIES, UnknownMethodError, get_policy, sample_without_replacement, window_attention
+import vase.core.policies as P
+from vase.core.policies import POLICIES, UnknownMethodError, get_policy, sample_without_replacement, window_attention
 
 B, HKV, HQ, N, D, W, K = 2, 2, 4, 40, 8, 6, 20
 SINKS = 4
@@ -692,7 +692,7 @@ def test_policies_and_schedule_import_without_transformers():
     import subprocess
     import sys
 
-    code = ("import sys; import vase.policies, vase.schedule; from vase.policies import get_policy; "
+    code = ("import sys; import vase.core.policies, vase.core.schedule; from vase.core.policies import get_policy; "
             "get_policy('vase-attnv'); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'); "
             "assert not bad, bad; import vase; vase.EvictionCache; assert 'transformers' in sys.modules")

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vase.policies import POLICIES, get_policy, key_redundancy, window_attention
+from vase.core.policies import POLICIES, get_policy, key_redundancy, window_attention
 from vase.vllm.paged import RequestPolicyState, evict_paged
 
 

@@ -18,11 +18,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vase import schedule
-from vase.cache import EvictionCache
+from vase.core import schedule
+from vase.caches.eager import EvictionCache
 from vase.eval.store import SAMPLE_KEY, JsonlStore, read_jsonl
-from vase.masks import mask_kind
-from vase.policies import POLICIES, get_policy
+from vase.hf.masks import mask_kind
+from vase.core.policies import POLICIES, get_policy
 
 settings.register_profile("vase-ci", max_examples=40, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

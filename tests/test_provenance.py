@@ -1,4 +1,4 @@
-"""vase.provenance: the record every results file carries, and the file round trip."""
+"""vase.files.provenance: the record every results file carries, and the file round trip."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vase import provenance as prov
+from vase.files import provenance as prov
 
 
 def test_record_names_commit_machine_versions_and_command():

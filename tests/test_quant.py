@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import vase
-from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
-from vase.generation import forced_log_probs
-from vase.policies import value_magnitude
-from vase.quant import dequantize, pack, packed_bytes, quantize, unpack
-from vase.quant_cache import QuantSpec, QuantStorage
-from vase.storage import DenseStorage, KVStorage
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import cache_kwargs
+from vase.generation.generate import forced_log_probs
+from vase.core.policies import value_magnitude
+from vase.storage.packing import dequantize, pack, packed_bytes, quantize, unpack
+from vase.storage.quantized import QuantSpec, QuantStorage
+from vase.storage.protocol import DenseStorage, KVStorage
 
 from .conftest import tiny_model, tiny_tokenizer
 
@@ -365,7 +365,7 @@ def test_slot_tags_are_narrow_and_their_bytes_counted(cap, dtype):
 
 def test_quant_bytes_from_the_schedule_match_the_cache_at_every_step():
     """QuantBytes (the eval's per-sequence accounting) gives what the layer holds, step by step (full)."""
-    from vase.quant_cache import QuantBytes
+    from vase.storage.quantized import QuantBytes
 
     torch.manual_seed(10)
     b, h, T, d, P = 1, 2, 150, 32, 37
@@ -445,7 +445,7 @@ def test_both_storages_implement_the_protocol_and_the_layer_composes_one():
 
 
 def test_the_spec_and_the_keywords_are_one_request():
-    from vase.quant import CACHE_STORAGE_OPTIONS
+    from vase.storage.packing import CACHE_STORAGE_OPTIONS
 
     spec = QuantSpec(bits=2, guard=5, group=16, select="random", flush_every=4, key_scale=True)
     assert set(QuantSpec.KEYWORDS.values()) == set(CACHE_STORAGE_OPTIONS)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import vase
-from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
-from vase.generation import forced_log_probs
-from vase.policies import get_policy
-from vase.policies.quest import page_bounds, page_scores, prefix_bounds, quest_mask
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import cache_kwargs
+from vase.generation.generate import forced_log_probs
+from vase.core.policies import get_policy
+from vase.core.policies.quest import page_bounds, page_scores, prefix_bounds, quest_mask
 
 from .conftest import tiny_model
 

@@ -13,7 +13,7 @@ from vase.analysis.randomness import (
     traced_forced,
 )
 from vase.eval.metrics import first_evicted_target
-from vase.generation import forced_log_probs
+from vase.generation.generate import forced_log_probs
 
 from .conftest import tiny_model, tiny_tokenizer
 
@@ -95,7 +95,7 @@ def _recomputed_mixtures(model, tok, prompts, budget, window, runs, first_row):
     """Per problem, (mean mixture KL, mean single KL) of the forced runs `runs` [(method, budget, seed, params)],
     from `first_row(prompt_len)` on, recomputed here from the definitions: the study's own trajectories (full,
     sampled with seed 0), KL(full || mean of the runs' distributions) and the mean of KL(full || run)."""
-    from vase.generation import encode_prompts, generate
+    from vase.generation.generate import encode_prompts, generate
 
     gen = generate(model, tok, list(prompts), method="full", budget=budget, window=window, max_new_tokens=48, seed=0,
                    temperature=0.6, top_p=0.95, chat_template=False)

@@ -1,13 +1,13 @@
-"""The eviction schedule (vase.schedule): hand-computed cases, a step-by-step simulation, and the cache's behaviour."""
+"""The eviction schedule (vase.core.schedule): hand-computed cases, a step-by-step simulation, and the cache's behaviour."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vase.cache import EvictionCache
-from vase.compat import cache_kwargs
-from vase.schedule import (eviction_steps, first_eviction_step, first_limit, is_eviction_step, must_evict,
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import cache_kwargs
+from vase.core.schedule import (eviction_steps, first_eviction_step, first_limit, is_eviction_step, must_evict,
                            num_evictions, peak_length, physical_length, room, steady_limit)
 
 from .conftest import tiny_model
@@ -105,14 +105,14 @@ def test_cache_follows_the_schedule_per_row(method):
 
 @pytest.mark.parametrize("P,B,w", [(10, 20, 6), (30, 16, 4), (0, 8, 1), (5, 5, 3), (64, 32, 16)])
 def test_stored_length_sum_is_the_sum_of_physical_lengths(P, B, w):
-    from vase.schedule import stored_length_sum
+    from vase.core.schedule import stored_length_sum
 
     for n in range(0, 70):
         assert stored_length_sum(P, B, w, n) == sum(physical_length(P, B, w, j) for j in range(1, n + 1)), n
 
 
 def test_blocks():
-    from vase.schedule import cdiv, max_blocks
+    from vase.core.schedule import cdiv, max_blocks
 
     assert [cdiv(a, 16) for a in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
     assert max_blocks(128, 32, 16) == 10 and max_blocks(120, 10, 16) == 9
@@ -142,7 +142,7 @@ def test_sequence_stats_and_their_users_equal_a_brute_force_cache(B, w):
 
     from vase.eval.metrics import first_evicted_target, kv_schedule
     from vase.eval.runner import row_cache_stats
-    from vase.schedule import cdiv, max_blocks, sequence_stats
+    from vase.core.schedule import cdiv, max_blocks, sequence_stats
 
     for P in (0, 1, 2, 5, 9, 16, 17, 30):
         for n in range(0, 60):

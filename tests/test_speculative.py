@@ -1,5 +1,5 @@
 """Speculative decoding on an evicting cache (transformers' prompt lookup and assisted generation): the same tokens
-and the same kept sets at every eviction as plain greedy decoding with the same cache settings (`vase.verify`).
+and the same kept sets at every eviction as plain greedy decoding with the same cache settings (`vase.hf.verify`).
 
 float64 models, so another CPU's rounding cannot flip a token; B = 16, w = 4, 70 new tokens: 16 evictions."""
 
@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vase import cache_kwargs
-from vase.cache import EvictedStateError, EvictionCache, EvictionLayer
+from vase.caches.eager import EvictedStateError, EvictionCache, EvictionLayer
 
 B, W, NEW = 16, 4, 70
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10] * 2])  # repetitive (prompt lookup finds drafts); P + 3 drafts <= B

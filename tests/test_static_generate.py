@@ -1,4 +1,4 @@
-"""transformers' own `model.generate` with the compiled evicting step (`vase.static_generate`).
+"""transformers' own `model.generate` with the compiled evicting step (`vase.caches.compiled`).
 
 Tiny float64 model on CPU, a batch of 2 with one row left-padded, B = 16, w = 4, 40 new tokens
 (every row evicts 8 times). The reference is `model.generate` over the eager `EvictionCache`:
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from vase.cache import EvictionCache
-from vase.compat import cache_kwargs, generate_kwargs
-from vase.static import CompileUnsupportedError
-from vase.static_generate import CompiledEvictionCache
+from vase.caches.eager import EvictionCache
+from vase.hf.compat import cache_kwargs, generate_kwargs
+from vase.caches.static import CompileUnsupportedError
+from vase.caches.compiled import CompiledEvictionCache
 
 B, W, P, NEW = 16, 4, 10, 40
 

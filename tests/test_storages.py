@@ -1,4 +1,4 @@
-"""The storage registry (`vase.storages`): a storage is its own module plus one `register_storage` call.
+"""The storage registry (`vase.storage.registry`): a storage is its own module plus one `register_storage` call.
 
 A toy storage registered here (K/V rounded to bfloat16 and counted at 2 bytes an element; no compiled
 form) runs through the request spec, `EvictionCache`, `vase.generate`, the compiled step's refusal and
@@ -15,13 +15,13 @@ import torch
 
 import vase
 from tests.conftest import F64, tiny_model, tiny_tokenizer
-from vase.cache import EvictionCache
-from vase.errors import SpecError
-from vase.policies import get_policy
-from vase.quant_cache import QuantBytes, QuantSpec, QuantStorage
-from vase.spec import RequestSpec, split_storage
-from vase.storage import DenseStorage
-from vase.storages import (StorageKind, byte_model, eager_storage, kind_of, register_storage, spec_from_options,
+from vase.caches.eager import EvictionCache
+from vase.core.errors import SpecError
+from vase.core.policies import get_policy
+from vase.storage.quantized import QuantBytes, QuantSpec, QuantStorage
+from vase.core.spec import RequestSpec, split_storage
+from vase.storage.protocol import DenseStorage
+from vase.storage.registry import (StorageKind, byte_model, eager_storage, kind_of, register_storage, spec_from_options,
                            static_refusal, storage_keywords, storage_kinds)
 
 
@@ -73,7 +73,7 @@ def toy():
         eager=lambda config, window, layer_idx: ToyStorage(),
         byte_model=lambda model, policy, budget, window, spec: ToyBytes(2 * 2 * 2 * 16 * 2)))
     yield kind
-    import vase.storages as reg
+    import vase.storage.registry as reg
 
     reg._KINDS[:] = before
 

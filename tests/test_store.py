@@ -22,7 +22,7 @@ from vase.eval.store import (
     read_all,
     read_jsonl,
 )
-from vase.generation import GenerationOutput
+from vase.generation.generate import GenerationOutput
 
 
 def rec(i: int, method: str = "full") -> dict:

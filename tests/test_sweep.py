@@ -46,10 +46,10 @@ def test_attended_tokens_per_step_by_hand():
 @torch.no_grad()
 def test_quest_attends_what_the_sweep_reports(monkeypatch):
     """Count the tokens Quest's masks really let each scored row attend in a forced run."""
-    import vase.policies.quest as quest
+    import vase.core.policies.quest as quest
 
     from vase.eval.metrics import first_evicted_target
-    from vase.generation import forced_log_probs
+    from vase.generation.generate import forced_log_probs
 
     seen: dict[int, list[int]] = {}  # n visible -> tokens attended, one entry per layer and head
     real = quest.quest_mask
@@ -148,7 +148,7 @@ def test_cli_errors_are_one_line(model_dir, args, message, capsys):
 def test_run_sweep_gives_quest_the_equal_sparsity_budget_at_its_call_site(tmp_path, monkeypatch):
     """The budget run_sweep hands Quest is `equal_sparsity_budget` of that problem's own P, T, B and t0 (not, e.g.,
     `B + w // 2`, which the attended-tokens check above lets through within its 0.5 tolerance)."""
-    import vase.generation as generation
+    import vase.generation.generate as generation
     from vase.eval.metrics import first_evicted_target
 
     calls, real = [], generation.forced_log_probs

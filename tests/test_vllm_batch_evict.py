@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vase.policies import POLICIES, get_policy
+from vase.core.policies import POLICIES, get_policy
 from vase.vllm.paged import EvictionJob, Layout, RequestPolicyState, evict_paged, evict_paged_batch
 
 H_KV, H_Q, D, BS, W, B = 2, 4, 16, 8, 8, 24
@@ -68,7 +68,7 @@ def test_batched_eviction_is_one_eviction_per_request(name, cow, packed, prior):
 
 
 def test_ring_gather_reads_each_row_as_ring_read():
-    from vase.ring import ring_gather, ring_read
+    from vase.core.ring import ring_gather, ring_read
 
     g = torch.Generator().manual_seed(3)
     ring = torch.randn(6, H_Q, W, D, generator=g)

@@ -183,7 +183,7 @@ def test_stock_vllm_preempts_in_the_tight_pool(rows):
 
 @needs_vllm
 def test_bounded_requests_all_run_at_once_without_preemption(rows):
-    from vase import schedule
+    from vase.core import schedule
 
     v = rows["vase-attnv"]
     assert v.preemptions == 0 and v.recomputed_tokens == 0

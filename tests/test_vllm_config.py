@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vase import schedule
+from vase.core import schedule
 from vase.vllm import VaseConfigError, VaseVllmConfig, additional_config, max_blocks, request_stats
 
 
@@ -292,7 +292,7 @@ def test_a_stage_with_layers_outside_the_evicted_group_is_refused_in_one_line():
 @pytest.mark.parametrize("method, replays", [("snapkv", False), ("h2o", False), ("tova", False),
                                              ("vase-attnv", True), ("vase-dkv", True)])
 def test_a_stage_replays_the_other_layers_of_policies_that_draw(method, replays):
-    from vase.policies import get_policy
+    from vase.core.policies import get_policy
     from vase.vllm.heads import RankHeads, rank_policy
     from vase.vllm.stages import draws
 

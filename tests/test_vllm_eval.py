@@ -91,7 +91,7 @@ def test_prompts_are_the_transformers_engines_tokens(run):
 
     from vase.eval.prompts import build_user_message
     from vase.eval.tasks import load_task
-    from vase.generation import encode_prompts
+    from vase.generation.generate import encode_prompts
     from vase.models import model_dir
 
     tok = AutoTokenizer.from_pretrained(model_dir())
@@ -103,7 +103,7 @@ def test_prompts_are_the_transformers_engines_tokens(run):
 
 @needs_vllm
 def test_cache_stats_follow_the_plugins_schedule(run):
-    from vase import schedule
+    from vase.core import schedule
 
     bpt = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, float32
     for r in run["records"]:
@@ -222,7 +222,7 @@ def test_greedy_full_agrees_with_the_transformers_engine(tmp_path):
         assert len(a) == len(b)
         return
     assert k >= 4, (a, b)
-    from vase.generation import encode_prompts
+    from vase.generation.generate import encode_prompts
 
     ids, _ = encode_prompts(tok, [prompt], True)
     with torch.no_grad():

@@ -17,8 +17,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 import torch  # noqa: E402
 
 from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm, transformers_greedy, vllm_batch  # noqa: E402
-from vase import schedule  # noqa: E402
-from vase.policies import get_policy, method_names  # noqa: E402
+from vase.core import schedule  # noqa: E402
+from vase.core.policies import get_policy, method_names  # noqa: E402
 from vase.vllm import VaseVllmConfig, additional_config, request_stats  # noqa: E402
 
 BLOCK = 32

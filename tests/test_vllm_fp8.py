@@ -3,7 +3,7 @@
 vLLM's CPU kernel stores fp8 only on x86 with AVX-512 or AMX (`_get_attn_isa` in
 vllm/v1/attention/backends/cpu_attn.py raises otherwise, stock engines included): those tests skip elsewhere.
 
-1. The CPU kernel's fp8 bytes are `vase.fp8_cache.to_fp8(x, fmt, scale, rounding="zero")` (truncation toward
+1. The CPU kernel's fp8 bytes are `vase.storage.fp8.to_fp8(x, fmt, scale, rounding="zero")` (truncation toward
    zero; "fp8" is e4m3), read through the packed layout `cpu_kernel_layout` finds for uint8 caches.
 2. `evict_paged` with an fp8 codec keeps what the dense eviction keeps on the decoded K/V, with a scale other
    than 1, and moves the stored codes unchanged (no engine).
@@ -29,9 +29,9 @@ TOL_FP8 = 1e-2
 from tests.test_vllm_exact import B_PAR, N_NEW, PARITY_METHODS, W_PAR, _compare, make_engine, prompt_ids  # noqa: E402
 from tests.test_vllm_paged import _dense_run, _paged_run  # noqa: E402
 from tests.vllm_tiny import greedy, runner, save_tiny_llama, transformers_greedy, vllm_batch  # noqa: E402
-from vase import schedule  # noqa: E402
-from vase.fp8_cache import FORMATS, Fp8Spec, from_fp8, to_fp8  # noqa: E402
-from vase.policies import get_policy, method_names  # noqa: E402
+from vase.core import schedule  # noqa: E402
+from vase.storage.fp8 import FORMATS, Fp8Spec, from_fp8, to_fp8  # noqa: E402
+from vase.core.policies import get_policy, method_names  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 from vase.vllm.fp8 import Fp8Codec  # noqa: E402
 from vase.vllm.paged import gather  # noqa: E402

@@ -12,8 +12,8 @@ the compacted rows.
 import pytest
 import torch
 
-from vase import schedule
-from vase.policies import get_policy
+from vase.core import schedule
+from vase.core.policies import get_policy
 from vase.vllm.layouts import split_kv
 from vase.vllm.paged import RequestPolicyState, evict_paged, gather, scatter, slot_index
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from vase import schedule
-from vase.policies import get_policy
+from vase.core import schedule
+from vase.core.policies import get_policy
 from vase.vllm.capture import CapturePlan, QueryRing
 from vase.vllm.layouts import split_kv
 from vase.vllm.offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch

@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 from vllm.config.compilation import CompilationConfig, CUDAGraphMode  # noqa: E402
 
-from vase import schedule  # noqa: E402
+from vase.core import schedule  # noqa: E402
 from vase.vllm import VaseConfigError, VaseVllmConfig  # noqa: E402
 from vase.vllm.capture import QueryRing  # noqa: E402
 from vase.vllm.layouts import GPU_BACKENDS, backend_of, split_kv  # noqa: E402

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vase.policies import get_policy, method_names
+from vase.core.policies import get_policy, method_names
 from vase.vllm.heads import RankHeads, RankPolicy, rank_policy
 
 EVICTING = [m for m in method_names() if get_policy(m).evicts]

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from tests.test_vllm_exact import B_PRE, W_PRE, _compare, _exact_under_preemption, prompt_ids  # noqa: E402
 from tests.vllm_tiny import core, runner, start_llm, transformers_greedy, vllm_batch  # noqa: E402
-from vase import schedule  # noqa: E402
+from vase.core import schedule  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
 B, W, N_NEW, BLOCK = 48, 16, 150, 32

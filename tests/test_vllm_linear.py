@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import tests.test_vllm_exact as exact  # noqa: E402
 from tests.test_vllm_exact import prompt_ids  # noqa: E402
 from tests.vllm_tiny import core, greedy, runner, start_llm, transformers_greedy, vllm_batch  # noqa: E402
-from vase.policies import get_policy  # noqa: E402
+from vase.core.policies import get_policy  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
 B, W, N_NEW = 48, 16, 200

@@ -7,9 +7,9 @@ token by token exactly as a model would drive it.
 import pytest
 import torch
 
-from vase import schedule
-from vase.cache import EvictionCache
-from vase.policies import get_policy, method_names
+from vase.core import schedule
+from vase.caches.eager import EvictionCache
+from vase.core.policies import get_policy, method_names
 from vase.vllm.paged import Layout, RequestPolicyState, evict_paged, gather, scatter, slot_index
 
 EVICTING = [m for m in method_names() if get_policy(m).evicts]

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 import torch  # noqa: E402
 
 from tests.vllm_tiny import core, greedy, runner, start_llm  # noqa: E402
-from vase import schedule  # noqa: E402
+from vase.core import schedule  # noqa: E402
 from vase.vllm import VaseConfigError, VaseVllmConfig, additional_config, max_blocks, request_stats  # noqa: E402
 
 BLOCK = 32
@@ -155,8 +155,8 @@ def test_large_budget_is_token_identical_to_stock_vllm(stock, big):
 
 def _dense_snapkv(model_path, ids, n_new, B, w):
     """Greedy tokens and the slots kept at the first eviction (per layer) through the transformers cache."""
-    from vase.cache import EvictionCache
-    from vase.compat import cache_kwargs
+    from vase.caches.eager import EvictionCache
+    from vase.hf.compat import cache_kwargs
     from vase.models import load_model
 
     model, _ = load_model(model_path, dtype="float32")

@@ -16,8 +16,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 import torch  # noqa: E402
 
 from tests.vllm_tiny import core, runner, save_tiny_llama, start_llm  # noqa: E402
-from vase import schedule  # noqa: E402
-from vase.policies import get_policy  # noqa: E402
+from vase.core import schedule  # noqa: E402
+from vase.core.policies import get_policy  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
 BLOCK, B, W = 32, 48, 16

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vase import schedule
+from vase.core import schedule
 from vase.vllm.steps import StepPlan, VaseStepError, allocation_length, next_boundary, plan_step
 
 B, W = 64, 16

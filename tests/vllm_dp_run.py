@@ -25,7 +25,7 @@ from tests.vllm_tp_run import BUDGET, METHODS, N_NEW, PROMPT_LENGTHS, WINDOW, en
 
 def _swap_policy(worker, method: str) -> None:
     """On a worker: run `method` from now on and start recording kept positions."""
-    from vase.policies import get_policy
+    from vase.core.policies import get_policy
 
     worker.model_runner.vase_policy = get_policy(method)
     worker.model_runner.vase_record = {}

@@ -31,8 +31,8 @@ import tempfile
 
 import torch
 
-import vase.policies.base as policy_base
-from vase.cache import EvictionLayer
+import vase.core.policies.base as policy_base
+from vase.caches.eager import EvictionLayer
 
 RECORD: list[dict] = []  # one entry per (eviction, layer): filled by the patches below while the reference runs
 ON = [False]  # record only during the transformers run (the plugin's worker runs in this process too)

@@ -24,7 +24,7 @@ METHODS = [*TP_METHODS, "vase-dkv"]
 
 def _swap_policy(worker, method: str) -> None:
     """On a worker: run `method` from now on and start recording kept positions."""
-    from vase.policies import get_policy
+    from vase.core.policies import get_policy
 
     worker.model_runner.vase_policy = get_policy(method)
     worker.model_runner.vase_record = {}

@@ -82,8 +82,8 @@ def transformers_greedy(path: str, method: str, ids: list[int], n_new: int, budg
     it ran -> per evicting layer [kv_heads][budget]); a hybrid model's sliding layers are transformers' own.
     `storage`: the cache's storage spec (e.g. `Fp8Spec("fp8", rounding="zero")`, vLLM's CPU fp8); None: dense.
     `dtype`: the model's (bfloat16 for a linear-attention hybrid, which vLLM's CPU build runs in bf16 only)."""
-    from vase.cache import EvictionCache
-    from vase.compat import cache_kwargs
+    from vase.caches.eager import EvictionCache
+    from vase.hf.compat import cache_kwargs
     from vase.models import load_model
 
     model, _ = load_model(path, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
@@ -110,7 +110,7 @@ def vllm_batch(llm, method: str, prompts: list[list[int]], n_new: int, after_ste
     """The prompts as one greedy batch through the plugin (policy swapped on the shared engine): per prompt its
     tokens, top-5 log-probs and kept positions per eviction. `after_step()` runs after every engine step (a test's
     invariant checks)."""
-    from vase.policies import get_policy
+    from vase.core.policies import get_policy
 
     r = runner(llm)
     r.vase_policy = get_policy(method)

@@ -83,7 +83,7 @@ def _swap_policy(worker, method: str) -> None:
     """On a worker: run `method` from now on (as the rank sees it) and start recording kept positions."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    from vase.policies import get_policy
+    from vase.core.policies import get_policy
     from vase.vllm.heads import RankHeads, rank_policy
 
     runner = worker.model_runner

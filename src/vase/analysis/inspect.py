@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..cache import EvictionCache
-from ..compat import cache_kwargs
-from ..scalars import plain, plain_items
-from ..checks import check_flags, check_prompts, check_sampling, check_seed
-from ..generation import Sampler, decode, eos_ids, prepare_prompts
-from ..hybrid import full_attention_layers
+from ..caches.eager import EvictionCache
+from ..hf.compat import cache_kwargs
+from ..core.scalars import plain, plain_items
+from ..core.checks import check_flags, check_prompts, check_sampling, check_seed
+from ..generation.generate import Sampler, decode, eos_ids, prepare_prompts
+from ..hf.hybrid import full_attention_layers
 from .kept import kept_map, plot_kept_map
 from .loops import loop_onset
 from .values import value_statistics

@@ -16,7 +16,7 @@ tokens) and the same budget, each method is traced while it evicts exactly as in
 - loop onset in free generation (sampling) per method, with the failure classes' loop rule.
 
 Tensor layouts: kept/candidate sets are bool [..., N] over sequence positions; log-probs are
-[T, vocab] (row t predicts target t, as in `vase.generation.forced_log_probs`).
+[T, vocab] (row t predicts target t, as in `vase.generation.generate.forced_log_probs`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..policies import get_policy
+from ..core.policies import get_policy
 from .randomness_report import print_report, write_files
 from .randomness_stats import (Mixture, bootstrap_ratio, bootstrap_ratio_difference, consecutive_overlap, coverage,
                                ensemble_kl, jaccard, relative_error, token_kl)
@@ -76,7 +76,7 @@ class Trace:
 def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *, method: str = "full",
                   budget: int = 512, window: int = 64, seed: int = 0, reference: torch.Tensor | None = None,
                   keep_outputs: bool = False, **method_params) -> Trace:
-    """Teacher-force `target_ids` [T] after `prompt_ids` [P] through `vase.generation.forced_log_probs`
+    """Teacher-force `target_ids` [T] after `prompt_ids` [P] through `vase.generation.generate.forced_log_probs`
     (same chunks, same evictions, same log-probs), observing each chunk to record kept sets and
     attention outputs.
 
@@ -84,7 +84,7 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
     `attention_modules`, in order); the trace then holds the
     relative error per layer and fed target. keep_outputs: keep this run's own outputs (for full).
     """
-    from ..generation import forced_log_probs
+    from ..generation.generate import forced_log_probs
 
     P, T = len(prompt_ids), len(target_ids)
     if T < 2:
@@ -199,7 +199,7 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     generates freely (same sampling and seed) for `loop_tokens` (default `max_new_tokens`)
     tokens; 0 skips it. Returns the report dict.
     """
-    from ..generation import encode_prompts, eos_ids, generate
+    from ..generation.generate import encode_prompts, eos_ids, generate
 
     controls = _check_study(arms, controls, seeds, loop_tokens, budget, window)
     say = progress or (lambda msg: None)
@@ -309,7 +309,7 @@ def _measure_control(model, prompt_ids: list[int], targets: list[int], ref: Trac
     """One prompt through one control: its method's runs at each budget offset, mixed; (first scored row, mixture
     KL [T'], mean single KL [T'])."""
     from ..eval.metrics import first_evicted_target
-    from ..generation import forced_log_probs
+    from ..generation.generate import forced_log_probs
 
     budgets = [budget + o for o in ctl.offsets]
     t0 = max(first_evicted_target(len(prompt_ids), budget=b, window=window, evicts=True) for b in budgets)
@@ -328,7 +328,7 @@ def _free_generation(model, tokenizer, prompts: Sequence[str], arms: Sequence[Ar
     """Loop onset: the full cache and each arm generate freely for `loop_tokens` tokens; per label, per prompt, the
     loop onset, the length and the failure class."""
     from ..eval.failures import classify_failure
-    from ..generation import generate
+    from ..generation.generate import generate
     from .loops import loop_onset
 
     loops: dict[str, list] = {}

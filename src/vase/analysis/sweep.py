@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from ..eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target
-from ..policies import get_policy
-from ..schedule import physical_length
+from ..core.policies import get_policy
+from ..core.schedule import physical_length
 
 DEFAULT_METHODS = ("streamingllm", "snapkv", "rkv", "vase-attnv", "vase-dkv", "quest")
 DEFAULT_COMPRESSIONS = (4, 8, 16)
@@ -165,7 +165,7 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
     tasks: task name -> prompts (user messages). max_new_tokens: full's trajectory length cap,
     one for all tasks or per task.
     """
-    from ..generation import encode_prompts, forced_log_probs, generate
+    from ..generation.generate import encode_prompts, forced_log_probs, generate
 
     say = progress or (lambda msg: None)
     for m in methods:

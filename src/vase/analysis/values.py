@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..policies import value_magnitude
+from ..core.policies import value_magnitude
 
 
 def value_statistics(values: list[torch.Tensor], metric: str = "range", outlier_ratio: float = 5.0,

@@ -97,6 +97,6 @@ class PeakMemory:
 
 def dynamic_kv_bytes(cache) -> int:
     """Bytes a transformers cache holds: every layer's K/V, and a hybrid model's linear-attention states."""
-    from ..cache import kept_layer_bytes
+    from ..caches.eager import kept_layer_bytes
 
     return sum(kept_layer_bytes(layer) for layer in getattr(cache, "layers", []))

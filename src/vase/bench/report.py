@@ -264,8 +264,8 @@ def plot(rows: Sequence[dict], out_dir: str | Path) -> list[Path]:
 
 def write_results_file(rows: Sequence[dict], path: str | Path, record: dict) -> Path:
     """The rows (one flat dict per table row, NaN as null) with their provenance record
-    (`vase.provenance.provenance()`, taken before the run) through `vase.provenance.write_results`."""
-    from ..provenance import write_results
+    (`vase.files.provenance.provenance()`, taken before the run) through `vase.files.provenance.write_results`."""
+    from ..files.provenance import write_results
 
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()} for row in rows]
     return write_results(path, clean, record)

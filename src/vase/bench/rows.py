@@ -7,9 +7,9 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from ..policies import get_policy
-from ..storages import byte_model
-from ..schedule import num_evictions
+from ..core.policies import get_policy
+from ..storage.registry import byte_model
+from ..core.schedule import num_evictions
 from .paired import paired_ratio
 from .traffic import ModelBytes, StepTraffic, decode_traffic, gain_share
 
@@ -19,7 +19,7 @@ BASELINES = ("full", "dynamic")
 
 
 def expected_evictions(prompt_length: int, new_tokens: int, budget: int, window: int) -> int:
-    """Eviction events the schedule predicts for one unpadded row (`vase.schedule`, docs/methods.md).
+    """Eviction events the schedule predicts for one unpadded row (`vase.core.schedule`, docs/methods.md).
 
     After prefill the cache holds P tokens; the N new tokens need N - 1 more forwards (the
     last token is never fed back). The first eviction runs before the token that would pass
@@ -153,7 +153,7 @@ def row_traffic(model, method: str, budget: int | None, window: int, prompt_leng
     policy = get_policy(method)
     if not policy.evicts:
         return None
-    quant = byte_model(model, policy, budget, window, method_params)  # the storage's own (`vase.storages`)
+    quant = byte_model(model, policy, budget, window, method_params)  # the storage's own (`vase.storage.registry`)
     return decode_traffic(sizes, "evicting", prompt_length, new_tokens, batch, budget, window, compiled=compiled,
                           quant=quant)
 

@@ -5,7 +5,7 @@
 
 Every configuration decodes `output_length` new tokens (sampled as `vase.generate` samples by default:
 temperature 0.6, top-p 0.95, one generator per row; EOS ignored) after a random
-prompt of `prompt_length` tokens, through `vase.generation.decode`, with one of
+prompt of `prompt_length` tokens, through `vase.generation.generate.decode`, with one of
 
 - an evicting method at budget B (an `EvictionCache`),
 - `full`: the same owned cache without eviction (preallocated to prompt + output), and
@@ -26,7 +26,7 @@ What is measured (per run; a row reports the median over `repeats` runs after `w
   the steps after the first eviction only (before it the cache is still filling, holding fewer
   tokens than later, so faster), and an evicting row below 0.95 gets a flag.
 - Evictions: `cache.stats()["evictions"]` (events per layer; every layer evicts at the same
-  step). `expected_evictions` is what the schedule (`vase.schedule`, docs/methods.md) predicts;
+  step). `expected_evictions` is what the schedule (`vase.core.schedule`, docs/methods.md) predicts;
   `eviction_fired` is False for an evicting method that never evicted (prompt + output too
   short for its budget): such a row gets a `flag` and NO speed-up ratios.
 - Time per eviction event (all layers), two ways:
@@ -71,8 +71,8 @@ from pathlib import Path
 
 import torch
 
-from ..cache import EvictionCache
-from ..generation import PAPER_SAMPLING, Sampler, decode
+from ..caches.eager import EvictionCache
+from ..generation.generate import PAPER_SAMPLING, Sampler, decode
 from .memory import PeakMemory, dynamic_kv_bytes
 from .paired import alternating
 from .rows import (BASELINES, add_ratios, add_traffic, evict_step_cost, expected_evictions, row_traffic, segment_rates,
@@ -158,7 +158,7 @@ def _random_prompt(vocab: int, batch: int, length: int, seed: int, device: torch
 
 
 def _set_attention(model, method: str) -> None:
-    from ..attention import uninstall
+    from ..hf.attention import uninstall
 
     if method == "dynamic":
         uninstall(model)  # the stock kernel and transformers' own masks, as users run it today
@@ -169,7 +169,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
             clock: str = "wall", **method_params) -> dict:
     """Decode `new_tokens` tokens once and return the raw measurements of that run.
 
-    compile: decode with `vase.compiled.decode_compiled` (`full`: transformers' StaticCache, the step
+    compile: decode with `vase.generation.compiled.decode_compiled` (`full`: transformers' StaticCache, the step
     compiled; evicting methods: the static cache's compiled steps); `dynamic` stays eager.
     cache_tokens: size the full caches for this many new tokens instead of `new_tokens` (a warm-up
     run compiles the StaticCache step for the shapes of the timed run).
@@ -214,7 +214,7 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
 
     out = _step_measures(stamps, evict_marks, batch, segments, prefill_s)
     if compiled and method != "full":
-        from ..compiled import decode_compiled
+        from ..generation.compiled import decode_compiled
 
         cache = decode_compiled.last_cache or cache  # the static form the steps ran on
     out.update(_cache_measures(cache, timer, compiled, out["decode_s"]))
@@ -245,7 +245,7 @@ def _bench_cache(model, method: str, budget: int | None, window: int, seed: int,
         timer = _EvictTimer(cache, device, now)  # eager evictions only (the compiled ones run inside the step)
     run_decode = decode
     if compiled:
-        from ..compiled import compile_cache, decode_compiled
+        from ..generation.compiled import compile_cache, decode_compiled
 
         cache = compile_cache(model, cache, batch, prompt_length + max(new_tokens, cache_tokens or 0))
         run_decode = decode_compiled
@@ -258,7 +258,7 @@ def _eviction_counter(cache, timer, compiled: bool) -> Callable[[], int]:
     """A function reading how many times the first evicting layer has evicted so far (0 without a timer)."""
     first_layer = cache.evicting_layers[0] if timer is not None else None
     if compiled and timer is not None:
-        from ..compiled import decode_compiled
+        from ..generation.compiled import decode_compiled
 
         def evictions_now() -> int:  # the static cache counts once the steps are compiled
             return (decode_compiled.last_cache or first_layer.cache).layers[0].evictions

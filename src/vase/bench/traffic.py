@@ -9,16 +9,16 @@ more than T_full / T_bounded, whatever the implementation. Formula and terms: do
     t = decode_traffic(mb, "evicting", prompt=128, new_tokens=2048, batch=1, budget=512, window=64)
     t.total            # mean bytes per decode step over the run's N - 1 forwards
 
-Pure functions of shapes and the schedule (`vase.schedule`); nothing is timed or allocated here.
+Pure functions of shapes and the schedule (`vase.core.schedule`); nothing is timed or allocated here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..hybrid import CHUNKED, LINEAR, SLIDING, kv_bytes_per_layer_token, layer_types, local_window, recurrent_state_bytes
-from ..quant_cache import QuantBytes
-from ..schedule import first_limit, num_evictions, stored_length_sum, steady_limit
+from ..hf.hybrid import CHUNKED, LINEAR, SLIDING, kv_bytes_per_layer_token, layer_types, local_window, recurrent_state_bytes
+from ..storage.quantized import QuantBytes
+from ..core.schedule import first_limit, num_evictions, stored_length_sum, steady_limit
 
 __all__ = ["KINDS", "ModelBytes", "StepTraffic", "decode_traffic", "gain_share"]
 
@@ -132,11 +132,11 @@ def decode_traffic(mb: ModelBytes, kind: str, prompt: int, new_tokens: int, batc
     """Mean bytes per decode step over the N - 1 forwards that decode N = `new_tokens` tokens after a prompt of P.
 
     At step j (j = 1 .. N - 1) the cache stores L_j tokens after the step's write: P + j without
-    eviction, `vase.schedule.physical_length(P, B, w, j)` with it; per row, K/V read is
+    eviction, `vase.core.schedule.physical_length(P, B, w, j)` with it; per row, K/V read is
 
     - full (eager): L_j tokens; compiled (transformers' StaticCache): its whole P + N slots;
     - dynamic: L_j read by attention, plus L_j - 1 read and L_j written by torch.cat;
-    - evicting (eager): L_j tokens; compiled (`vase.static`): its whole B + w slots. `quant`
+    - evicting (eager): L_j tokens; compiled (`vase.caches.static`): its whole B + w slots. `quant`
       (a `QuantBytes`): those slots at the packed size, the reserve and window in full precision.
 
     Each step also writes the new token (and, quantized, its codes once it is flushed); each

@@ -45,7 +45,7 @@ from ..eval.paired import first_divergence
 from .paired import alternating
 from .vllm_report import (STOCK_AT_VASE, STOCK_METHODS, SUMMARY_TABLE, Step, VllmBenchRow, paired_summary,
                           write_vllm_report)
-from ..schedule import cdiv
+from ..core.schedule import cdiv
 
 __all__ = ["Step", "VllmBenchRow", "run_vllm_bench", "pool_bytes", "write_vllm_report", "compare_to_ample",
            "first_difference", "paired_rounds", "paired_summary", "REGIMES", "EVICTING_ONLY"]
@@ -388,7 +388,7 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
             from vase.vllm.config import vase_section
 
             vase_section(m, b, window, params)
-    from ..provenance import finish, provenance, write_results
+    from ..files.provenance import finish, provenance, write_results
 
     record = provenance(command, repeats=repeats)  # before the runs: the load average they start under
     rows = run_vllm_bench(model, methods, budgets, n_requests=requests, new_tokens=lengths[0], prompt_len=prompt_len,

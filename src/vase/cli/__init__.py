@@ -1,7 +1,7 @@
 """The `vase` command: methods, generate, eval, summarize, report, bench, serve, inspect, analyze.
 
 One module per command group, each command a thin layer over a library function: :mod:`.methods`,
-:mod:`.generate` (over :mod:`vase.batched`), :mod:`.evaluate` (eval, summarize, report), :mod:`.bench`,
+:mod:`.generate` (over :mod:`vase.generation.batched`), :mod:`.evaluate` (eval, summarize, report), :mod:`.bench`,
 :mod:`.serve`, :mod:`.analyze` (inspect and the analyze studies). :mod:`.common` holds what they share
 (consoles, option types, checks before any model loads); :mod:`.main` assembles the app. Nothing here
 imports transformers or vLLM until a command needs a model. The helpers that lived in the old

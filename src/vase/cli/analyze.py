@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ..checks import check_sampling
+from ..core.checks import check_sampling
 
 from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_out_dir, check_range, checked_params,
                      console, err_console, model_options, split_list, warn)

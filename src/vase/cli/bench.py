@@ -73,7 +73,7 @@ def bench(
     = None,
 ) -> None:
     """Decode throughput and memory of each method against the full cache, per output length."""
-    from ..engines.registry import engine_info, engine_names, refuse_unsupported
+    from ..core.capabilities import engine_info, engine_names, refuse_unsupported
 
     method_list, budget_list = split_list(methods, str, "--methods"), split_list(budgets, int, "--budgets")
     if engine not in engine_names():
@@ -100,7 +100,7 @@ def _engine_bench(hook: str, ctx: typer.Context, engine: str, model: ModelArgs, 
                   budget_list: list[int], o: dict) -> dict[str, Path]:
     """`bench --engine NAME` for an engine with a bench of its own (the registry's ``bench`` hook): the written
     paths. `o`: the command's other options by parameter name."""
-    from ..engines.registry import load_hook
+    from ..core.capabilities import load_hook
 
     options = dict(model=model.model, dtype=model.dtype, methods=method_list, budgets=budget_list,
                    lengths=o["lengths"], window=o["window"], param=o["param"], requests=o["requests"],
@@ -135,7 +135,7 @@ def _decode_bench(ctx: typer.Context, model: ModelArgs, method_list: list[str], 
               **quant}
     from ..bench.report import write_report, write_results_file
     from ..bench.runner import run_bench
-    from ..provenance import finish, provenance
+    from ..files.provenance import finish, provenance
 
     record = provenance(invocation(), threads=torch.get_num_threads())  # before the measurement: its load average too
     if layers is not None and not random_init:

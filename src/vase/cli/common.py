@@ -124,11 +124,11 @@ def parse_params(items: list[str] | None) -> dict:
 
 def checked_params(methods: list[str], items: list[str] | None, *, budgets: list[int] | None = None,
                    window: int | None = None, storage: dict | None = None, engine: str | None = None) -> dict:
-    """Parse `--param` items and check, with the request spec (:class:`vase.spec.RequestSpec`), every method at
+    """Parse `--param` items and check, with the request spec (:class:`vase.core.spec.RequestSpec`), every method at
     every budget: the method takes them (types and ranges included), the budget rule, the reserve rule and the
     storage (--kv-bits, or ``-p kv_bits=``; not both), and what `engine` can run: all before any slow model
     load. Returns the parsed items (method parameters and storage keywords as given)."""
-    from ..spec import RequestSpec, split_storage
+    from ..core.spec import RequestSpec, split_storage
 
     params = parse_params(items)
     spelled = split_storage(params)[1]
@@ -168,7 +168,7 @@ def quant_options(kv_bits: int, quant_guard: int | None) -> dict:
     """The EvictionCache keywords of --kv-bits / --quant-guard (none when they are left at their defaults)."""
     if kv_bits == 16 and quant_guard is None:
         return {}
-    from ..quant import quant_kwargs
+    from ..storage.packing import quant_kwargs
 
     return quant_kwargs(kv_bits, quant_guard)
 

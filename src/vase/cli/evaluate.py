@@ -79,7 +79,7 @@ def evaluate(
     )
     cfg = load_config(config, overrides)
     if attn is not None:  # a flag the engine would ignore is refused, not dropped
-        from ..engines.registry import refuse_unsupported
+        from ..core.capabilities import refuse_unsupported
 
         refuse_unsupported(cfg.engine, attn=True)
     if cfg.task is None and cfg.task_file is None:
@@ -103,7 +103,7 @@ def eval_params(cfg, params: dict) -> dict[str, dict]:
     from dataclasses import fields
 
     from ..eval.config import FULL, ConfigError
-    from ..storages import storage_keywords
+    from ..storage.registry import storage_keywords
 
     specs = {label: s for label, s in cfg.method_specs().items() if label != FULL}
     if not specs:

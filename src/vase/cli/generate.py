@@ -1,5 +1,5 @@
 """`vase generate`: prompts through a bounded KV cache, streamed, with a summary line (and, with --compare,
-a second method on the same seeds and where the two part). The batching is :mod:`vase.batched`."""
+a second method on the same seeds and where the two part). The batching is :mod:`vase.generation.batched`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..checks import check_sampling
+from ..core.checks import check_sampling
 from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_range, checked_params, console, given,
                      model_options, quant_options, warn)
 
@@ -18,7 +18,7 @@ __all__ = ["generate", "read_prompts", "engine_runner", "print_summary"]
 
 def read_prompts(prompt: str | None, file: Path | None) -> list[str]:
     """The prompts of PROMPT or --file (one per line, blank lines skipped; '-' reads stdin)."""
-    from ..textfiles import decode_utf8
+    from ..files.textfiles import decode_utf8
 
     if prompt is not None and file is not None:
         raise UserError("give a PROMPT or --file, not both")
@@ -78,8 +78,8 @@ def generate(
                                         "plugin; no streaming, no --kv-bits).")] = "transformers",
 ) -> None:
     """Generate with a bounded KV cache, streaming the answer, then print a summary."""
-    from ..engines.registry import engine_info, engine_names, refuse_unsupported
-    from ..spec import split_storage
+    from ..core.capabilities import engine_info, engine_names, refuse_unsupported
+    from ..core.spec import split_storage
 
     if engine not in engine_names():
         raise UserError(f"unknown --engine {engine!r}: use {' or '.join(engine_names())}")
@@ -111,10 +111,10 @@ def generate(
         run, tok = engine_runner(engine, model, seed)
         mdl = None
     else:
-        from ..generation import generate as run
+        from ..generation.generate import generate as run
 
         mdl, tok = model.load()
-    from ..batched import generate_batches
+    from ..generation.batched import generate_batches
 
     single = len(prompts) == 1
 
@@ -130,7 +130,7 @@ def generate(
 def _print_steps(steps, single: bool, method: str, compare: str | None, budget: int) -> None:
     """Print what `generate_batches` yields: a rule per method and the streamed text (one prompt) or each prompt's
     text when its batch is done, the summary line, and where --compare's tokens diverge."""
-    from ..batched import Divergence, Finished, Started
+    from ..generation.batched import Divergence, Finished, Started
 
     for step in steps:
         if isinstance(step, Started) and single:
@@ -154,7 +154,7 @@ def _print_steps(steps, single: bool, method: str, compare: str | None, budget: 
 def engine_runner(name: str, model: ModelArgs, seed: int):
     """`vase generate --engine NAME` for an engine that loads its own model (the registry's ``loads_model``): a
     `vase.generate`-like function over the started engine, and its tokenizer."""
-    from ..engines.registry import engine_class, engine_info
+    from ..core.capabilities import engine_class, engine_info
     from ..models import resolve_device, resolve_dtype
     from ..vllm.stats import summarize
 
@@ -179,7 +179,7 @@ def engine_runner(name: str, model: ModelArgs, seed: int):
 
 def print_summary(method: str, out) -> None:
     """One dim line: tokens, speed, evictions, KV bytes held against the full cache's."""
-    from ..units import human_bytes
+    from ..core.units import human_bytes
 
     s = out.stats
     console.print(

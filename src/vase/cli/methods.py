@@ -11,7 +11,7 @@ __all__ = ["methods"]
 
 def methods() -> None:
     """List every method with its parameters, defaults and what it does."""
-    from ..policies import POLICIES, get_policy
+    from ..core.policies import POLICIES, get_policy
 
     table = Table(title="vase methods")
     table.add_column("method", style="bold")

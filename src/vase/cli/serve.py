@@ -42,7 +42,7 @@ def serve(
     extra = list(ctx.args)
     if model is not None and model.startswith("-"):  # no MODEL given: the first vLLM option landed there
         model, extra = None, [model, *extra]
-    from ..engines.registry import refuse_unsupported
+    from ..core.capabilities import refuse_unsupported
 
     # vase's own flags of other commands would reach vLLM as unknown options after its start-up: refuse them here
     asked = {flag.split("=")[0] for flag in extra}

@@ -6,7 +6,7 @@ count K/V bytes per token, close.
     engine = VllmEngine(None, dtype="float32", seed=0)               # vLLM's LLM.generate + the vase plugin
     out = engine.generate(prompts, method="vase-attnv", budget=512, window=64, seed=0)
 
-Engines sit above the core (:mod:`vase.generation`, :mod:`vase.vllm`) and below the harness
+Engines sit above the core (:mod:`vase.generation.generate`, :mod:`vase.vllm`) and below the harness
 (eval, bench, analysis, the CLI). Nothing here imports vLLM until an engine is started, and the
 names below load on first use.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vase.lazy import lazy_exports
+from vase.core.lazy import lazy_exports
 
 #: public name -> submodule that defines it (imported on first access)
 _LAZY = {

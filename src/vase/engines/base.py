@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from vase.generation import ChunkObserver, GenerationOutput
+    from vase.generation.generate import ChunkObserver, GenerationOutput
 
 __all__ = ["Engine", "kv_bytes_per_token"]
 
@@ -18,7 +18,7 @@ class Engine(Protocol):
     :class:`~vase.engines.VllmEngine`).
 
     An engine owns its model and tokenizer; methods and budgets are per call. What it can do (teacher
-    forcing, its own batching, loading its own model, ...) is its entry in :mod:`vase.engines.registry`,
+    forcing, its own batching, loading its own model, ...) is its entry in :mod:`vase.core.capabilities`,
     which every door reads; :meth:`forced_log_probs` raises NotImplementedError where ``forcing`` is False.
     Its constructor is ``Class(model, tokenizer)`` (a loaded transformers model) or, with the registry's
     ``loads_model``, ``Class(model_name, dtype=, device=, seed=)``.
@@ -59,7 +59,7 @@ class Engine(Protocol):
                          max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
                          **params: Any) -> torch.Tensor:
         """Teacher-force `target_ids` [T] after `prompt_ids` [P]: float32 log-probs [T, vocab], row t the
-        distribution that predicted target t (see :func:`vase.generation.forced_log_probs`)."""
+        distribution that predicted target t (see :func:`vase.generation.generate.forced_log_probs`)."""
         ...
 
     def close(self) -> None:
@@ -71,13 +71,13 @@ def kv_bytes_per_token(source: Any, dtype: torch.dtype | str | None = None) -> i
     """Bytes of K and V one token adds over the layers whose cache grows with the sequence, dense and
     unquantised: 2 x full-attention layers x kv_heads x head_dim x element bytes (every layer of a model
     with full attention throughout; a hybrid model's sliding and linear-attention layers hold a bounded
-    amount instead, `vase.hybrid.bounded_bytes`, which a cache's own stats count).
+    amount instead, `vase.hf.hybrid.bounded_bytes`, which a cache's own stats count).
 
     source: a transformers model (its config and its parameters' dtype), or a model config with
     `dtype` given (a torch dtype or its name: "float32", "bfloat16", ...). A multimodal config's
     text config is used.
     """
-    from vase.hybrid import full_attention_layers, kv_bytes_per_layer_token
+    from vase.hf.hybrid import full_attention_layers, kv_bytes_per_layer_token
 
     if dtype is None:
         cfg, dtype = source.config, next(source.parameters()).dtype

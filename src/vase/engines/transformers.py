@@ -1,5 +1,5 @@
 """vase's own decode loop as an :class:`~vase.engines.Engine`: :func:`vase.generate` and
-:func:`vase.generation.forced_log_probs` over a loaded transformers model."""
+:func:`vase.generation.generate.forced_log_probs` over a loaded transformers model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vase.generation import ChunkObserver, GenerationOutput
+from vase.generation.generate import ChunkObserver, GenerationOutput
 
 from .base import kv_bytes_per_token
 
@@ -22,14 +22,14 @@ class TransformersEngine:
         model, tokenizer: a loaded causal LM and its tokenizer (see :meth:`load`).
         generate_fn: ``vase.generate`` (default) or anything with its signature and output
             (``generate_fn(model, tokenizer, prompts, **settings)``), e.g. a test's stand-in.
-        forced_fn: ``vase.generation.forced_log_probs`` (default) or a stand-in with its signature.
+        forced_fn: ``vase.generation.generate.forced_log_probs`` (default) or a stand-in with its signature.
     """
 
     name = "transformers"
 
     def __init__(self, model, tokenizer, *, generate_fn: Callable[..., GenerationOutput] | None = None,
                  forced_fn: Callable[..., torch.Tensor] | None = None):
-        from vase.generation import forced_log_probs, generate
+        from vase.generation.generate import forced_log_probs, generate
 
         self.model = model
         self._tokenizer = tokenizer
@@ -76,7 +76,7 @@ class TransformersEngine:
                          max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
                          **params: Any) -> torch.Tensor:
         """``forced_fn(model, prompt_ids [P], target_ids [T], ...)`` -> float32 log-probs [T, vocab]: see
-        :func:`vase.generation.forced_log_probs`. `max_chunk` and `on_chunk` are passed only when given,
+        :func:`vase.generation.generate.forced_log_probs`. `max_chunk` and `on_chunk` are passed only when given,
         so a stand-in without them raises TypeError only when they are asked for."""
         extra: dict[str, Any] = {}
         if max_chunk is not None:

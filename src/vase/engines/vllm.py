@@ -4,7 +4,7 @@ builder of vLLM engine arguments (the eval, ``vase generate --engine vllm`` and 
 The caller hands every pending prompt of one method and budget to :meth:`VllmEngine.generate` in one
 call, and vLLM schedules them:
 
-- prompts are templated and tokenised by :func:`vase.generation.encode_prompts`, the transformers
+- prompts are templated and tokenised by :func:`vase.generation.generate.encode_prompts`, the transformers
   engine's own function, and given to vLLM as token ids, so both engines see the same tokens;
 - row ``r`` uses ``SamplingParams(seed=seed[r])`` (or ``seed + r``), which seeds the request's
   sampling and (in the plugin) its eviction generators;
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vase.generation import GenerationOutput
+from vase.generation.generate import GenerationOutput
 
 from .base import kv_bytes_per_token
 
 if TYPE_CHECKING:
-    from vase.generation import ChunkObserver
+    from vase.generation.generate import ChunkObserver
 
 __all__ = ["VllmEngine", "VllmOutput", "vllm_available", "vllm_version", "engine_args", "start_llm", "start_engine",
            "llm_eos_ids", "check_fits"]
@@ -132,7 +132,7 @@ def _one_line_start(model_path: str):
 
 def llm_eos_ids(llm, tokenizer) -> list[int]:
     """The ids that end a request in vLLM: the model's generation-config EOS ids and the tokenizer's."""
-    from vase.generation import eos_ids
+    from vase.generation.generate import eos_ids
 
     gen = llm.llm_engine.model_config.try_get_generation_config() or {}
     return eos_ids(None, tokenizer, generation_eos=gen.get("eos_token_id"))
@@ -143,7 +143,7 @@ def llm_eos_ids(llm, tokenizer) -> list[int]:
 
 def check_fits(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, context: int) -> None:
     """vLLM serves at most the model's context (`max_model_len`): ValueError naming what to change, the prompt
-    when it alone is too long (as `vase.generation.check_context` says it), else the length cap."""
+    when it alone is too long (as `vase.generation.generate.check_context` says it), else the length cap."""
     if not context:
         return
     for i, ids in enumerate(prompt_ids):
@@ -290,8 +290,8 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from vase import schedule
-        from vase.generation import encode_prompts, row_seeds
+        from vase.core import schedule
+        from vase.generation.generate import encode_prompts, row_seeds
         from vase.vllm.config import VaseVllmConfig, vase_section
         from vase.vllm.stats import request_stats
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vase.engines.registry import ENGINES
-from vase.errors import SpecError
-from vase.policies import Policy, UnknownMethodError, get_policy
-from vase.scalars import plain, plain_items
-from vase.quant_cache import QuantSpec  # torch only: checking a config imports no transformers
-from vase.storages import spec_from_options
-from vase.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
+from vase.core.capabilities import ENGINES
+from vase.core.errors import SpecError
+from vase.core.policies import Policy, UnknownMethodError, get_policy
+from vase.core.scalars import plain, plain_items
+from vase.storage.quantized import QuantSpec  # torch only: checking a config imports no transformers
+from vase.storage.registry import spec_from_options
+from vase.core.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
 
 __all__ = [
     "ConfigError",
@@ -60,7 +60,7 @@ class MethodSpec:
     method: str  # registered name passed to get_policy / generate
     params: dict[str, Any]  # the policy's parameters, only what the user set (passed on as keyword arguments)
     policy: Policy  # get_policy(method, **params): its params() are the full identity
-    storage: QuantSpec | Any = None  # how the cache holds K/V: a registered spec (`vase.storages`); None: dense
+    storage: QuantSpec | Any = None  # how the cache holds K/V: a registered spec (`vase.storage.registry`); None: dense
 
     @property
     def evicts(self) -> bool:
@@ -193,7 +193,7 @@ class EvalConfig:
     def _coerce(self) -> None:
         # Strings from a command line or an environment become the field's type.
         for name, kind in _SCALARS.items():
-            v = plain(getattr(self, name))  # np.int64(32) is 32 (vase.scalars)
+            v = plain(getattr(self, name))  # np.int64(32) is 32 (vase.core.scalars)
             if isinstance(v, str):
                 try:
                     v = _parse_scalar(v, kind)
@@ -315,7 +315,7 @@ class EvalConfig:
             # Storage options (kv_bits, quant_guard, ...) go to the cache, not the policy.
             params, spelled = split_storage(params)
             try:
-                storage = spec_from_options(spelled)  # a registered storage's spec (`vase.storages`)
+                storage = spec_from_options(spelled)  # a registered storage's spec (`vase.storage.registry`)
             except ValueError as e:
                 raise ConfigError(f"method {label!r}: {e}") from e
             try:

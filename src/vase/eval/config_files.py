@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vase.eval.config import ConfigError, EvalConfig, canonical_label
-from vase.textfiles import decode_utf8
+from vase.files.textfiles import decode_utf8
 
 __all__ = ["load_config"]
 
@@ -90,8 +90,8 @@ def _normalise_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     for k, v in data.items():
         key = str(k).replace("-", "_")
         if key not in known:
-            from vase.policies import POLICIES
-            from vase.storages import storage_keywords
+            from vase.core.policies import POLICIES
+            from vase.storage.registry import storage_keywords
 
             method_keys = set(storage_keywords()) | {f.name for cls in POLICIES.values()
                                                       for f in dataclasses.fields(cls)}

@@ -48,7 +48,7 @@ class FidelityPass:
                 done.add((u.label, u.budget, p.id))
                 written += 1
             return written
-        from vase.generation import encode_prompts
+        from vase.generation.generate import encode_prompts
 
         ids, _ = encode_prompts(self.tokenizer, [build_user_message(p)], c.chat_template)
         prompt_ids = ids[0].tolist()

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vase.engines.registry import ENGINES
+from vase.core.capabilities import ENGINES
 from vase.eval.config import FULL, ConfigError, EvalConfig, MethodSpec, jsonable
 from vase.eval.config_files import load_config
-from vase.storages import kind_of
+from vase.storage.registry import kind_of
 
 __all__ = ["identity", "identity_hash", "identity_changes", "records_of_run", "read_run_config",
            "runtime_identity", "RUNTIME_FIELDS", "problems_digest", "run_name"]
@@ -106,7 +106,7 @@ def runtime_identity(config: EvalConfig, model: Any = None) -> dict[str, Any]:
     runtime = {"model_sha256": sha, "resolved_dtype": str(dtype).removeprefix("torch."), "device": device.type,
                "attn_kernel": kernel, "torch": torch.__version__, "transformers": transformers.__version__}
     if engine.version is not None:  # its kernels and scheduler produce the tokens: its version is part of the run
-        from vase.engines.registry import load_hook
+        from vase.core.capabilities import load_hook
 
         runtime[engine.name] = load_hook(engine.version)()
     return runtime

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vase import schedule
+from vase.core import schedule
 from vase.eval.failures import FAILURE_CLASSES
 
 __all__ = [
@@ -192,14 +192,14 @@ def agreement_split(records_method: Sequence[Record], records_full: Sequence[Rec
 
 def kv_schedule(prompt_length: int, seen: int, *, budget: int | None, window: int,
                 evicts: bool) -> dict[str, float | int]:
-    """One sequence's stored K/V length over time, from the eviction schedule (`vase.schedule`, docs/methods.md).
+    """One sequence's stored K/V length over time, from the eviction schedule (`vase.core.schedule`, docs/methods.md).
 
     The cache holds the prompt, grows by one slot per fed token until it would pass
     ``max(P, B) + w`` (then ``B + w``) and drops to ``B`` just before the token that would pass.
     ``seen`` counts every token fed (prompt included). Returns ``evictions``, ``peak`` and
     ``time_mean``: the stored length averaged over the tokens fed after the prompt (the prompt
     length itself when nothing was fed after it), in tokens; multiply by bytes per token.
-    The numbers are `vase.schedule.sequence_stats`'.
+    The numbers are `vase.core.schedule.sequence_stats`'.
     """
     if seen < prompt_length:
         raise ValueError(f"kv_schedule: seen ({seen}) < prompt length ({prompt_length})")
@@ -228,9 +228,9 @@ def kv_byte_steps(record: Record) -> float | None:
 def first_evicted_target(prompt_length: int, *, budget: int | None, window: int, evicts: bool) -> int | None:
     """Index of the first teacher-forced target whose distribution comes from an evicted cache.
 
-    Row t of :func:`vase.generation.forced_log_probs` predicts target t from the prompt and
+    Row t of :func:`vase.generation.generate.forced_log_probs` predicts target t from the prompt and
     targets ``< t``: the cache has then seen ``P + t`` tokens, and it first evicts when that
-    would pass ``max(P, B) + w``: one past `vase.schedule.first_eviction_step`. None for a method
+    would pass ``max(P, B) + w``: one past `vase.core.schedule.first_eviction_step`. None for a method
     that never evicts.
     """
     if not evicts or budget is None:

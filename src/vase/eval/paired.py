@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from vase.batched import first_divergence  # the core's (vase generate --compare uses it too)
+from vase.generation.batched import first_divergence  # the core's (vase generate --compare uses it too)
 
 __all__ = [
     "pair_records",

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vase.provenance import finish, provenance
+from vase.files.provenance import finish, provenance
 
 FILE = "provenance.jsonl"
 

@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from vase import schedule
+from vase.core import schedule
 from vase.engines.base import kv_bytes_per_token  # noqa: F401 - re-exported (tests, callers)
-from vase.engines.registry import ENGINES, engine_class
+from vase.core.capabilities import ENGINES, engine_class
 from vase.eval.config import FULL, ConfigError, EvalConfig, MethodSpec
 from vase.eval.identity import identity, identity_hash, run_name, runtime_identity
 from vase.eval.distributed import Dist, dist_env
@@ -368,9 +368,9 @@ class _Runner(FidelityPass):
                 "kv_bytes_allocated": cap * self.bytes_per_token + bounded if cap else None}
 
     def _bounded_mean(self, prompt_length: int, seen: int) -> float:
-        """Time-averaged bytes of the layers vase does not evict (`vase.hybrid.bounded_bytes_mean`); 0 without
+        """Time-averaged bytes of the layers vase does not evict (`vase.hf.hybrid.bounded_bytes_mean`); 0 without
         a transformers model or for a model with full attention throughout."""
-        from vase.hybrid import bounded_bytes_mean, is_hybrid
+        from vase.hf.hybrid import bounded_bytes_mean, is_hybrid
 
         if self.model is None or not is_hybrid(self.model.config):
             return 0.0
@@ -378,11 +378,11 @@ class _Runner(FidelityPass):
         return bounded_bytes_mean(self.model.config, size, prompt_length, seen)
 
     def _quant_bytes(self, spec: MethodSpec, budget: int | None):
-        """The byte model of the method's storage (`vase.storages.byte_model`, e.g. `QuantBytes` for kv_bits);
+        """The byte model of the method's storage (`vase.storage.registry.byte_model`, e.g. `QuantBytes` for kv_bits);
         None when it holds dense bytes per token."""
         if spec.storage is None:
             return None
-        from vase.storages import byte_model
+        from vase.storage.registry import byte_model
 
         return byte_model(self.model, spec.policy, budget, self.config.window, spec.storage)
 
@@ -438,9 +438,9 @@ def run_eval(config: EvalConfig, model=None, tokenizer=None, generate_fn: Callab
     if ENGINES[config.engine].loads_model and generate_fn is None:  # the others wrap the model and generate_fn below
         engine = engine_class(config.engine)(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
     if generate_fn is None:
-        from vase.generation import generate as generate_fn
+        from vase.generation.generate import generate as generate_fn
     if forced_fn is None:
-        from vase.generation import forced_log_probs as forced_fn
+        from vase.generation.generate import forced_log_probs as forced_fn
     if model is not None and config.model is None:
         warnings.warn("a model object was passed but config.model is None: the run is labelled as the default "
                       "model; set config.model to a label that identifies the model", stacklevel=2)

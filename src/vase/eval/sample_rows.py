@@ -7,7 +7,7 @@ import hashlib
 import math
 from typing import Any
 
-from vase import schedule
+from vase.core import schedule
 
 __all__ = ["sample_seed", "problem_label", "row_cache_stats", "finite"]
 
@@ -31,7 +31,7 @@ def problem_label(problem: Any) -> str:
 
 def row_cache_stats(prompt_length: int, n_generated: int, finished: bool, *, budget: int | None, window: int,
                     evicts: bool, bytes_per_token: int) -> dict[str, int]:
-    """What one sequence's cache held, from the eviction schedule (`vase.schedule`, docs/methods.md).
+    """What one sequence's cache held, from the eviction schedule (`vase.core.schedule`, docs/methods.md).
 
     ``generate``'s stats describe the whole batch at its end (finished rows have left), so the
     per-sequence numbers are derived: tokens fed = prompt + generated (the token sampled at the

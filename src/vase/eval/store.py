@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vase.atomic import atomic_write_text, fsync_dir, write_temp  # noqa: F401 - the first two re-exported
+from vase.files.atomic import atomic_write_text, fsync_dir, write_temp  # noqa: F401 - the first two re-exported
 
 try:  # advisory lock so two processes never append to the same rank file
     import fcntl

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..support import UnsupportedModelError, check_model_supported
+from ..hf.support import UnsupportedModelError, check_model_supported
 # The default model's constants and the load options are re-exported too (callers import them from here).
 from .default import (DEFAULT_GGUF_FILENAME, DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_REQUIREMENT, DEFAULT_GGUF_SHA256,
                       DEFAULT_MODEL, default_model_path)

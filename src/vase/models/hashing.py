@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write_text, unique_sibling  # noqa: F401 - unique_sibling re-exported
+from ..files.atomic import atomic_write_text, unique_sibling  # noqa: F401 - unique_sibling re-exported
 
 __all__ = ["sha256_file", "source_sha256", "unique_sibling"]
 

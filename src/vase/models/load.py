@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..support import UnsupportedModelError, check_model_supported, config_problem
+from ..hf.support import UnsupportedModelError, check_model_supported, config_problem
 from .default import DEFAULT_ENTRY_STEM, DEFAULT_GGUF_FILENAME, DEFAULT_GGUF_SHA256, DEFAULT_MODEL
 from .errors import ModelLoadError, first_line, hub_error
 from .hashing import source_sha256

@@ -21,7 +21,7 @@ import torch
 
 from .default import default_model_path
 from .errors import ModelLoadError, first_line
-from ..atomic import atomic_write_text, unique_sibling
+from ..files.atomic import atomic_write_text, unique_sibling
 from .hashing import sha256_file
 
 __all__ = ["model_cache_dir", "gguf_entry", "ensure_entry"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ring import ring_gather, ring_put, ring_read
+from ..core.ring import ring_gather, ring_put, ring_read
 
 
 @dataclass
@@ -82,12 +82,12 @@ class QueryRing:
 
     def windows_of(self, layer: int, slots: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """The last w queries of k requests (ring rows `slots` [k], `seen` [k] tokens written each), in time
-        order: [k, q_heads, w, head_dim], one indexing op (`vase.ring.ring_gather`)."""
+        order: [k, q_heads, w, head_dim], one indexing op (`vase.core.ring.ring_gather`)."""
         return ring_gather(self.rings[layer], slots, seen)
 
     def window_of(self, layer: int, slot: int, seen: int) -> torch.Tensor:
         """The last w queries of a request that has written `seen` tokens, in time order: [1, q_heads, w, head_dim]."""
-        return ring_read(self.rings[layer][slot:slot + 1], seen, self.window)  # the one query ring (`vase.ring`)
+        return ring_read(self.rings[layer][slot:slot + 1], seen, self.window)  # the one query ring (`vase.core.ring`)
 
 
 def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):

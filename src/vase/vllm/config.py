@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import SpecError
-from ..scalars import plain_items
-from ..policies import Policy, get_policy
-from ..spec import RequestSpec, split_storage
+from ..core.errors import SpecError
+from ..core.scalars import plain_items
+from ..core.policies import Policy, get_policy
+from ..core.spec import RequestSpec, split_storage
 
 #: The key of vase's section in vLLM's `additional_config`.
 CONFIG_KEY = "vase"

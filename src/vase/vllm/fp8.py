@@ -6,7 +6,7 @@ values; per layer, `layer._k_scale_float`, 1.0 unless the checkpoint calibrates 
 and saturated; "fp8" is e4m3 (`float8_e4m3fn`, largest 448). A compaction moves those bytes as they are
 (`vase.vllm.paged.evict_paged` gathers and scatters the raw codes); the scores read keys and values, so
 `Fp8Codec` turns the gathered codes into the model's dtype, `code * scale`, exactly as
-`vase.fp8_cache.from_fp8` reads the transformers engine's fp8 storage. Queries are never quantised.
+`vase.storage.fp8.from_fp8` reads the transformers engine's fp8 storage. Queries are never quantised.
 
 No vLLM import: the tests hand in stand-ins.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..fp8_cache import FORMATS, from_fp8
+from ..storage.fp8 import FORMATS, from_fp8
 
 #: vLLM `kv_cache_dtype` values the plugin evicts under ("auto": the model's dtype, nothing to decode)
 FP8_CACHE_DTYPES: tuple[str, ...] = tuple(FORMATS)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..policies import Policy
+from ..core.policies import Policy
 
 
 @dataclass(frozen=True)

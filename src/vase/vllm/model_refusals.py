@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vase.hybrid import CHUNKED, FULL, LINEAR, SLIDING, layer_types
+from vase.hf.hybrid import CHUNKED, FULL, LINEAR, SLIDING, layer_types
 
 from .config import VaseConfigError
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ..kernel import choose, gather_slots, keep_index
-from ..policies import Policy
+from ..core.kernel import choose, gather_slots, keep_index
+from ..core.policies import Policy
 
 
 def slot_index(block_ids: torch.Tensor, n: int, block_size: int,
@@ -135,7 +135,7 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     if layer not in state.layer_state:  # hook 2: drawn once per layer, right before its first eviction
         state.layer_state[layer] = policy.init_layer_state(1, h, keys.shape[-1], [state.generator], keys.device)
     extra.update(state.layer_state[layer])
-    # one eviction kernel for every engine (`vase.kernel`): the policy's choice, then the window; [1, h, B]
+    # one eviction kernel for every engine (`vase.core.kernel`): the policy's choice, then the window; [1, h, B]
     kept = choose(policy, keys[:, :, :n_cand], values[:, :, :n_cand], queries, budget, window, [state.generator],
                   extra)
     index = keep_index(kept, length, window, sort_kept)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from copy import copy
 
-from ..hybrid import LINEAR, SLIDING, layer_types
+from ..hf.hybrid import LINEAR, SLIDING, layer_types
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, evicts_under
 from .model_refusals import check_model_layers, local_layers_refusal

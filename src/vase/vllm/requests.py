@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
-from .. import schedule
+from ..core import schedule
 from .capture import QueryRing
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .groups import full_attention_group

@@ -15,7 +15,7 @@ by the pool, per request it can hold. No vLLM import: the docs' arithmetic runs 
 
 from __future__ import annotations
 
-from ..schedule import max_blocks
+from ..core.schedule import max_blocks
 
 __all__ = ["ring_bytes_per_request", "ring_rows", "ring_reserve", "ring_log_line"]
 

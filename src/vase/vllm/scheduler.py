@@ -2,7 +2,7 @@
 
 `VaseScheduler` is vLLM's scheduler (set through `scheduler_cls`) with its KV cache manager
 wrapped: a request that is past its first eviction is allocated blocks for its physical length
-(`vase.schedule.physical_length` keyed by its prompt length), and after the step of each
+(`vase.core.schedule.physical_length` keyed by its prompt length), and after the step of each
 eviction its blocks above ceil((B + w) / block_size) return to the pool. Multi-token steps end at
 the request's eviction boundaries (`_reserve_prefill_lookahead`), so a request preempted and
 resumed (vLLM recomputes its whole history as a prefill) replays its history in chunks, the
@@ -35,7 +35,7 @@ from types import MethodType
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from .. import schedule
+from ..core import schedule
 from .config import VaseConfigError, VaseVllmConfig
 from .copy_reserve import CopyReserve, scan_reserve
 from .plugin import PREFIX_HYBRID_REFUSAL, STREAMING_REFUSAL, check_at_start

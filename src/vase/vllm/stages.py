@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policies import Policy
+from ..core.policies import Policy
 from .config import VaseConfigError
 
 _DROP = "or drop additional_config['vase']"

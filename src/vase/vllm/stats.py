@@ -1,6 +1,6 @@
 """Per-request cache statistics of the vLLM plugin: a pure function of the schedule.
 
-Both sides of the plugin follow `vase.schedule` from the request's prefill length and the
+Both sides of the plugin follow `vase.core.schedule` from the request's prefill length and the
 tokens it generated, so what a request holds is known without asking the engine:
 
     from vase.vllm.stats import request_stats
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .. import schedule
+from ..core import schedule
 from .config import VaseVllmConfig
 
 

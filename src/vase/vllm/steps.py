@@ -1,6 +1,6 @@
 """One request's step in the plugin, as a pure function of the schedule: what to evict and where to write.
 
-The schedule of a request is keyed by its prompt length P0 (`vase.schedule`) for its whole life,
+The schedule of a request is keyed by its prompt length P0 (`vase.core.schedule`) for its whole life,
 and it evicts only at its eviction boundaries: the logical positions max(P0, B) + w + k w, before
 the token there is written. vLLM's recompute preemption throws a request's blocks away and later
 prefills its whole logical history again. The plugin makes that recompute exact: the scheduler
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import schedule
+from ..core import schedule
 
 
 class VaseStepError(RuntimeError):

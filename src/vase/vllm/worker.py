@@ -38,7 +38,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .capture import QueryRing
-from ..fp8_cache import FORMATS
+from ..storage.fp8 import FORMATS
 from .config import VaseConfigError, VaseVllmConfig
 from .fp8 import storage_dtype
 from .paged import Layout

@@ -1,6 +1,6 @@
 """Eviction policies: pure tensor code, registered by name.
 
-    from vase.policies import get_policy
+    from vase.core.policies import get_policy
     policy = get_policy("vase-attnv", n_large=64, sinks=4)
     keep = policy.select(keys, values, queries, n_keep, generator=None)
 
@@ -56,7 +56,7 @@ def get_policy(name: str | Policy, **params) -> Policy:
     Raises UnknownMethodError naming close matches for an unknown method, and the accepted
     parameters for an unknown parameter.
     """
-    params = {k: plain(v) for k, v in params.items()}  # np.int64(8) is 8 (vase.scalars)
+    params = {k: plain(v) for k, v in params.items()}  # np.int64(8) is 8 (vase.core.scalars)
     if isinstance(name, Policy):
         return replace(name, **params) if params else name
     key = name.strip().lower().replace("_", "-")

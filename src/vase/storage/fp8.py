@@ -11,7 +11,7 @@ the layer reads goes through `read` / `candidates`, so attention and the policie
 redundancy, DKV) see dequantized K/V. Compaction moves the float8 bytes (no scale is involved). One byte per
 element, plus the two float32 scales per layer.
 
-The storage registry (`vase.storages`) registers it as the `fp8` kind: the keyword `kv_dtype` passes every door
+The storage registry (`vase.storage.registry`) registers it as the `fp8` kind: the keyword `kv_dtype` passes every door
 (`EvictionCache`, `vase.generate`, `RequestSpec.of`, `-p kv_dtype=fp8`); compile=True has no fixed-shape form
 of it and refuses in one line. Torch only.
 """
@@ -24,11 +24,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from .hybrid import full_attention_layers
-from .kernel import compact_slots
-from .policies import Policy
-from .schedule import physical_length
-from .storage import Rows
+from ..hf.hybrid import full_attention_layers
+from ..core.kernel import compact_slots
+from ..core.policies import Policy
+from ..core.schedule import physical_length
+from .protocol import Rows
 
 __all__ = ["FORMATS", "ROUNDINGS", "Fp8Spec", "Fp8Config", "Fp8Storage", "Fp8Bytes", "to_fp8", "from_fp8"]
 
@@ -113,7 +113,7 @@ class Fp8Config:
 
 
 class Fp8Storage:
-    """A `vase.storage.KVStorage` holding K/V as float8 codes [b, kv_heads, capacity, d].
+    """A `vase.storage.protocol.KVStorage` holding K/V as float8 codes [b, kv_heads, capacity, d].
 
     `keys` / `values` are zero-stride carriers [b, h, capacity, d] in the model's dtype (the layer reads shapes
     and dtypes from them); the codes are `k_codes` / `v_codes`."""
@@ -203,7 +203,7 @@ class Fp8Bytes:
 
     def byte_steps(self, prompt_len: int, n_generated: int, capacity: int, budget: int | None = None,
                    evicts: bool = False) -> int:
-        """Bytes held summed over the decode steps 1..n_generated (the stored length from `vase.schedule`)."""
+        """Bytes held summed over the decode steps 1..n_generated (the stored length from `vase.core.schedule`)."""
         return sum(self.held(physical_length(prompt_len, budget, self.window, step) if evicts and budget
                              else prompt_len + step, step, capacity) for step in range(1, n_generated + 1))
 

@@ -1,5 +1,5 @@
 """Argument checks at the doors of the Python API (generate, inspect) and the CLI: prompts, sampling, seeds and
-switches. The request itself (method, parameters, budget, window, storage) is `vase.spec`'s.
+switches. The request itself (method, parameters, budget, window, storage) is `vase.core.spec`'s.
 
 Each check raises a TypeError (wrong type) or ValueError (wrong value) whose one-line message
 names the argument, the value given and what is accepted, before any tensor work or model load.
@@ -30,7 +30,7 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> int:
 
 def check_budget_window(budget: Any, window: Any, policy: Any = None) -> None:
     """Budget B and window w (and, given a policy, the budget rule): the request spec's checks of these alone
-    (`vase.spec.RequestSpec.validate`, which owns them; kept for callers of this name)."""
+    (`vase.core.spec.RequestSpec.validate`, which owns them; kept for callers of this name)."""
     from .spec import RequestSpec
 
     RequestSpec(policy if policy is not None else "full", budget, window).validate()

@@ -6,12 +6,12 @@ A storage kind (`StorageKind`) ties together, for one way of holding K/V:
   callers spell it with, e.g. ``kv_bits``), `from_options(options)` and `resolve(policy, budget, window,
   seed)`, which checks it against the method (ValueError, one line) and returns the validated `config`
   (None: nothing to store differently, i.e. dense);
-- `eager(config, window, layer_idx)`: the `vase.storage.KVStorage` of one `EvictionLayer`;
+- `eager(config, window, layer_idx)`: the `vase.storage.protocol.KVStorage` of one `EvictionLayer`;
 - `static(storage, index, pads, pad0, cap)`: the fixed-shape store of the compiled step
-  (`vase.static_storage`), built from the eager storage once every row is steady; None: no static
+  (`vase.storage.static`), built from the eager storage once every row is steady; None: no static
   form, and `static_refusal(config)` says so in one line (also for a config the static store cannot run);
 - `byte_model(model, policy, budget, window, spec)`: the per-sequence byte accounting the eval and the
-  bench read (`held`, `byte_steps`, `allocated`, `write_bytes`; see `vase.quant_cache.QuantBytes`), or
+  bench read (`held`, `byte_steps`, `allocated`, `write_bytes`; see `vase.storage.quantized.QuantBytes`), or
   None when the storage holds dense bytes per token.
 
 Three kinds are registered here: dense (no spec: full precision, `DenseStorage` / `StaticDense`, bytes per
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from .fp8_cache import Fp8Bytes, Fp8Config, Fp8Spec, Fp8Storage
-from .policies import Policy
-from .quant_cache import QuantBytes, QuantConfig, QuantSpec, QuantStorage
-from .static_storage import StaticDense, StaticQuant
-from .storage import DenseStorage, KVStorage
+from .fp8 import Fp8Bytes, Fp8Config, Fp8Spec, Fp8Storage
+from ..core.policies import Policy
+from .quantized import QuantBytes, QuantConfig, QuantSpec, QuantStorage
+from .static import StaticDense, StaticQuant
+from .protocol import DenseStorage, KVStorage
 
 __all__ = ["StorageKind", "register_storage", "storage_kinds", "storage_keywords", "spec_types", "spec_from_options",
            "kind_of", "eager_storage", "static_store", "static_refusal", "byte_model"]
@@ -89,7 +89,7 @@ def kind_of(config_or_spec: Any) -> StorageKind:
     for k in _KINDS:
         if isinstance(config_or_spec, k.config) or (k.spec is not None and isinstance(config_or_spec, k.spec)):
             return k
-    raise TypeError(f"no registered storage for {type(config_or_spec).__name__} (vase.storages.register_storage)")
+    raise TypeError(f"no registered storage for {type(config_or_spec).__name__} (vase.storage.registry.register_storage)")
 
 
 def eager_storage(config: Any, window: int, layer_idx: int) -> KVStorage:

@@ -2,8 +2,8 @@
 
 A ring is a tensor [rows, q_heads, w, head_dim]; the query of logical token t sits at ring
 position `t % w`. `seen` counts the queries recorded so far (an int on the host, or a 0-dim
-long tensor inside the compiled step). Used by `vase.cache.EvictionLayer` (one ring row per
-batch row), `vase.static.StaticLayer` (the same, in the compiled step) and
+long tensor inside the compiled step). Used by `vase.caches.eager.EvictionLayer` (one ring row per
+batch row), `vase.caches.static.StaticLayer` (the same, in the compiled step) and
 `vase.vllm.capture.QueryRing` (one ring row per running request, written from the flat tokens
 of a step by its capture plan). Torch only.
 """

@@ -6,18 +6,18 @@ length reaches `B + w`, the next update first evicts down to `B` (the policy kee
 of the older candidates, the `w` most recent stay) by compacting survivors to the front
 of the same buffers. Stored tensors: [batch, kv_heads, length, head_dim].
 
-When each row evicts follows `vase.schedule` (the same pure functions the vLLM plugin uses);
+When each row evicts follows `vase.core.schedule` (the same pure functions the vLLM plugin uses);
 the policy's own state (per-slot and per-layer) is kept through the hooks documented on
-`vase.policies.Policy`, with no policy-specific code here. The K/V themselves live in the
-layer's `storage`, one `vase.storage.KVStorage` the storage registry (`vase.storages`) builds from
-the cache's `storage` argument: `DenseStorage` (full precision), or `vase.quant_cache.QuantStorage`
-(packed low-bit codes). The eviction itself is the one kernel of every engine (`vase.kernel`), the
-query window the one ring (`vase.ring`).
+`vase.core.policies.Policy`, with no policy-specific code here. The K/V themselves live in the
+layer's `storage`, one `vase.storage.protocol.KVStorage` the storage registry (`vase.storage.registry`) builds from
+the cache's `storage` argument: `DenseStorage` (full precision), or `vase.storage.quantized.QuantStorage`
+(packed low-bit codes). The eviction itself is the one kernel of every engine (`vase.core.kernel`), the
+query window the one ring (`vase.core.ring`).
 
 Logical length (tokens seen, used for positions) and physical length (slots stored, used
 for masks) are kept apart. Left padding is owned here: row r's first `pad[r]` slots are
 padding; eviction keeps them at the front (and drops them once the row has enough real
-tokens), and the registered attention function (`vase.attention`) masks them.
+tokens), and the registered attention function (`vase.hf.attention`) masks them.
 """
 
 from __future__ import annotations
@@ -29,22 +29,22 @@ import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin,
                                       LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs)
 
-# The side channel to the attention function (PENDING_LAYER) lives in vase.attention; the
+# The side channel to the attention function (PENDING_LAYER) lives in vase.hf.attention; the
 # cache sets it in `update`, the attention function calls `attention_mask_for` on that layer.
-from .attention import PENDING_LAYER, install
-from .masks import and_selection, causal_padding_mask, real_slots
-from .errors import SpecError
-from .hybrid import FULL, LINEAR, is_hybrid, text_config
-from .kernel import choose, compact_slots, keep_index
-from .ring import new_ring, ring_read, ring_write
-from .policies import Policy
-from .quant_cache import QuantConfig, QuantSpec
-from .schedule import first_limit, must_evict, room, steady_limit
-from .scalars import plain, plain_items, plain_seed
-from .spec import RequestSpec, whole_tokens
-from .storage import KVStorage
-from .storages import eager_storage
-from .verify import LastForward, Pending, Snapshot, cut_mask
+from ..hf.attention import PENDING_LAYER, install
+from ..hf.masks import and_selection, causal_padding_mask, real_slots
+from ..core.errors import SpecError
+from ..hf.hybrid import FULL, LINEAR, is_hybrid, text_config
+from ..core.kernel import choose, compact_slots, keep_index
+from ..core.ring import new_ring, ring_read, ring_write
+from ..core.policies import Policy
+from ..storage.quantized import QuantConfig, QuantSpec
+from ..core.schedule import first_limit, must_evict, room, steady_limit
+from ..core.scalars import plain, plain_items, plain_seed
+from ..core.spec import RequestSpec, whole_tokens
+from ..storage.protocol import KVStorage
+from ..storage.registry import eager_storage
+from ..hf.verify import LastForward, Pending, Snapshot, cut_mask
 
 
 class EvictedStateError(RuntimeError):
@@ -104,7 +104,7 @@ class EvictionLayer(CacheLayerMixin):
         self.row_pad0: list[int] = []  # per row: padding of the prompt (seen - pad0 = real tokens seen)
         self.awaiting_attention = False
         self._served: tuple | None = None  # (data_ptr, shape) of the K the last `update` returned
-        # speculative verification (`vase.verify`): the last multi-token forward, for a crop of its tokens; the
+        # speculative verification (`vase.hf.verify`): the last multi-token forward, for a crop of its tokens; the
         # eviction point inside the current forward (real tokens stored at the cut); a deferred eviction
         self._last: LastForward | None = None
         self._defer_at: int | None = None
@@ -195,7 +195,7 @@ class EvictionLayer(CacheLayerMixin):
             reals = self.real_lengths()
             due = [r for r, n in enumerate(reals) if must_evict(n, q, self.limit[r], cfg.budget)]
             if due and len(reals) == 1 and reals[0] < self.limit[0] and self.is_croppable:
-                # the eviction point falls after this forward's first token: defer it (`vase.verify`)
+                # the eviction point falls after this forward's first token: defer it (`vase.hf.verify`)
                 if reals[0] + q > self.limit[0] + cfg.window:
                     raise ValueError(f"cannot feed {q} tokens in one forward here: at most w + 1 = {cfg.window + 1} "
                                      f"fit one eviction point (set prompt_lookup_num_tokens / num_assistant_tokens "
@@ -282,7 +282,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def record_queries(self, query: torch.Tensor) -> None:
         """Keep the last `w` post-RoPE queries [b, q_heads, q, d] in a ring buffer."""
-        if self.queries is None:  # the one query ring of every engine (`vase.ring`)
+        if self.queries is None:  # the one query ring of every engine (`vase.core.ring`)
             b, hq, _, d = query.shape
             self.queries = new_ring(b, hq, self.cfg.window, d, query)
         ring_write(self.queries, self.queries_seen, query)
@@ -317,7 +317,7 @@ class EvictionLayer(CacheLayerMixin):
         """The one call vase's attention function makes, right after this layer's `update`.
 
         query: post-RoPE [b, q_heads, q, d]; attention_mask: the model's 2-D padding mask [b, seen]
-        (read once, at the first forward) or None; kind: the kernel's mask form (`vase.masks`).
+        (read once, at the first forward) or None; kind: the kernel's mask form (`vase.hf.masks`).
         Records the query window when the policy scores by attention and returns the mask over
         the stored slots (None when nothing is masked)."""
         self.awaiting_attention = False
@@ -336,7 +336,7 @@ class EvictionLayer(CacheLayerMixin):
             mask = and_selection(mask, selected, kind, query.dtype)
         return self.storage.attention_mask(mask, query, kind, self.length)
 
-    # -- speculative verification (`vase.verify`) ------------------------------------------------------
+    # -- speculative verification (`vase.hf.verify`) ------------------------------------------------------
     def _defer(self, query: torch.Tensor, kind: str) -> torch.Tensor:
         """Run, inside this forward, the eviction token-by-token decoding runs at the cut, without compacting:
         returns the mask [1, q_heads, q, L] that hides what it drops from the queries at and after the cut."""
@@ -403,7 +403,7 @@ class EvictionLayer(CacheLayerMixin):
         by_pad: dict[int, list[int]] = {}
         for r in due:
             by_pad.setdefault(self.pad[r], []).append(r)
-        for p, rows in by_pad.items():  # one eviction kernel for every engine (`vase.kernel`)
+        for p, rows in by_pad.items():  # one eviction kernel for every engine (`vase.core.kernel`)
             index[rows, :, new_len - B:] = keep_index(self._select(rows, p, L - w), L, w, cfg.sort_kept, offset=p)
         for r in due:
             if self.row_evictions[r] == 0:  # the first eviction runs at the row's peak stored length
@@ -478,7 +478,7 @@ class EvictionLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers' speculative decoding drops rejected drafts;
         a positive value is the legacy form, the length to keep). Only tokens of the last forward can go, none an
-        eviction compacted; the query ring gets back the queries of the tokens that stay (`vase.verify`)."""
+        eviction compacted; the query ring gets back the queries of the tokens that stay (`vase.hf.verify`)."""
         if not self.is_initialized:
             return
         n = -tokens_to_remove if tokens_to_remove <= 0 else max(self.seen - tokens_to_remove, 0)
@@ -547,32 +547,32 @@ class EvictionCache(Cache):
         cache = vase.EvictionCache(model, method="vase-attnv", budget=512)
         model.generate(**inputs, cache=cache, max_new_tokens=2048)   # past_key_values=cache before 5.24
 
-    method:      a registered method name (see `vase.policies`) or a Policy instance.
+    method:      a registered method name (see `vase.core.policies`) or a Policy instance.
     budget:      B, KV pairs kept per layer and KV head after an eviction (None for a method that keeps every
-                 token, e.g. `full`: it gets `vase.spec.placeholder_budget`).
+                 token, e.g. `full`: it gets `vase.core.spec.placeholder_budget`).
     window:      w, recent tokens never evicted; also the eviction interval and query window.
     seed:        one seed, or one per batch row; row r of an int seed uses seed + r.
     sort_kept:   store kept tokens in position order instead of the policy's order.
     max_length:  prompt + new tokens, to preallocate the `full` cache once (a capacity, not a length cap:
                  generation stops at `max_new_tokens`; a longer sequence grows the cache). Evicting methods hold
                  B + w slots and do not read it.
-    storage:     how K/V are held: None (full precision), or `vase.quant_cache.QuantSpec(bits=8 | 4 | 2,
+    storage:     how K/V are held: None (full precision), or `vase.storage.quantized.QuantSpec(bits=8 | 4 | 2,
                  guard=R, ...)`: tokens leaving the window are stored as packed codes, except the R old
                  tokens per KV head ranked first by the value guard's ranking (sinks first); see
-                 `vase.quant_cache` and docs/quantization.md. The keywords kv_bits, quant_guard,
+                 `vase.storage.quantized` and docs/quantization.md. The keywords kv_bits, quant_guard,
                  quant_group, quant_select, flush_every and quant_key_scale are the same request
                  spelled out (`QuantSpec.from_options`), for callers that pass them with a method's
                  parameters; give one or the other.
     Remaining keyword arguments are the method's parameters.
 
-    Building it installs vase's attention function on `model` (see `vase.attention.install`).
+    Building it installs vase's attention function on `model` (see `vase.hf.attention.install`).
     """
 
     def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int | None = 512, window: int = 64, *,
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
                  num_layers: int | None = None, storage: QuantSpec | None = None, **method_params):
-        # The one request check of every door (types, method, budget rule, reserves, storage): vase.spec (numpy
-        # scalars read as the numbers they hold, vase.scalars).
+        # The one request check of every door (types, method, budget rule, reserves, storage): vase.core.spec (numpy
+        # scalars read as the numbers they hold, vase.core.scalars).
         budget, window, sort_kept, max_length = plain(budget), plain(window), plain(sort_kept), plain(max_length)
         seed, method_params = plain_seed(seed), plain_items(method_params)
         req = RequestSpec.of(method, budget, window, seed=seed, storage=storage, **method_params).validate()
@@ -632,7 +632,7 @@ class EvictionCache(Cache):
 
     def new_storage(self, layer_idx: int) -> KVStorage:
         """The empty K/V storage of layer `layer_idx` (allocated at its first update)."""
-        return eager_storage(self.quant, self.cfg.window, layer_idx)  # by the storage registry (`vase.storages`)
+        return eager_storage(self.quant, self.cfg.window, layer_idx)  # by the storage registry (`vase.storage.registry`)
 
     def ensure_generators(self, batch: int, device: torch.device) -> None:
         """One generator per batch row, seeded from the user seed (row r: seed + r, or seed[r])."""
@@ -680,7 +680,7 @@ class EvictionCache(Cache):
 
     def attention_mask(self, layer: EvictionLayer, q_len: int, dtype: torch.dtype, kind: str):
         """The mask for `q_len` new queries over `layer`'s stored slots, in the form `kind` of
-        `vase.masks` ([b, 1, q_len, L] bool/additive, or [b, L] for flash); None when nothing is
+        `vase.hf.masks` ([b, 1, q_len, L] bool/additive, or [b, L] for flash); None when nothing is
         masked. Memoised across layers (they share lengths and padding)."""
         pad = layer.pad or []
         L = layer.length

@@ -5,8 +5,8 @@ the policy keeps `B - w` of the candidates (every stored slot but the `w` most r
 most recent stay, and the survivors move to the front of the row's slots in that order. The three
 engines differ only in where the slots live:
 
-- `vase.cache.EvictionLayer` (eager): rows with left padding, compacted in place in growable buffers;
-- `vase.static.StaticLayer` (compiled): fixed [b, h, B + w] buffers, every row through one gather;
+- `vase.caches.eager.EvictionLayer` (eager): rows with left padding, compacted in place in growable buffers;
+- `vase.caches.static.StaticLayer` (compiled): fixed [b, h, B + w] buffers, every row through one gather;
 - `vase.vllm.paged.evict_paged` (vLLM): one request's slots scattered over paged blocks.
 
 Each calls `choose` (the policy's call and its one rule: `B - w` kept among the candidates),

@@ -4,7 +4,7 @@
 
 An evicting method: prefill (and, for a row whose prompt is longer than B, decode until its
 first eviction) runs eagerly with the `EvictionCache`; then the cache becomes a
-`vase.static.StaticEvictionCache` and every further step runs one of two compiled graphs,
+`vase.caches.static.StaticEvictionCache` and every further step runs one of two compiled graphs,
 plain or evicting (with quantized storage, each also in a flush variant), picked by the host
 from the schedule (no recompilation, no graph break at an eviction). `full`: transformers'
 `StaticCache` of prompt + new tokens on the stock kernel, the decode step compiled (the fair
@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import StaticCache
 
-from .attention import base_kernel, uninstall
-from .cache import EvictionCache
-from .compat import cache_kwargs
+from ..hf.attention import base_kernel, uninstall
+from ..caches.eager import EvictionCache
+from ..hf.compat import cache_kwargs
 from .decoding import prefill, sampler_generators
-from .static import (CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, check_no_kept_layers,
+from ..caches.static import (CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, check_no_kept_layers,
                      ready)
 
 
@@ -68,7 +68,7 @@ def _fresh(fn: Callable, tag: str) -> Callable:
 
 def compile_mode(mode: str | None, backend) -> dict:
     """`torch.compile`'s `mode` / `options` for a vase step: with inductor, `mode`'s settings plus
-    `emulate_precision_casts` (a cast to float16, the quantized store's scales in `vase.quant`, then
+    `emulate_precision_casts` (a cast to float16, the quantized store's scales in `vase.storage.packing`, then
     rounds as in eager mode; by default inductor keeps such intermediates in float32, and the compiled
     step quantized to other codes than the eager one). torch.compile takes a mode or options, not both."""
     if backend != "inductor":
@@ -152,7 +152,7 @@ def decode_compiled(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     ignore_eos: bool = False, on_token: Callable[[int, int], None] | None = None,
                     row_stats: list[dict] | None = None, steps: CompiledSteps | None = None,
                     on_cache: Callable | None = None) -> tuple[list[list[int]], list[bool], float]:
-    """`vase.generation.decode` with compiled decode steps (see the module docstring); same returns.
+    """`vase.generation.generate.decode` with compiled decode steps (see the module docstring); same returns.
 
     `cache`: an EvictionCache (an evicting method, dense or quantized storage) or a transformers StaticCache
     (the full cache; the model must run its stock kernel). `on_cache(static_cache)` is called

@@ -7,7 +7,7 @@ axis, codes packed `8 // bits` to a byte, one float16 scale and zero point per g
 
 The zero point is rounded down and the scale up to float16, so every element of a group
 lies inside the representable range and the half-step bound holds exactly (up to float32
-arithmetic in the reconstruction). Used by `vase.quant_cache` per token (each stored
+arithmetic in the reconstruction). Used by `vase.storage.quantized` per token (each stored
 K/V vector is its own set of groups along head_dim), which keeps quantized tokens
 independent of each other, so eviction can drop and compact them without requantizing.
 
@@ -125,7 +125,7 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def quant_kwargs(kv_bits: int, quant_guard: int | None = None) -> dict:
     """EvictionCache keywords for `kv_bits` / `quant_guard` (the CLI's --kv-bits / --quant-guard). Not checked
-    here: the request spec (`vase.spec.RequestSpec.validate`) checks them once, for every door."""
+    here: the request spec (`vase.core.spec.RequestSpec.validate`) checks them once, for every door."""
     out: dict = {"kv_bits": kv_bits}
     if quant_guard is not None:
         out["quant_guard"] = quant_guard

@@ -3,12 +3,12 @@
 `EvictionCache(model, method, budget, storage=QuantSpec(bits=8|4|2, guard=R))` (or the same
 request spelled `kv_bits=..., quant_guard=R`) gives each `EvictionLayer` a `QuantStorage`: the
 layer keeps its slot bookkeeping (positions, padding, eviction schedule) and the storage, one
-`vase.storage.KVStorage`, holds K/V in two stores instead of one full-precision buffer:
+`vase.storage.protocol.KVStorage`, holds K/V in two stores instead of one full-precision buffer:
 
 - full precision: the recent window (the last `w` slots, plus up to `flush_every` tokens that
   left it since the last flush) and the reserve: per KV head, the `R` old tokens ranked first
   by the value guard's ranking (sinks first, then `value_magnitude` with the method's metric);
-- packed low-bit codes (`vase.quant`, per token, groups along head_dim): every other token,
+- packed low-bit codes (`vase.storage.packing`, per token, groups along head_dim): every other token,
   quantized once when it leaves the window (or loses its reserve place to a larger one).
 
 Stores are rectangular per (row, KV head) with a slot number per entry (-1 = empty) and are
@@ -40,14 +40,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from .hybrid import full_attention_layers
-from .masks import causal_padding_mask
-from .policies import Policy, value_magnitude
-from .policies.base import top_k_indices
-from .quant import (BITS, CACHE_STORAGE_OPTIONS, Packed, bits_problem, check_format, dequantize,  # noqa: F401
+from ..hf.hybrid import full_attention_layers
+from ..hf.masks import causal_padding_mask
+from ..core.policies import Policy, value_magnitude
+from ..core.policies.base import top_k_indices
+from .packing import (BITS, CACHE_STORAGE_OPTIONS, Packed, bits_problem, check_format, dequantize,  # noqa: F401
                     packed_bytes, quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: importable here
-from .schedule import physical_length, placeholder_budget
-from .storage import Rows
+from ..core.schedule import physical_length, placeholder_budget
+from .protocol import Rows
 
 SELECT = ("value", "random")
 
@@ -69,7 +69,7 @@ class QuantSpec:
     flush_every: int = 16
     key_scale: bool = False
 
-    #: the EvictionCache keyword (`vase.quant.CACHE_STORAGE_OPTIONS`) of each field
+    #: the EvictionCache keyword (`vase.storage.packing.CACHE_STORAGE_OPTIONS`) of each field
     KEYWORDS: ClassVar[dict[str, str]] = {"bits": "kv_bits", "guard": "quant_guard", "group": "quant_group",
                                           "select": "quant_select", "flush_every": "flush_every",
                                           "key_scale": "quant_key_scale"}
@@ -247,7 +247,7 @@ class QuantBytes:
     """The bytes a quantized cache holds for one sequence (all layers), from its configuration and stored length.
 
     The same entry sizes as `QuantStorage.held_bytes` (tags included), for the eval's per-sequence
-    accounting where only the eviction schedule is known (`vase.schedule`)."""
+    accounting where only the eviction schedule is known (`vase.core.schedule`)."""
 
     cfg: QuantConfig
     window: int
@@ -270,7 +270,7 @@ class QuantBytes:
 
     def byte_steps(self, prompt_len: int, n_generated: int, capacity: int, budget: int | None = None,
                    evicts: bool = False) -> int:
-        """Bytes held summed over the decode steps 1..n_generated (the stored length from `vase.schedule`)."""
+        """Bytes held summed over the decode steps 1..n_generated (the stored length from `vase.core.schedule`)."""
         total = 0
         for step in range(1, n_generated + 1):
             length = physical_length(prompt_len, budget, self.window, step) if evicts and budget else prompt_len + step
@@ -314,7 +314,7 @@ class QuantBytes:
 
 
 class QuantStorage:
-    """A `vase.storage.KVStorage` whose K/V live in packed low-bit codes plus a full-precision reserve.
+    """A `vase.storage.protocol.KVStorage` whose K/V live in packed low-bit codes plus a full-precision reserve.
 
     `keys` / `values` are zero-stride carriers of shape [b, h, capacity, d] holding one element
     (the layer reads shapes and dtypes from them); the data is in the stores below.

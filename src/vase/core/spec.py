@@ -3,20 +3,20 @@
     spec = RequestSpec.of("snapkv", 512, 64, n_large=64, kv_bits=4)   # storage keywords split from the method's
     req = spec.validate()             # Request: the policy, B, w, the storage and its validated configuration
 
-`validate()` owns every rule of a request, in this order, and raises `vase.errors.SpecError` (a TypeError and
+`validate()` owns every rule of a request, in this order, and raises `vase.core.errors.SpecError` (a TypeError and
 a ValueError) with one line per problem, naming the value and the fix:
 
 1. types and ranges: a method name or Policy, B and w whole numbers in 1..2**31-1 (torch holds them), a seed
    (an int, or one int per row); the storage a `QuantSpec` (or its keywords ``kv_bits``, ``quant_guard``, ...);
-2. the method and its parameters (`vase.policies.get_policy`: unknown names, parameter types and ranges);
+2. the method and its parameters (`vase.core.policies.get_policy`: unknown names, parameter types and ranges);
 3. the budget rule (`Policy.check`: B > w + protected slots); B = None only for a method that keeps every
    token, which gets the one placeholder budget (`placeholder_budget`);
 4. the reserve rule: slots a method reserves must fit in what the budget leaves: ``n_large`` (the value
    guard, sinks included) within the B - w old tokens each eviction keeps, ``quant_guard`` (old tokens kept in
    full precision) within B;
-5. the storage rule (`vase.quant_cache.quant_config`: kv_bits 16/8/4/2, the options that need quantization,
+5. the storage rule (`vase.storage.quantized.quant_config`: kv_bits 16/8/4/2, the options that need quantization,
    a selecting method refused);
-6. optionally, what the engine can run (`vase.engines.registry`: vLLM has no quantized storage).
+6. optionally, what the engine can run (`vase.core.capabilities`: vLLM has no quantized storage).
 
 Every door builds one: `EvictionCache` (and so `CompiledEvictionCache`, `vase.generate`, `forced_log_probs`),
 the CLI's checks before a model loads (`vase generate`, `bench`, `inspect`), `vase eval`'s config, the vLLM
@@ -32,11 +32,11 @@ from typing import Any
 
 from .errors import SpecError
 from .policies import Policy, get_policy
-from .quant import CACHE_STORAGE_OPTIONS
-from .quant_cache import QuantConfig, QuantSpec
+from ..storage.packing import CACHE_STORAGE_OPTIONS
+from ..storage.quantized import QuantConfig, QuantSpec
 from .scalars import plain, plain_items, plain_seed
 from .schedule import placeholder_budget
-from .storages import spec_from_options, spec_types, storage_keywords
+from ..storage.registry import spec_from_options, spec_types, storage_keywords
 
 __all__ = ["SpecError", "RequestSpec", "Request", "placeholder_budget", "split_storage", "INT_MAX", "SEED_MAX",
            "STORAGE_KEYWORDS"]
@@ -46,7 +46,7 @@ INT_MAX = 2**31 - 1
 #: Seeds torch's generators take.
 SEED_MAX = 2**63 - 1
 #: The keywords that spell the built-in quantized storage (`QuantSpec.from_options`); `split_storage` reads every
-#: registered storage's (`vase.storages.storage_keywords`); everything else is the method's.
+#: registered storage's (`vase.storage.registry.storage_keywords`); everything else is the method's.
 STORAGE_KEYWORDS = CACHE_STORAGE_OPTIONS
 
 
@@ -135,7 +135,7 @@ class RequestSpec:
     storage: Any = None
     seed: Any = 0
 
-    def __post_init__(self) -> None:  # numpy scalars are the numbers they hold (vase.scalars)
+    def __post_init__(self) -> None:  # numpy scalars are the numbers they hold (vase.core.scalars)
         object.__setattr__(self, "budget", plain(self.budget))
         object.__setattr__(self, "window", plain(self.window))
         object.__setattr__(self, "seed", plain_seed(self.seed))
@@ -159,7 +159,7 @@ class RequestSpec:
 
     def validate(self, engine: str | None = None) -> Request:
         """The validated request; SpecError (one line) for the first problem. `engine`: also refuse what that
-        engine cannot run (see `vase.engines.registry`)."""
+        engine cannot run (see `vase.core.capabilities`)."""
         if not isinstance(self.method, (str, Policy)):
             raise SpecError(f"method must be a method name such as 'vase-attnv' (see `vase methods`) or a Policy, "
                             f"got {_shown(self.method)}")
@@ -168,7 +168,7 @@ class RequestSpec:
         window = _whole("window", self.window)
         _seed(self.seed)
         if self.storage is not None and not isinstance(self.storage, spec_types()):
-            raise SpecError(f"storage must be None (full precision) or a vase.quant_cache.QuantSpec, "
+            raise SpecError(f"storage must be None (full precision) or a vase.storage.quantized.QuantSpec, "
                             f"got {self.storage!r}")
         policy = self.build_policy()
         self._sinks_used(policy)
@@ -196,11 +196,11 @@ class RequestSpec:
             except ValueError as exc:
                 raise SpecError(str(exc)) from None
             if engine is not None:
-                from .engines.registry import refuse_unsupported
+                from .capabilities import refuse_unsupported
 
                 refuse_unsupported(engine, storage=True)
         elif engine is not None:
-            from .engines.registry import engine_info
+            from .capabilities import engine_info
 
             engine_info(engine)
         return Request(policy=policy, budget=budget, window=window, storage=self.storage, quant=quant,

@@ -1,18 +1,18 @@
 """Where one cache layer keeps its K/V: the storage protocol, and the dense storage.
 
-`vase.cache.EvictionLayer` owns the bookkeeping of a layer (positions, padding, the eviction
+`vase.caches.eager.EvictionLayer` owns the bookkeeping of a layer (positions, padding, the eviction
 schedule, the policy's state) and composes one `KVStorage` for the K/V themselves. The layer
 says which slots to write, read, keep or drop; the storage decides how they are held and counts
 its own bytes. Two storages implement the protocol:
 
 - `DenseStorage` (here): preallocated full-precision buffers [b, kv_heads, capacity, d];
-- `vase.quant_cache.QuantStorage`: packed low-bit codes plus a full-precision reserve.
+- `vase.storage.quantized.QuantStorage`: packed low-bit codes plus a full-precision reserve.
 
 A storage may also have `truncate(length)` (forget the slots from `length` on): the layer's `crop` of
 speculative drafts needs it (`DenseStorage` has it; the quantized storage, whose slots leave the window into
 shared codes, does not, so a cache over it refuses crops).
 
-Which one a cache builds is the storage registry's (`vase.storages`). Torch only: no transformers here, so a storage can be checked or counted without a model.
+Which one a cache builds is the storage registry's (`vase.storage.registry`). Torch only: no transformers here, so a storage can be checked or counted without a model.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .kernel import compact_slots
+from ..core.kernel import compact_slots
 
 Rows = list[int] | slice  # batch rows: a list of row indices, or every row (slice(None))
 
@@ -117,7 +117,7 @@ class DenseStorage:
         return mask
 
     def compact(self, index: torch.Tensor, pad: list[int]) -> None:
-        for buf in (self.keys, self.values):  # the eviction kernel's compaction (`vase.kernel`)
+        for buf in (self.keys, self.values):  # the eviction kernel's compaction (`vase.core.kernel`)
             compact_slots(buf, index)
 
     def take_rows(self, rows: list[int]) -> None:

@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import SpecError
+from .errors import SpecError
 
 __all__ = ["EngineInfo", "ENGINES", "engine_info", "engine_names", "refuse_unsupported", "engine_class",
            "register_engine", "load_hook"]

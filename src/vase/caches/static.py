@@ -15,7 +15,7 @@ same step evict together; the others pass through the gather unchanged (`torch.w
 
 The step comes in two variants (`evicting` False / True; with quantized storage each also with
 `flushing`, the storage's flush every `flush_every` tokens), each one graph; the host picks the
-variant from the schedule (`vase.schedule`: it knows each row's length without reading the
+variant from the schedule (`vase.core.schedule`: it knows each row's length without reading the
 device), so neither recompiles as the sequence grows and an eviction is no graph break.
 Random draws of stochastic policies (sampling, VaSE-DKV's projection) are made on the host
 with each row's own generator, in the order the eager cache draws them, into fixed buffers
@@ -24,8 +24,8 @@ the step reads (`NoiseReplay`): the compiled step keeps the eager cache's kept s
 It is built from an `EvictionCache` once every row is in the steady schedule (limit B + w:
 right after the prefill when the prompt is at most B tokens, else after the row's first
 eviction, which runs eagerly): `StaticEvictionCache.from_eager(cache)`.
-The K/V live in one fixed-shape store (`vase.static_storage`): dense, or packed low-bit codes with
-a full-precision reserve (`kv_bits`, the same stores and rules as `vase.quant_cache.QuantStorage`).
+The K/V live in one fixed-shape store (`vase.storage.static`): dense, or packed low-bit codes with
+a full-precision reserve (`kv_bits`, the same stores and rules as `vase.storage.quantized.QuantStorage`).
 Selection methods (Quest) and `full` have no static form here; nor does the reserve's random
 control (`quant_select="random"`).
 """
@@ -39,12 +39,12 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils import is_torch_greater_or_equal
 
-from .attention import KERNELS, STATIC_PREFIX, stock_kernel, base_kernel
-from .cache import EvictionCache, EvictionLayer
-from .kernel import choose, compact_slots, keep_index
-from .ring import new_ring, ring_read, ring_write
-from .static_storage import front_index
-from .storages import static_refusal, static_store
+from ..hf.attention import KERNELS, STATIC_PREFIX, stock_kernel, base_kernel
+from .eager import EvictionCache, EvictionLayer
+from ..core.kernel import choose, compact_slots, keep_index
+from ..core.ring import new_ring, ring_read, ring_write
+from ..storage.static import front_index
+from ..storage.registry import static_refusal, static_store
 
 #: the cache whose layers the static attention function reads (set by `activate`)
 _ACTIVE: list[StaticEvictionCache | None] = [None]
@@ -55,7 +55,7 @@ class CompileUnsupportedError(ValueError):
 
 
 def check_no_kept_layers(cache: EvictionCache) -> None:
-    """Refuse a hybrid model's cache: the static buffers hold full-attention layers only (`vase.hybrid`)."""
+    """Refuse a hybrid model's cache: the static buffers hold full-attention layers only (`vase.hf.hybrid`)."""
     other = sorted({t for t in cache.layer_types if t != "full_attention"})
     if other:
         raise CompileUnsupportedError(f"compile=True has no static form for {', '.join(other)} layers (this model "
@@ -66,7 +66,7 @@ def check_compilable(cache: EvictionCache, kernel: str) -> None:
     """Raise CompileUnsupportedError (one line saying what to change) when `cache` has no static form."""
     check_no_kept_layers(cache)
     policy = cache.policy
-    refusal = static_refusal(cache.quant)  # the storage's own (`vase.storages`)
+    refusal = static_refusal(cache.quant)  # the storage's own (`vase.storage.registry`)
     if refusal:
         raise CompileUnsupportedError(refusal)
     if not policy.evicts and not policy.selects and cache.quant is not None:  # name the storage, not only the method
@@ -83,7 +83,7 @@ def check_compilable(cache: EvictionCache, kernel: str) -> None:
 
 # -- random draws made on the host, replayed inside the step -------------------------------------------
 class _Recorder:
-    """A noise source (see `vase.policies.base.uniform_noise`) that records what a policy draws."""
+    """A noise source (see `vase.core.policies.base.uniform_noise`) that records what a policy draws."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.draws: list[tuple[str, tuple[int, ...]]] = []
@@ -140,7 +140,7 @@ class StaticLayer(CacheLayerMixin):
                                f"= {cap}: convert only once every row is in the steady schedule")
         # Row r's real slots pad[r] .. length-1 move to the front; slots past its length are never read.
         index = front_index(pads, cap, src.capacity, h)
-        self.store = static_store(src.cache.quant, src.storage, index, pads, src.row_pad0, cap)  # `vase.storages`
+        self.store = static_store(src.cache.quant, src.storage, index, pads, src.row_pad0, cap)  # `vase.storage.registry`
         valid = torch.arange(cap, device=device)[None, None, :] < reals[:, None, None]
         self.positions = src.positions.gather(2, index).masked_fill(~valid, -1).contiguous()
         self.slot_state = {k: v.gather(2, index).masked_fill(~valid, 0).contiguous()
@@ -210,7 +210,7 @@ class StaticLayer(CacheLayerMixin):
     def step_mask(self, query: torch.Tensor, kind: str) -> torch.Tensor:
         """Record the query [b, q_heads, 1, d] and return the mask [b, 1, 1, B + w] over the valid prefix."""
         if self.cfg.policy.needs_queries:
-            ring_write(self.queries, self.queries_seen, query)  # the one query ring (`vase.ring`)
+            ring_write(self.queries, self.queries_seen, query)  # the one query ring (`vase.core.ring`)
             self.queries_seen.add_(1)
         cap = self.keys.shape[2]
         valid = torch.arange(cap, device=query.device)[None, :] < self.length[:, None]
@@ -235,7 +235,7 @@ class StaticLayer(CacheLayerMixin):
         queries = self._query_window() if policy.needs_queries else None
         noise = NoiseReplay(self.noise) if policy.stochastic else None
         keys, values = self.store.candidates(B)
-        # one eviction kernel for every engine (`vase.kernel`); the last w slots are free after the gather
+        # one eviction kernel for every engine (`vase.core.kernel`); the last w slots are free after the gather
         index = keep_index(choose(policy, keys, values, queries, B, w, noise, extra), cap, w, cfg.sort_kept)
         index = torch.cat([index, index[..., B - w:]], dim=-1)  # B + w: the recent ones fill the free slots
         index = torch.where(due[:, None, None], index, torch.arange(cap, device=device).expand(b, h, cap))

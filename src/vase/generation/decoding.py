@@ -1,4 +1,4 @@
-"""The pieces every decode loop shares (`vase.generation`'s eager loop and `vase.compiled`'s compiled one):
+"""The pieces every decode loop shares (`vase.generation.generate`'s eager loop and `vase.generation.compiled`'s compiled one):
 the next-token sampler, the per-row sampling generators and the prefill. Both loops take them from here,
 so they sample the same tokens from the same seeds.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compat import cache_kwargs
+from ..hf.compat import cache_kwargs
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Which models vase can run: decoder-only, attention through transformers' AttentionInterface, at least
 one full-attention layer (evicted) and otherwise only sliding-window, chunked-local (Llama 4) or
-linear-attention layers (left to the model, `vase.hybrid`). Checked on a config before weights load, and on a model."""
+linear-attention layers (left to the model, `vase.hf.hybrid`). Checked on a config before weights load, and on a model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class UnsupportedModelError(ValueError):
 
 
 def sliding_window_problem(config: Any) -> str | None:
-    """Why this config's layer mix cannot be evicted, if it cannot (`vase.hybrid.layer_type_problem`).
+    """Why this config's layer mix cannot be evicted, if it cannot (`vase.hf.hybrid.layer_type_problem`).
 
     Full-attention layers are evicted; sliding-window, chunked-local and linear-attention (recurrent) layers
     beside them keep transformers' own cache. A model with no full-attention layer has nothing to evict."""
@@ -49,7 +49,7 @@ def check_model_supported(model: Any) -> None:
     through it (`_supports_attention_backend`, or a modeling file that dispatches through
     `ALL_ATTENTION_FUNCTIONS`, as Qwen3-Next and Qwen3.5 do), the model must be decoder-only, and its
     layers must be full attention, sliding window, chunked-local or linear attention with at least one
-    full-attention layer (`vase.hybrid`).
+    full-attention layer (`vase.hf.hybrid`).
 
     Raises:
         UnsupportedModelError: naming the model class and the reason.

@@ -1,12 +1,12 @@
 """Fixed-shape K/V storage of the static (compiled) cache: dense, or packed low-bit codes.
 
-`vase.static.StaticLayer` owns the slot bookkeeping of one layer (positions, lengths, the
+`vase.caches.static.StaticLayer` owns the slot bookkeeping of one layer (positions, lengths, the
 policy's state) and composes one of these for the K/V themselves. Row r's real tokens sit in
 slots 0 .. length[r] - 1 of a capacity of B + w slots; every tensor keeps its shape for the
 cache's life, and every method below runs inside the compiled step (no host reads):
 
 - `StaticDense`: keys, values [b, kv_heads, B + w, d], written and compacted in place;
-- `StaticQuant`: the fixed-shape form of `vase.quant_cache.QuantStorage`, the same two stores
+- `StaticQuant`: the fixed-shape form of `vase.storage.quantized.QuantStorage`, the same two stores
   (packed codes for old tokens, full precision for the window and the reserve) with the same
   rules, so the compiled step keeps what the eager quantized cache keeps. The eager storage
   sizes some operations by host reads (`int(m.max())`, `q_hi`); here they run at their upper
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from .policies import value_magnitude
-from .quant import Packed, dequantize, quantize
-from .quant_cache import (QuantStorage, entry_bytes, flush_split, gather_entries, left_pack, place, renumber,
+from ..core.policies import value_magnitude
+from .packing import Packed, dequantize, quantize
+from .quantized import (QuantStorage, entry_bytes, flush_split, gather_entries, left_pack, place, renumber,
                           slot_dtype, slot_map)
-from .kernel import compact_slots, flat_slots, gather_slots
+from ..core.kernel import compact_slots, flat_slots, gather_slots
 
 
 def front_index(pads: torch.Tensor, cap: int, src_capacity: int, heads: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def plane_order(dim: int, bits: int, device: torch.device) -> torch.Tensor:
 
 
 def planes(p: Packed, key_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`vase.quant.dequantize` of p [..., n] -> float32 [..., d], each value computed as there (zero + q * scale,
+    """`vase.storage.packing.dequantize` of p [..., n] -> float32 [..., d], each value computed as there (zero + q * scale,
     then times `key_scale` [..., 1, d] when given), the elements in `plane_order`: the codes at bits 0.. of
     every byte, then those at bits `bits`.., ...; no interleaving, so it vectorizes."""
     per = 8 // p.bits

@@ -1,4 +1,4 @@
-"""transformers' own `model.generate` with the compiled decode step of `vase.static`.
+"""transformers' own `model.generate` with the compiled decode step of `vase.caches.static`.
 
     cache = vase.CompiledEvictionCache(model, method="vase-attnv", budget=512, window=64, seed=0)
     out = model.generate(**inputs, **vase.generate_kwargs(cache), max_new_tokens=2048)
@@ -17,7 +17,7 @@ exactly as in `vase.generate(..., compile=True)`.
 
 Limits (each refused with one line): prompts longer than B (their first eviction must run
 eagerly, and transformers compiles every decode step: use `vase.generate(..., compile=True)`),
-the methods and settings `vase.static.check_compilable` refuses, beam search. Rows that finish
+the methods and settings `vase.caches.static.check_compilable` refuses, beam search. Rows that finish
 early keep decoding padding, as transformers does with any static cache.
 """
 
@@ -30,9 +30,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import CompileConfig
 
-from .attention import base_kernel
-from .cache import EvictionCache
-from .compiled import compile_mode
+from ..hf.attention import base_kernel
+from .eager import EvictionCache
+from ..generation.compiled import compile_mode
 from .static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, ready
 
 __all__ = ["CompiledEvictionCache", "StaticStepHook"]

@@ -10,7 +10,7 @@ For each stock kernel (sdpa, eager, flash_attention_2) we register `vase_<kernel
 2. calls the stock kernel on what the cache holds.
 
 With any other cache (or none) it behaves like the stock kernel with a causal + padding mask
-(`vase.masks`, the one mask builder). A local-attention layer of a hybrid model (`vase.hybrid`: sliding
+(`vase.hf.masks`, the one mask builder). A local-attention layer of a hybrid model (`vase.hf.hybrid`: sliding
 window, or Llama 4's chunked-local attention) is never evicted: it gets transformers' own sliding or
 chunked mask (built by the stock mask function from its own cache layer) and the stock kernel, exactly
 as without vase; kernel arguments such as gpt-oss's attention
@@ -36,13 +36,13 @@ from .masks import causal_padding_mask, mask_kind
 from .support import UnsupportedModelError, check_model_supported
 
 PREFIX = "vase_"
-#: the attention functions of the fixed-shape cache (`vase.static`) carry this prefix
+#: the attention functions of the fixed-shape cache (`vase.caches.static`) carry this prefix
 STATIC_PREFIX = "vase_static_"
 KERNELS = ("sdpa", "eager", "flash_attention_2")
 
 
 class PendingLayer(Protocol):
-    """What the attention function needs from a cache layer (`vase.cache.EvictionLayer`)."""
+    """What the attention function needs from a cache layer (`vase.caches.eager.EvictionLayer`)."""
 
     layer_idx: int
 

@@ -1,4 +1,4 @@
-"""Speculative verification on an evicting cache: what `vase.cache.EvictionLayer` keeps to crop and defer.
+"""Speculative verification on an evicting cache: what `vase.caches.eager.EvictionLayer` keeps to crop and defer.
 
 Assisted generation and prompt-lookup decoding (transformers' `assistant_model=`, `prompt_lookup_num_tokens=`)
 run one forward over k + 1 tokens (the last accepted token, then k drafts) and then `crop` the rejected drafts.

@@ -110,7 +110,7 @@ def finish(record: dict[str, Any]) -> dict[str, Any]:
 
 def write_results(path: str | Path, rows: list[Mapping[str, Any]], record: Mapping[str, Any],
                   table: Mapping[str, Any] | None = None) -> Path:
-    """Write `{"provenance": record, "rows": rows}` to `path` atomically (`vase.atomic.atomic_write_text`).
+    """Write `{"provenance": record, "rows": rows}` to `path` atomically (`vase.files.atomic.atomic_write_text`).
 
     `table` (optional) says how `scripts/render_docs.py` draws the rows in the docs: `columns`, `align`
     (one letter l / r per column), `formats` (a format spec per numeric column), or `{"render": "eval"}`.

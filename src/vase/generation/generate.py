@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import EvictionCache
-from .checks import check_flags, check_prompts, check_sampling, check_seed
-from .scalars import plain, plain_items, plain_seed
-from .compat import cache_kwargs
-from .decoding import Sampler, prefill, sampler_generators  # noqa: F401  (re-exported: vase.generation.Sampler)
-from .policies import Policy
+from ..caches.eager import EvictionCache
+from ..core.checks import check_flags, check_prompts, check_sampling, check_seed
+from ..core.scalars import plain, plain_items, plain_seed
+from ..hf.compat import cache_kwargs
+from .decoding import Sampler, prefill, sampler_generators  # noqa: F401  (re-exported: vase.generation.generate.Sampler)
+from ..core.policies import Policy
 
 #: Sampling defaults of the paper's evaluation (the VaSE paper, arXiv 2606.03928).
 PAPER_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": None}
@@ -151,11 +151,11 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
     argmax. Row r uses seed `seed + r` (or `seed[r]`) for both eviction and sampling, so a
     row's output does not depend on its batch. `stream(row, text)` receives decoded text
     pieces as they are generated. `compile=True` (or a `torch.compile` backend name; True is
-    inductor) runs the decode steps compiled over fixed-shape buffers (`vase.compiled`; `full` then
+    inductor) runs the decode steps compiled over fixed-shape buffers (`vase.generation.compiled`; `full` then
     uses transformers' StaticCache); the first call of a configuration compiles for a while.
     Extra keyword arguments are the method's parameters.
     """
-    # numpy scalars are the numbers they hold (vase.scalars), then checked like them
+    # numpy scalars are the numbers they hold (vase.core.scalars), then checked like them
     budget, window, max_new_tokens, temperature, top_p, top_k, greedy, chat_template, ignore_eos, sort_kept = map(
         plain, (budget, window, max_new_tokens, temperature, top_p, top_k, greedy, chat_template, ignore_eos,
                 sort_kept))

@@ -1,0 +1,1 @@
+"""Files vase writes and reads: atomic writes, text files, run provenance."""
