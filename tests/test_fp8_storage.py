@@ -19,7 +19,7 @@ from vase.storage.fp8 import Fp8Bytes, Fp8Config, Fp8Storage
 from vase.core.policies import get_policy
 from vase.core.spec import RequestSpec
 from vase.storage.protocol import DenseStorage
-from vase.storage.registry import StorageKind, byte_model, register_storage, static_refusal, storage_kinds
+from vase.storage.registry import StorageKind, byte_model, register_storage, unregister_storage, static_refusal, storage_kinds
 
 B, W = 16, 4
 PROMPT = torch.arange(5, 17)[None]
@@ -85,9 +85,8 @@ def ref_kind():
     register_storage(StorageKind(name="ref-fp8", spec=RefSpec, config=RefConfig,
                                  eager=lambda config, window, layer_idx: RefStorage(config.fmt)))
     yield
-    import vase.storage.registry as reg
-
-    reg._KINDS[:] = before
+    unregister_storage("ref-fp8")
+    assert storage_kinds() == before
 
 
 @pytest.fixture(scope="module")

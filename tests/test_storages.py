@@ -22,7 +22,7 @@ from vase.storage.quantized import QuantBytes, QuantSpec, QuantStorage
 from vase.core.spec import RequestSpec, split_storage
 from vase.storage.protocol import DenseStorage
 from vase.storage.registry import (StorageKind, byte_model, eager_storage, kind_of, register_storage, spec_from_options,
-                           static_refusal, storage_keywords, storage_kinds)
+                                   static_refusal, storage_keywords, storage_kinds, unregister_storage)
 
 
 # -- the toy storage's own module (what a new storage writes) -------------------------------------------------------
@@ -73,9 +73,8 @@ def toy():
         eager=lambda config, window, layer_idx: ToyStorage(),
         byte_model=lambda model, policy, budget, window, spec: ToyBytes(2 * 2 * 2 * 16 * 2)))
     yield kind
-    import vase.storage.registry as reg
-
-    reg._KINDS[:] = before
+    unregister_storage("toy")
+    assert storage_kinds() == before
 
 
 def test_the_built_in_kinds_build_what_the_cache_held_before():

@@ -1,5 +1,6 @@
 """Argument checks at the doors of the Python API (generate, inspect) and the CLI: prompts, sampling, seeds and
-switches. The request itself (method, parameters, budget, window, storage) is `vase.core.spec`'s.
+switches; the one seed check (the request spec's too). The request itself (method, parameters, budget,
+window, storage) is `vase.core.spec`'s, which imports this module, never the other way.
 
 Each check raises a TypeError (wrong type) or ValueError (wrong value) whose one-line message
 names the argument, the value given and what is accepted, before any tensor work or model load.
@@ -11,8 +12,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_int", "check_budget_window", "check_prompts", "check_sampling", "check_seed",
-           "check_flags"]
+from .errors import SpecError
+
+__all__ = ["check_int", "check_prompts", "check_sampling", "check_seed", "check_flags", "SEED_MAX"]
+
+#: Seeds torch's generators take.
+SEED_MAX = 2**63 - 1
 
 
 def _shown(value: Any) -> str:
@@ -26,14 +31,6 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
-
-
-def check_budget_window(budget: Any, window: Any, policy: Any = None) -> None:
-    """Budget B and window w (and, given a policy, the budget rule): the request spec's checks of these alone
-    (`vase.core.spec.RequestSpec.validate`, which owns them; kept for callers of this name)."""
-    from .spec import RequestSpec
-
-    RequestSpec(policy if policy is not None else "full", budget, window).validate()
 
 
 def check_prompts(prompts: Any) -> list[str]:
@@ -52,15 +49,21 @@ def check_prompts(prompts: Any) -> list[str]:
     return out
 
 
-def check_seed(seed: Any, batch: int) -> None:
-    """An int seed, or one int per prompt."""
-    if isinstance(seed, Sequence) and not isinstance(seed, str):
-        if len(seed) != batch:
-            raise ValueError(f"seed lists {len(seed)} seeds for {batch} prompts: give one per prompt, or one int")
-        for i, s in enumerate(seed):
-            check_int(f"seed[{i}]", s)
-    else:
-        check_int("seed", seed)
+def check_seed(seed: Any, batch: int | None = None) -> None:
+    """The one seed check (the request spec's and `generate`'s): an int, or one int per prompt (`batch` prompts,
+    when given), each within torch's generator range; SpecError (a TypeError and a ValueError), one line."""
+    seeds = list(seed) if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)) else [seed]
+    if not seeds:
+        raise SpecError("seed is an empty list: give one int, or one per prompt")
+    if batch is not None and seeds != [seed] and len(seeds) != batch:
+        raise SpecError(f"seed lists {len(seeds)} seeds for {batch} prompts: give one per prompt, or one int")
+    for i, s in enumerate(seeds):
+        name = "seed" if seeds == [seed] else f"seed[{i}]"
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise SpecError(f"{name} must be an integer, got {_shown(s)}")
+        if abs(s) > SEED_MAX:  # -(2**63) is too small, not too large
+            raise SpecError(f"{name} {s} is too {'small' if s < 0 else 'large'} (at "
+                            f"{'least' if s < 0 else 'most'} {-SEED_MAX if s < 0 else SEED_MAX})")
 
 
 def check_sampling(*, max_new_tokens: Any, temperature: Any, top_p: Any, top_k: Any, greedy: Any) -> None:

@@ -30,23 +30,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .capabilities import engine_info, refuse_unsupported
+from .checks import SEED_MAX, check_seed
 from .errors import SpecError
 from .policies import Policy, get_policy
-from ..storage.packing import CACHE_STORAGE_OPTIONS
-from ..storage.quantized import QuantConfig, QuantSpec
 from .scalars import plain, plain_items, plain_seed
 from .schedule import placeholder_budget
-from ..storage.registry import spec_from_options, spec_types, storage_keywords
+from .storage_specs import CACHE_STORAGE_OPTIONS, QuantConfig, QuantSpec, spec_from_options, spec_types, storage_keywords
 
 __all__ = ["SpecError", "RequestSpec", "Request", "placeholder_budget", "split_storage", "INT_MAX", "SEED_MAX",
            "STORAGE_KEYWORDS"]
 
 #: Integers torch must hold (a larger budget or length overflows a C long deep inside torch).
 INT_MAX = 2**31 - 1
-#: Seeds torch's generators take.
-SEED_MAX = 2**63 - 1
 #: The keywords that spell the built-in quantized storage (`QuantSpec.from_options`); `split_storage` reads every
-#: registered storage's (`vase.storage.registry.storage_keywords`); everything else is the method's.
+#: registered storage's (`vase.core.storage_specs.storage_keywords`); everything else is the method's.
 STORAGE_KEYWORDS = CACHE_STORAGE_OPTIONS
 
 
@@ -74,19 +72,6 @@ def _whole(name: str, value: Any, maximum: int = INT_MAX) -> int:
 def whole_tokens(name: str, value: Any, maximum: int = INT_MAX) -> int:
     """`value` as a positive number of tokens (a budget, a window, a length), else SpecError naming `name`."""
     return _whole(name, value, maximum)
-
-
-def _seed(seed: Any) -> None:
-    seeds = list(seed) if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)) else [seed]
-    if not seeds:
-        raise SpecError("seed is an empty list: give one int, or one per prompt")
-    for i, s in enumerate(seeds):
-        name = "seed" if seeds == [seed] else f"seed[{i}]"
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise SpecError(f"{name} must be an integer, got {_shown(s)}")
-        if abs(s) > SEED_MAX:  # -(2**63) is too small, not too large
-            raise SpecError(f"{name} {s} is too {'small' if s < 0 else 'large'} (at "
-                            f"{'least' if s < 0 else 'most'} {-SEED_MAX if s < 0 else SEED_MAX})")
 
 
 _STORAGE_TYPES = {"bits": (int, "an integer (16, 8, 4 or 2)"), "guard": (int, "a number of tokens (or unset)"),
@@ -166,7 +151,7 @@ class RequestSpec:
         if self.budget is not None:
             _whole("budget", self.budget)
         window = _whole("window", self.window)
-        _seed(self.seed)
+        check_seed(self.seed)
         if self.storage is not None and not isinstance(self.storage, spec_types()):
             raise SpecError(f"storage must be None (full precision) or a vase.storage.quantized.QuantSpec, "
                             f"got {self.storage!r}")
@@ -196,12 +181,8 @@ class RequestSpec:
             except ValueError as exc:
                 raise SpecError(str(exc)) from None
             if engine is not None:
-                from .capabilities import refuse_unsupported
-
                 refuse_unsupported(engine, storage=True)
         elif engine is not None:
-            from .capabilities import engine_info
-
             engine_info(engine)
         return Request(policy=policy, budget=budget, window=window, storage=self.storage, quant=quant,
                        seed=self.seed)

@@ -28,18 +28,12 @@ from ..hf.hybrid import full_attention_layers
 from ..core.kernel import compact_slots
 from ..core.policies import Policy
 from ..core.schedule import physical_length
+from ..core.storage_specs import FORMATS, ROUNDINGS, Fp8Config, Fp8Spec  # noqa: F401  (importable here)
 from .protocol import Rows
 
 __all__ = ["FORMATS", "ROUNDINGS", "Fp8Spec", "Fp8Config", "Fp8Storage", "Fp8Bytes", "to_fp8", "from_fp8"]
 
-#: kv_dtype spellings (vLLM's `kv_cache_dtype` names) -> torch dtype; "fp8" is e4m3, as in vLLM
-FORMATS: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                                   "fp8_e5m2": torch.float8_e5m2}
 SCALE_BYTES = 2 * 4  # k_scale and v_scale, float32, per layer
-
-
-#: how `to_fp8` rounds: to nearest even (torch's cast) or toward zero (vLLM's CPU kernel)
-ROUNDINGS = ("nearest", "zero")
 
 
 def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float, rounding: str = "nearest") -> torch.Tensor:
@@ -62,54 +56,6 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float, rounding: str = "n
 def from_fp8(codes: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """The dequantized rows of `codes` [..., d]: `codes * scale` in `dtype`."""
     return (codes.to(torch.float32) * scale).to(dtype)
-
-
-@dataclass(frozen=True)
-class Fp8Spec:
-    """What a caller asks: `kv_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2" ("auto": the model's dtype, nothing stored
-    differently). Checked by `resolve`."""
-
-    dtype: str = "fp8"
-    #: "nearest" (torch's cast) or "zero" (vLLM's CPU kernel); no keyword of its own
-    rounding: str = "nearest"
-    KEYWORDS: ClassVar[dict[str, str]] = {"dtype": "kv_dtype"}
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> "Fp8Spec | None":
-        """The spec the keyword `kv_dtype` of `options` spells; None when it is absent."""
-        return cls(options["kv_dtype"]) if "kv_dtype" in options else None
-
-    def options(self) -> dict[str, Any]:
-        """The EvictionCache keywords of this spec (the inverse of `from_options`); a rounding other than torch's
-        is named too, so that a run's identity tells the two apart."""
-        return {"kv_dtype": self.dtype, **({"rounding": self.rounding} if self.rounding != "nearest" else {})}
-
-    def resolve(self, policy: Policy, budget: int, window: int, seed: int | Sequence[int]) -> "Fp8Config | None":
-        """The validated configuration (None for "auto"); ValueError naming the accepted spellings."""
-        if self.dtype == "auto":
-            return None
-        if not isinstance(self.dtype, str) or self.dtype not in FORMATS:
-            raise ValueError(f"kv_dtype must be one of auto, {', '.join(FORMATS)}, got {self.dtype!r}")
-        if policy.selects:  # its page selection reads the stored keys directly
-            raise ValueError(f"kv_dtype={self.dtype} does not run with {policy.name}, which selects pages from the "
-                             f"stored keys: use kv_dtype=auto")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"fp8 rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
-        return Fp8Config(format=self.dtype, rounding=self.rounding)
-
-
-@dataclass(frozen=True)
-class Fp8Config:
-    """The float8 format and the per-layer scales (vLLM's default 1.0)."""
-
-    format: str
-    k_scale: float = 1.0
-    v_scale: float = 1.0
-    rounding: str = "nearest"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return FORMATS[self.format]
 
 
 class Fp8Storage:

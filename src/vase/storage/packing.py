@@ -21,26 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-BITS = (8, 4, 2)
-#: EvictionCache keywords about storage rather than the policy (eval configs pass them with a method's parameters).
-#: Here (torch only), not in quant_cache, so that checking a config never imports transformers.
-CACHE_STORAGE_OPTIONS = ("kv_bits", "quant_guard", "quant_group", "quant_select", "flush_every", "quant_key_scale")
+from ..core.storage_specs import BITS, CACHE_STORAGE_OPTIONS, bits_problem, check_format  # noqa: F401
+
 SCALE_DTYPE = torch.float16
-
-
-def bits_problem(bits) -> str:
-    """The one message for a kv_bits vase cannot store (the request spec, the quantizer and the CLI say it alike)."""
-    return f"kv_bits must be 16 (no quantization) or one of {', '.join(map(str, BITS))}; got {bits}"
-
-
-def check_format(bits: int, group: int, dim: int) -> None:
-    """Raise a one-line ValueError unless `bits`/`group` can quantize vectors of `dim` elements."""
-    if bits not in BITS:
-        raise ValueError(bits_problem(bits))
-    if group < 1 or dim % group:
-        raise ValueError(f"quant_group ({group}) must divide head_dim ({dim}): use e.g. {dim} or a divisor of it")
-    if group % (8 // bits):
-        raise ValueError(f"quant_group ({group}) must be a multiple of {8 // bits} to pack {bits}-bit codes")
 
 
 def packed_bytes(n_vectors: int, dim: int, bits: int, group: int) -> int:

@@ -44,106 +44,11 @@ from ..hf.hybrid import full_attention_layers
 from ..hf.masks import causal_padding_mask
 from ..core.policies import Policy, value_magnitude
 from ..core.policies.base import top_k_indices
-from .packing import (BITS, CACHE_STORAGE_OPTIONS, Packed, bits_problem, check_format, dequantize,  # noqa: F401
-                    packed_bytes, quant_kwargs, quantize)  # CACHE_STORAGE_OPTIONS, quant_kwargs: importable here
+from ..core.storage_specs import (BITS, CACHE_STORAGE_OPTIONS, SELECT, QuantConfig, QuantSpec,  # noqa: F401
+                                  bits_problem, check_format, quant_config)  # the rules: importable here too
+from .packing import Packed, dequantize, packed_bytes, quant_kwargs, quantize  # noqa: F401
 from ..core.schedule import physical_length, placeholder_budget
 from .protocol import Rows
-
-SELECT = ("value", "random")
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """What a caller asks of the quantized storage: `EvictionCache(..., storage=QuantSpec(bits=4, guard=8))`.
-
-    bits: 8, 4 or 2 (16 = full precision); guard: R, old tokens per KV head kept in full precision
-    (None: the method's own reserve); group: quantization group along head_dim (None: min(32,
-    head_dim)); select: "value" (the value guard's ranking) or "random"; flush_every: tokens
-    between flushes into the packed store; key_scale: a per-channel key scale before the groups.
-    Checked against the method by `resolve` (so a spec can be built before any model or policy)."""
-
-    bits: int
-    guard: int | None = None
-    group: int | None = None
-    select: str = "value"
-    flush_every: int = 16
-    key_scale: bool = False
-
-    #: the EvictionCache keyword (`vase.storage.packing.CACHE_STORAGE_OPTIONS`) of each field
-    KEYWORDS: ClassVar[dict[str, str]] = {"bits": "kv_bits", "guard": "quant_guard", "group": "quant_group",
-                                          "select": "quant_select", "flush_every": "flush_every",
-                                          "key_scale": "quant_key_scale"}
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> "QuantSpec | None":
-        """The spec the keywords `kv_bits`, `quant_guard`, ... of `options` spell (others are ignored); None when
-        `options` holds none of them. Not checked here: `resolve` checks."""
-        given = {field: options[key] for field, key in cls.KEYWORDS.items() if key in options}
-        if not given:
-            return None
-        return cls(**{"bits": 16, **given})
-
-    def options(self) -> dict[str, Any]:
-        """The EvictionCache keywords of this spec (the inverse of `from_options`)."""
-        return {key: getattr(self, field) for field, key in self.KEYWORDS.items()}
-
-    def resolve(self, policy: Policy, budget: int, window: int, seed: int | Sequence[int]) -> "QuantConfig | None":
-        """The validated configuration for `policy` (`quant_config`); None when nothing is quantized (bits 16)."""
-        if self.bits == 16 and self.guard is None:  # full precision: the other fields are not read
-            return None
-        return quant_config(policy, budget, window, self.bits, self.guard, self.group, self.select,
-                            self.flush_every, seed, self.key_scale)
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """kv_bits, group size, and the full-precision reserve of old tokens per KV head."""
-
-    bits: int
-    group: int | None  # None: min(32, head_dim)
-    guard: int  # R: old tokens per KV head kept in full precision (sinks first)
-    select: str  # "value": the value guard's ranking; "random": a control with R random tokens
-    metric: str
-    sinks: int
-    flush_every: int
-    seed: int
-    key_scale: bool = False  # divide keys by a per-channel scale (from the prompt) before per-token groups
-
-
-def quant_config(policy: Policy, budget: int, window: int, kv_bits: int, quant_guard: int | None,
-                 quant_group: int | None, quant_select: str, flush_every: int, seed: int,
-                 key_scale: bool = False) -> QuantConfig | None:
-    """Validate the quantization options; None when kv_bits is 16 (no quantization).
-
-    quant_guard None = the method's own reserve (sinks + value guard slots, at least the sinks).
-    """
-    if kv_bits == 16:
-        if quant_guard is not None or quant_select != "value" or key_scale:
-            raise ValueError("quant_guard/quant_select/quant_key_scale only apply to a quantized cache: pass "
-                             "kv_bits=8, 4 or 2 (--kv-bits)")
-        return None
-    if policy.selects:
-        raise ValueError(f"{policy.name} selects from a full cache at every step; kv_bits applies to the owned "
-                         "cache of an eviction method or 'full'")
-    if kv_bits not in BITS:
-        raise ValueError(bits_problem(kv_bits))
-    if quant_select not in SELECT:
-        raise ValueError(f"quant_select must be one of {', '.join(SELECT)}; got {quant_select!r}")
-    if flush_every < 1:
-        raise ValueError(f"flush_every must be >= 1, got {flush_every}")
-    if quant_guard is None:
-        quant_guard = max(policy.reserve_size(max(budget - window, 1), budget), policy.sinks) if policy.evicts \
-            else policy.sinks
-    if quant_guard < 0:
-        raise ValueError(f"quant_guard is a number of tokens per KV head (0 = quantize every old token); got "
-                         f"{quant_guard}")
-    if quant_group is not None:  # head_dim is checked when the first K/V arrive
-        check_format(kv_bits, quant_group, quant_group * (8 // kv_bits))
-    return QuantConfig(bits=kv_bits, group=quant_group, guard=int(quant_guard), select=quant_select,
-                       metric=policy.metric, sinks=policy.sinks, flush_every=flush_every,
-                       seed=seed if isinstance(seed, int) else int(seed[0]), key_scale=bool(key_scale))
-
-
 
 def gather_entries(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """t [b, h, n, ...] reordered along n by order [b, h, m] -> [b, h, m, ...]."""

@@ -2,7 +2,8 @@
 
 A storage kind (`StorageKind`) ties together, for one way of holding K/V:
 
-- `spec`: the class a request carries (`RequestSpec.storage`), with `KEYWORDS` (field -> the keyword
+- `spec`: the class a request carries (`RequestSpec.storage`; the built-in ones and the spec registry the
+  request reads live below the implementations, in `vase.core.storage_specs`), with `KEYWORDS` (field -> the keyword
   callers spell it with, e.g. ``kv_bits``), `from_options(options)` and `resolve(policy, budget, window,
   seed)`, which checks it against the method (ValueError, one line) and returns the validated `config`
   (None: nothing to store differently, i.e. dense);
@@ -28,13 +29,15 @@ from typing import Any
 
 import torch
 
-from .fp8 import Fp8Bytes, Fp8Config, Fp8Spec, Fp8Storage
+from ..core.storage_specs import (Fp8Config, Fp8Spec, QuantConfig, QuantSpec, register_spec, spec_from_options,
+                                  spec_types, storage_keywords, unregister_spec)
+from .fp8 import Fp8Bytes, Fp8Storage
 from ..core.policies import Policy
-from .quantized import QuantBytes, QuantConfig, QuantSpec, QuantStorage
+from .quantized import QuantBytes, QuantStorage
 from .static import StaticDense, StaticQuant
 from .protocol import DenseStorage, KVStorage
 
-__all__ = ["StorageKind", "register_storage", "storage_kinds", "storage_keywords", "spec_types", "spec_from_options",
+__all__ = ["StorageKind", "register_storage", "unregister_storage", "storage_kinds", "storage_keywords", "spec_types", "spec_from_options",
            "kind_of", "eager_storage", "static_store", "static_refusal", "byte_model"]
 
 
@@ -57,31 +60,19 @@ _KINDS: list[StorageKind] = []
 def register_storage(kind: StorageKind) -> StorageKind:
     """Register `kind` (replacing one of the same name); returns it."""
     _KINDS[:] = [k for k in _KINDS if k.name != kind.name] + [kind]
+    if kind.spec is not None:  # the request spec reads the spec types from the core (vase.core.storage_specs)
+        register_spec(kind.name, kind.spec)
     return kind
+
+
+def unregister_storage(name: str) -> None:
+    """Remove the kind `name` (and its spec from the request's spec types); nothing when none is registered."""
+    _KINDS[:] = [k for k in _KINDS if k.name != name]
+    unregister_spec(name)
 
 
 def storage_kinds() -> list[StorageKind]:
     return list(_KINDS)
-
-
-def spec_types() -> tuple[type, ...]:
-    """The storage spec classes a request may carry."""
-    return tuple(k.spec for k in _KINDS if k.spec is not None)
-
-
-def storage_keywords() -> tuple[str, ...]:
-    """Every keyword that spells a storage (``kv_bits``, ``quant_guard``, ...), in registration order."""
-    return tuple(kw for k in _KINDS if k.spec is not None for kw in k.spec.KEYWORDS.values())
-
-
-def spec_from_options(options: Mapping[str, Any]) -> Any:
-    """The storage spec the storage keywords of `options` spell (others are ignored); None when they spell none.
-    Keywords of two storages at once are refused in one line."""
-    found = [(k, spec) for k in _KINDS if k.spec is not None
-             for spec in [k.spec.from_options(options)] if spec is not None]
-    if len(found) > 1:
-        raise ValueError(f"the options spell two storages ({', '.join(k.name for k, _ in found)}): give one")
-    return found[0][1] if found else None
 
 
 def kind_of(config_or_spec: Any) -> StorageKind:
