@@ -152,17 +152,17 @@ def _in(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-def core_imports_of_the_harness(graph: dict[str, set[str]]) -> list[str]:
-    """Every `core -> harness` edge, as "importer -> imported" (the core: `vase` minus HARNESS)."""
+def library_imports_of_the_harness(graph: dict[str, set[str]]) -> list[str]:
+    """Every `library -> harness` edge, as "importer -> imported" (the library: `vase` minus HARNESS)."""
     return sorted(f"{m} -> {t}" for m, targets in graph.items() if not _in(m, HARNESS)
                   for t in targets if _in(t, HARNESS))
 
 
-def test_the_core_imports_nothing_from_the_harness():
+def test_the_library_imports_nothing_from_the_harness():
     graph = import_graph()
     assert "vase.core.spec" in graph["vase.caches.eager"]  # the walk sees the core's edges ...
-    assert core_imports_of_the_harness({"vase.generation.batched": {"vase.eval.paired"}}) == ["vase.generation.batched -> vase.eval.paired"]
-    assert core_imports_of_the_harness(graph) == []  # ... and none of them points up
+    assert library_imports_of_the_harness({"vase.generation.batched": {"vase.eval.paired"}}) == ["vase.generation.batched -> vase.eval.paired"]
+    assert library_imports_of_the_harness(graph) == []  # ... and none of them points up
 
 
 def private_imports() -> list[str]:
@@ -189,3 +189,53 @@ def test_one_atomic_file_writer():
     writers = sorted(module_name(p) for p in (SRC / PACKAGE).rglob("*.py")
                      if "os.replace(" in p.read_text() or ".replace(path)" in p.read_text())
     assert writers == ["vase.files.atomic"]
+
+
+#: The layers of `src/vase`, from the ground up: a module imports its own layer and those below, never one above
+#: (docs/architecture.md draws them). `vase/__init__.py` (the public face) stands above the library's layers.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("vase.core",), ("vase.files",), ("vase.hf",), ("vase.models",), ("vase.storage",), ("vase.caches",),
+    ("vase.generation",), ("vase.vllm",), ("vase.engines",), ("vase",), ("vase.eval",), ("vase.bench",),
+    ("vase.analysis",), ("vase.cli",))
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the deepest layer package holding `module` (`vase` alone: the public face)."""
+    found = [i for i, layer in enumerate(LAYERS) for p in layer
+             if (module == p or module.startswith(p + ".")) and p != "vase"]
+    if found:
+        return found[0]
+    assert module == "vase", f"{module} is in no layer: add its folder to LAYERS (and to docs/architecture.md)"
+    return next(i for i, layer in enumerate(LAYERS) if "vase" in layer)
+
+
+def back_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge from a lower layer to a higher one, as "importer -> imported"."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
+
+
+def test_every_import_runs_down_the_layers():
+    graph = import_graph()
+    assert back_arrows({"vase.core.spec": {"vase.storage.registry"}}) == ["vase.core.spec -> vase.storage.registry"]
+    assert back_arrows(graph) == []
+
+
+def test_the_core_imports_only_the_core():
+    graph = import_graph()
+    assert "vase.core.storage_specs" in graph["vase.core.spec"]  # the walk sees the core's own edges
+    outside = sorted(f"{m} -> {t}" for m, targets in graph.items() if _in(m, ("vase.core",))
+                     for t in targets if not _in(t, ("vase.core",)))
+    assert outside == []
+
+
+def test_import_vase_loads_no_harness():
+    """`import vase` and its public names (EvictionCache, generate, ...) bring none of eval, bench, analysis, cli."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vase\n"
+            "vase.EvictionCache, vase.generate, vase.CompiledEvictionCache, vase.get_policy\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({HARNESS!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(SRC)}).stdout.strip()
+    assert out == "[]", out

@@ -32,10 +32,21 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from ..hf.attention import base_kernel
 from .eager import EvictionCache
-from ..generation.compiled import compile_mode
 from .static import CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, ready
 
 __all__ = ["CompiledEvictionCache", "StaticStepHook"]
+
+
+def compile_mode(mode: str | None, backend) -> dict:
+    """`torch.compile`'s `mode` / `options` for a vase step: with inductor, `mode`'s settings plus
+    `emulate_precision_casts` (a cast to float16, the quantized store's scales in `vase.storage.packing`, then
+    rounds as in eager mode; by default inductor keeps such intermediates in float32, and the compiled
+    step quantized to other codes than the eager one). torch.compile takes a mode or options, not both."""
+    if backend != "inductor":
+        return {} if mode is None else {"mode": mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**(list_mode_options(mode) if mode else {}), "emulate_precision_casts": True}}
 
 
 class CompiledEvictionCache(Cache):

@@ -24,6 +24,7 @@ from transformers import StaticCache
 
 from ..hf.attention import base_kernel, uninstall
 from ..caches.eager import EvictionCache
+from ..caches.compiled import compile_mode
 from ..hf.compat import cache_kwargs
 from .decoding import prefill, sampler_generators
 from ..caches.static import (CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, check_no_kept_layers,
@@ -64,18 +65,6 @@ def _fresh(fn: Callable, tag: str) -> Callable:
     configuration gets its own cache entries and never counts as a recompilation of another's."""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
-def compile_mode(mode: str | None, backend) -> dict:
-    """`torch.compile`'s `mode` / `options` for a vase step: with inductor, `mode`'s settings plus
-    `emulate_precision_casts` (a cast to float16, the quantized store's scales in `vase.storage.packing`, then
-    rounds as in eager mode; by default inductor keeps such intermediates in float32, and the compiled
-    step quantized to other codes than the eager one). torch.compile takes a mode or options, not both."""
-    if backend != "inductor":
-        return {} if mode is None else {"mode": mode}
-    from torch._inductor import list_mode_options
-
-    return {"options": {**(list_mode_options(mode) if mode else {}), "emulate_precision_casts": True}}
 
 
 class CompiledSteps:
