@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vase.caches.eager import EvictionCache
-from vase.core.checks import check_budget_window
+from vase.core.spec import RequestSpec
 from vase.cli import checked_params
 from vase.eval.config import ConfigError, EvalConfig
 from vase.core.policies import get_policy
@@ -67,7 +67,7 @@ def test_every_door_applies_the_policy_rule(door, method, params, budget, window
 
 def test_one_message_names_the_numbers_and_the_fix():
     with pytest.raises(ValueError) as info:
-        check_budget_window(68, 64, get_policy("vase-attnv"))
+        RequestSpec(get_policy("vase-attnv"), 68, 64).validate()
     assert str(info.value) == ("budget (68) must be larger than window + protected sinks (64 + 4): "
                                "raise --budget or lower --window")
 

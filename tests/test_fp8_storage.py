@@ -18,7 +18,7 @@ from vase.core.errors import SpecError
 from vase.storage.fp8 import Fp8Bytes, Fp8Config, Fp8Storage
 from vase.core.policies import get_policy
 from vase.core.spec import RequestSpec
-from vase.storage.protocol import DenseStorage
+from vase.storage.dense import DenseStorage
 from vase.storage.registry import StorageKind, byte_model, register_storage, unregister_storage, static_refusal, storage_kinds
 
 B, W = 16, 4

@@ -12,7 +12,8 @@ from vase.generation.generate import forced_log_probs
 from vase.core.policies import value_magnitude
 from vase.storage.packing import dequantize, pack, packed_bytes, quantize, unpack
 from vase.storage.quantized import QuantSpec, QuantStorage
-from vase.storage.protocol import DenseStorage, KVStorage
+from vase.storage.dense import DenseStorage
+from vase.storage.protocol import KVStorage
 
 from .conftest import tiny_model, tiny_tokenizer
 

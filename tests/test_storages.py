@@ -20,7 +20,7 @@ from vase.core.errors import SpecError
 from vase.core.policies import get_policy
 from vase.storage.quantized import QuantBytes, QuantSpec, QuantStorage
 from vase.core.spec import RequestSpec, split_storage
-from vase.storage.protocol import DenseStorage
+from vase.storage.dense import DenseStorage
 from vase.storage.registry import (StorageKind, byte_model, eager_storage, kind_of, register_storage, spec_from_options,
                                    static_refusal, storage_keywords, storage_kinds, unregister_storage)
 

@@ -38,7 +38,6 @@ from ..hf.hybrid import FULL, LINEAR, is_hybrid, text_config
 from ..core.kernel import choose, compact_slots, keep_index
 from ..core.ring import new_ring, ring_read, ring_write
 from ..core.policies import Policy
-from ..storage.quantized import QuantConfig, QuantSpec
 from ..core.schedule import first_limit, must_evict, room, steady_limit
 from ..core.scalars import plain, plain_items, plain_seed
 from ..core.spec import RequestSpec, whole_tokens
@@ -556,7 +555,8 @@ class EvictionCache(Cache):
     max_length:  prompt + new tokens, to preallocate the `full` cache once (a capacity, not a length cap:
                  generation stops at `max_new_tokens`; a longer sequence grows the cache). Evicting methods hold
                  B + w slots and do not read it.
-    storage:     how K/V are held: None (full precision), or `vase.storage.quantized.QuantSpec(bits=8 | 4 | 2,
+    storage:     how K/V are held: None (full precision), a registered storage spec (`vase.core.storage_specs`:
+                 `Fp8Spec(dtype="fp8")`, ...), or `QuantSpec(bits=8 | 4 | 2,
                  guard=R, ...)`: tokens leaving the window are stored as packed codes, except the R old
                  tokens per KV head ranked first by the value guard's ranking (sinks first); see
                  `vase.storage.quantized` and docs/quantization.md. The keywords kv_bits, quant_guard,
@@ -570,7 +570,7 @@ class EvictionCache(Cache):
 
     def __init__(self, model=None, method: str | Policy = "vase-attnv", budget: int | None = 512, window: int = 64, *,
                  seed: int | Sequence[int] = 0, sort_kept: bool = False, max_length: int | None = None,
-                 num_layers: int | None = None, storage: QuantSpec | None = None, **method_params):
+                 num_layers: int | None = None, storage: object | None = None, **method_params):
         # The one request check of every door (types, method, budget rule, reserves, storage): vase.core.spec (numpy
         # scalars read as the numbers they hold, vase.core.scalars).
         budget, window, sort_kept, max_length = plain(budget), plain(window), plain(sort_kept), plain(max_length)
@@ -598,8 +598,8 @@ class EvictionCache(Cache):
         #: (tokens seen before a verification forward, row 0's generator state then): see `EvictionLayer._defer`
         self.rewind: tuple[int, list[torch.Tensor]] | None = None
         self._mask_memo: tuple | None = None
-        #: the quantized storage's validated configuration; None: full precision (`DenseStorage`)
-        self.quant: QuantConfig | None = req.quant
+        #: the storage's validated configuration (QuantConfig, Fp8Config, ...); None: full precision (`DenseStorage`)
+        self.storage_config = req.storage_config
         super().__init__(layers=[self._new_layer(i) for i in range(num_layers)])
 
     def _new_layer(self, i: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin:
@@ -630,9 +630,14 @@ class EvictionCache(Cache):
     def policy(self) -> Policy:
         return self.cfg.policy
 
+    @property
+    def quant(self):
+        """The old name of `storage_config` (any storage's configuration, not only the quantized one's)."""
+        return self.storage_config
+
     def new_storage(self, layer_idx: int) -> KVStorage:
         """The empty K/V storage of layer `layer_idx` (allocated at its first update)."""
-        return eager_storage(self.quant, self.cfg.window, layer_idx)  # by the storage registry (`vase.storage.registry`)
+        return eager_storage(self.storage_config, self.cfg.window, layer_idx)  # by the storage registry (`vase.storage.registry`)
 
     def ensure_generators(self, batch: int, device: torch.device) -> None:
         """One generator per batch row, seeded from the user seed (row r: seed + r, or seed[r])."""

@@ -66,11 +66,12 @@ def check_compilable(cache: EvictionCache, kernel: str) -> None:
     """Raise CompileUnsupportedError (one line saying what to change) when `cache` has no static form."""
     check_no_kept_layers(cache)
     policy = cache.policy
-    refusal = static_refusal(cache.quant)  # the storage's own (`vase.storage.registry`)
+    refusal = static_refusal(cache.storage_config)  # the storage's own (`vase.storage.registry`)
     if refusal:
         raise CompileUnsupportedError(refusal)
-    if not policy.evicts and not policy.selects and cache.quant is not None:  # name the storage, not only the method
-        raise CompileUnsupportedError(f"method {policy.name!r} with kv_bits={cache.quant.bits} has no compiled form: "
+    if not policy.evicts and not policy.selects and cache.storage_config is not None:  # the quantized one: the others
+        # have no static form and were refused above; name the storage, not only the method
+        raise CompileUnsupportedError(f"method {policy.name!r} with kv_bits={cache.storage_config.bits} has no compiled form: "
                                       f"compile=True runs {policy.name!r} through transformers' StaticCache, which "
                                       f"holds K/V in full precision; drop kv_bits, or use compile=False (the eager "
                                       f"cache quantizes)")

@@ -96,13 +96,18 @@ class Request:
     policy: Policy
     budget: int  # B (the placeholder for a method that keeps every token)
     window: int
-    storage: QuantSpec | None  # as asked (None: full precision)
-    quant: QuantConfig | None  # the storage's validated configuration (None: full precision)
+    storage: Any  # the storage spec as asked (a registered spec type, `vase.core.storage_specs`; None: full precision)
+    storage_config: Any  # its validated configuration (QuantConfig, Fp8Config, ...; None: full precision)
     seed: Any
 
     @property
     def method(self) -> str:
         return self.policy.name
+
+    @property
+    def quant(self) -> Any:
+        """The old name of `storage_config` (it holds any storage's configuration, not only the quantized one's)."""
+        return self.storage_config
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ class RequestSpec:
     """What a caller asks for; nothing is checked until `validate()`.
 
     method: a registered name or a Policy; params: the method's parameters; budget: B (None for a method that
-    keeps every token); window: w; storage: None (full precision) or a `QuantSpec`; seed: an int or one per row.
+    keeps every token); window: w; storage: None (full precision) or a storage spec (`QuantSpec`, `Fp8Spec`, ...); seed: an int or one per row.
     """
 
     method: Any = "vase-attnv"
@@ -153,7 +158,8 @@ class RequestSpec:
         window = _whole("window", self.window)
         check_seed(self.seed)
         if self.storage is not None and not isinstance(self.storage, spec_types()):
-            raise SpecError(f"storage must be None (full precision) or a vase.storage.quantized.QuantSpec, "
+            raise SpecError(f"storage must be None (full precision) or a storage spec ("
+                            f"{', '.join(t.__name__ for t in spec_types())}), "
                             f"got {self.storage!r}")
         policy = self.build_policy()
         self._sinks_used(policy)
@@ -170,12 +176,12 @@ class RequestSpec:
         except ValueError as exc:
             raise SpecError(str(exc)) from None
         self._reserves(policy, budget, window)
-        quant = None
+        config = None
         if self.storage is not None:
             if isinstance(self.storage, QuantSpec):
                 _storage_types(self.storage)
             try:
-                quant = self.storage.resolve(policy, budget, window, self.seed)
+                config = self.storage.resolve(policy, budget, window, self.seed)
             except SpecError:
                 raise
             except ValueError as exc:
@@ -184,7 +190,7 @@ class RequestSpec:
                 refuse_unsupported(engine, storage=True)
         elif engine is not None:
             engine_info(engine)
-        return Request(policy=policy, budget=budget, window=window, storage=self.storage, quant=quant,
+        return Request(policy=policy, budget=budget, window=window, storage=self.storage, storage_config=config,
                        seed=self.seed)
 
     def build_policy(self) -> Policy:

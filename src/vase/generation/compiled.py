@@ -25,6 +25,7 @@ from transformers import StaticCache
 from ..hf.attention import base_kernel, uninstall
 from ..caches.eager import EvictionCache
 from ..caches.compiled import compile_mode
+from ..storage.registry import kind_of
 from ..hf.compat import cache_kwargs
 from .decoding import prefill, sampler_generators
 from ..caches.static import (CompileUnsupportedError, StaticEvictionCache, activate, check_compilable, check_no_kept_layers,
@@ -127,9 +128,10 @@ def compile_cache(model, cache: EvictionCache, batch: int, total: int):
     slots for `full`, else `cache` itself once it is checked compilable (one-line refusal otherwise)."""
     check_no_kept_layers(cache)  # a hybrid model, even for 'full'
     if not cache.policy.evicts and not cache.policy.selects:
-        if cache.quant is not None:
+        if cache.storage_config is not None:
+            drop = "kv_bits" if hasattr(cache.storage_config, "bits") else f"the {kind_of(cache.storage_config).name} storage"
             raise CompileUnsupportedError("compile=True runs 'full' on transformers' StaticCache, which stores "
-                                          "K/V densely: drop kv_bits for 'full' (or use compile=False)")
+                                          f"K/V densely: drop {drop} for 'full' (or use compile=False)")
         return StaticCache(config=model.config, max_cache_len=total)
     check_compilable(cache, base_kernel(model))
     return cache

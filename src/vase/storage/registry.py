@@ -35,7 +35,8 @@ from .fp8 import Fp8Bytes, Fp8Storage
 from ..core.policies import Policy
 from .quantized import QuantBytes, QuantStorage
 from .static import StaticDense, StaticQuant
-from .protocol import DenseStorage, KVStorage
+from .dense import DenseStorage
+from .protocol import KVStorage
 
 __all__ = ["StorageKind", "register_storage", "unregister_storage", "storage_kinds", "storage_keywords", "spec_types", "spec_from_options",
            "kind_of", "eager_storage", "static_store", "static_refusal", "byte_model"]
