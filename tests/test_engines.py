@@ -102,7 +102,7 @@ class ToyEngine:
 @pytest.fixture
 def toy_engine(monkeypatch):
     """ToyEngine registered through the public API for one test (the registry restored after)."""
-    from vase.engines import registry
+    from vase.core import capabilities as registry
 
     monkeypatch.setattr(registry, "ENGINES", dict(registry.ENGINES))
     info = EngineInfo("toy", ToyEngine, forcing=False, internal_batching=False, loads_model=True, storage=True,

@@ -94,7 +94,7 @@ def test_core_api_imports_no_extra_and_no_harness():
 
 def test_console_script_without_cli_extra_says_which_extra():
     """With typer missing, `vase` exits with one line naming `vase[cli]`, not a traceback."""
-    code = "import sys; sys.modules['typer'] = None; sys.argv = ['vase', '--help']; from vase.entry import main; main()"
+    code = "import sys; sys.modules['typer'] = None; sys.argv = ['vase', '--help']; from vase.cli.entry import main; main()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [

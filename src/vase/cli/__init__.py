@@ -10,11 +10,15 @@ imports transformers or vLLM until a command needs a model. The helpers that liv
 
 from __future__ import annotations
 
-from .common import (UserError, check_range, checked_params, console, err_console, given, parse_params,
-                     quant_options, split_list, warn)
-from .evaluate import eval_params
-from .generate import read_prompts
-from .main import app, main
+from vase.core.lazy import lazy_exports
 
-__all__ = ["app", "main", "UserError", "console", "err_console", "check_range", "checked_params", "given",
-           "parse_params", "quant_options", "split_list", "warn", "eval_params", "read_prompts"]
+# Imported on first use, so that the console script (:mod:`.entry`) can answer a core install's missing
+# typer/rich in one line before anything here loads them.
+_LAZY = {
+    "UserError": "common", "console": "common", "err_console": "common", "check_range": "common",
+    "checked_params": "common", "given": "common", "parse_params": "common", "quant_options": "common",
+    "split_list": "common", "warn": "common", "eval_params": "evaluate", "read_prompts": "generate",
+    "app": "main", "main": "main",
+}
+__all__ = list(_LAZY)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

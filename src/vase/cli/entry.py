@@ -1,7 +1,8 @@
 """The `vase` console script: the CLI, or one line naming the extra when it is not installed.
 
-Kept apart from :mod:`vase.cli` so that a core-only install (`pip install vase`) answers
-`pip install 'vase[cli]'` instead of a traceback when typer or rich is missing.
+Imports nothing of the CLI before it runs (`vase.cli` loads its names on first use), so that a core-only
+install (`pip install vase`) answers `pip install 'vase[cli]'` instead of a traceback when typer or rich is
+missing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ CLI_NEEDS = {"typer": "cli", "rich": "cli", "yaml": "cli"}
 def main() -> None:
     """Run the `vase` command; exit 1 with one line when the `cli` extra is missing."""
     try:
-        from vase.cli import main as cli_main
+        from vase.cli.main import main as cli_main
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").split(".")[0]
         if missing not in CLI_NEEDS:
