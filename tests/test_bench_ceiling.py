@@ -270,19 +270,19 @@ def test_cpu_clock_times_steps_and_evictions_and_needs_one_thread(tiny, monkeypa
     monkeypatch.setattr(runner_mod, "_now", wall)
     monkeypatch.setattr(runner_mod, "_cpu_now", fake)
     handle = tiny.register_forward_pre_hook(lambda *_: setattr(fake, "now", fake.now + 0.02))
-    threads = torch.get_num_threads()
+    # The thread count the check reads, set through torch's getter: once a vLLM CPU engine has run in this process
+    # (the suite's workers share processes between files), torch.set_num_threads is a no-op.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     try:
-        torch.set_num_threads(1)
         rows = run_bench(tiny, ["vase-attnv"], [24], [40], [1], prompt_length=8, window=8, warmup=0, repeats=1,
                          include_dynamic=False, bandwidth=None, clock="cpu")
         assert {r["clock"] for r in rows} == {"cpu"}
         assert all(r["tok_s"] == pytest.approx(1 / 0.02) for r in rows)
-        torch.set_num_threads(2)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
         with pytest.raises(ValueError, match="one torch thread"):
             run_bench(tiny, ["vase-attnv"], [24], [40], [1], prompt_length=8, window=8, warmup=0, repeats=1,
                       include_dynamic=False, bandwidth=None, clock="cpu")
     finally:
-        torch.set_num_threads(threads)
         handle.remove()
 
 

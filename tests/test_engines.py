@@ -104,14 +104,15 @@ def toy_engine(monkeypatch):
     """ToyEngine registered through the public API for one test (the registry restored after)."""
     from vase.core import capabilities as registry
 
-    monkeypatch.setattr(registry, "ENGINES", dict(registry.ENGINES))
+    # the one table is mutated in place (modules hold it by name: `from ... import ENGINES`); "toy" removed after
     info = EngineInfo("toy", ToyEngine, forcing=False, internal_batching=False, loads_model=True, storage=True,
                       compile=False, attn=False, streaming=False)
     register_engine(info)
     with pytest.raises(SpecError, match="already registered"):
         register_engine(info)
     ToyEngine.calls = []
-    return ToyEngine
+    yield ToyEngine
+    registry.ENGINES.pop("toy", None)
 
 
 def test_a_toy_engine_registered_from_outside_runs_through_generate_and_eval(toy_engine, model_dir, capsys,

@@ -310,7 +310,8 @@ def test_console_table_fits_the_terminal(width):
     assert "batch tok/s" in wide and "top-1 % after" in wide and "--wide" not in wide
 
 
-def test_headers_name_the_reference(run_dir, capsys):
+def test_headers_name_the_reference(run_dir, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "240")  # the console's width, whatever an earlier test in this process left
     summarize(run_dir, print_table=True, plots=False, reference=("snapkv", 24))
     out = capsys.readouterr().out
     md = (run_dir / "summary-vs-snapkv-24.md").read_text()
