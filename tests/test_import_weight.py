@@ -99,3 +99,26 @@ def test_console_script_without_cli_extra_says_which_extra():
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "vase: the command needs 'typer', which a core install lacks: pip install 'vase[cli]'"]
+
+
+def test_console_script_names_the_eval_extra_when_a_harness_package_is_missing(monkeypatch, capsys):
+    """A command that reaches for math-verify or matplotlib on a core install ends in one line naming `vase[eval]`;
+    any other missing module is not hidden."""
+    import importlib
+
+    from vase.cli import entry
+
+    cli_main_module = importlib.import_module("vase.cli.main")
+
+    def needs(name):
+        def run():
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return run
+
+    monkeypatch.setattr(cli_main_module, "main", needs("math_verify"))
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == "vase: the command needs 'math_verify', which a core install lacks: pip install 'vase[eval]'"
+    monkeypatch.setattr(cli_main_module, "main", needs("not_a_vase_extra"))
+    with pytest.raises(ModuleNotFoundError):
+        entry.main()
