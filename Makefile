@@ -46,8 +46,9 @@ test: $(STAMP)
 test-tf-latest: $(VENV_TF)/.installed
 	$(VENV_TF)/bin/python -m pytest $(XDIST) --ignore-glob='tests/test_vllm*'
 
-# `pip install .` alone (no extra) in a fresh venv: vase imports, generates with eviction firing, and no
-# extra's package (typer, rich, matplotlib, math-verify, vLLM) is installed (scripts/core_install_check.py).
+# `pip install .` alone (no extra) in a fresh venv: vase imports and generates with eviction firing, importing
+# none of typer, rich and the extras' packages, and matplotlib, math-verify and vLLM are not installed
+# (scripts/core_install_check.py).
 CORE_VENV ?= /tmp/vase-core-install
 test-core-install:
 	rm -rf $(CORE_VENV)
