@@ -38,7 +38,9 @@ def test_make_test_runs_the_suite_in_two_xdist_workers_a_file_each():
     pytest-xdist); TEST_WORKERS=0 runs it serially, in one process."""
     def dry(*args: str) -> str:
         # -o: take the venv stamps as up to date, so that a dry run prints only the test command
-        return subprocess.run(["make", "-n", "-o", ".venv/.installed", "-o", ".venv-tf-latest/.installed", *args],
+        # --no-print-directory: run from `make test` this is a sub-make, which would print "make[1]: Leaving ..."
+        return subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.installed", "-o",
+                               ".venv-tf-latest/.installed", *args],
                               cwd=REPO, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     assert dry("test") == ".venv/bin/python -m pytest -n 2 --dist loadfile"
     assert dry("test-tf-latest").startswith(".venv-tf-latest/bin/python -m pytest -n 2 --dist loadfile ")
