@@ -14,7 +14,7 @@ The step itself (1. and 2.) is `vase.vllm.runner_step.VaseStepMixin`, shared wit
    write outside the request's blocks stops with one line (`VaseStepError`);
 2. RoPE positions stay logical; the slot mapping and sequence lengths use the physical length
    (logical minus the tokens evicted so far);
-3. each attention layer records the last w post-RoPE queries of each request.
+3. each attention layer records the last w post-RoPE queries of each request (`capture.install`, as on the GPU).
 
 With sliding-window layers (Gemma 3, gpt-oss: several KV cache groups, `vase.vllm.groups`) all of
 this applies to the full-attention group only: its layers are evicted, its block table and slot
