@@ -94,7 +94,20 @@ def test_capturing_impl_records_then_calls_the_kernel(backend, impl_classes, mon
     assert torch.equal(ring.rings[0], before) and kernel_calls == [14, 7, 7, 7, 3, 3]
 
 
-def test_the_cpu_worker_class_is_the_same_mechanism(impl_classes):
-    from vase.vllm import capture
+def test_the_cpu_runner_installs_the_one_mechanism(impl_classes, monkeypatch):
+    """vase's CPU runner swaps its attention layers to `capturing(CPUAttentionBackendImpl)` (no class of its own)."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    assert capture.VaseCPUAttentionImpl is capturing(impl_classes["CPU_ATTN"])
+    from vase.vllm import worker
+
+    cls = impl_classes["CPU_ATTN"]
+    monkeypatch.setattr(CPUModelRunner, "load_model", lambda self, *args, **kwargs: None)  # vLLM's model load
+    checked = []
+    monkeypatch.setattr(worker, "check_attention_layer", lambda name, *args, **kwargs: checked.append(name))
+    impl = object.__new__(cls)
+    runner = object.__new__(worker.VaseCPUModelRunner)
+    runner.model_config = SimpleNamespace(dtype=torch.float32)
+    runner._vase_attention_impls = lambda: iter([("model.layers.0.self_attn.attn", impl)])
+    runner.load_model()
+    assert type(impl) is capturing(cls) and checked == ["model.layers.0.self_attn.attn"]
+    assert not any(isinstance(v, type) and issubclass(v, cls) for v in vars(worker).values() if v is not cls)

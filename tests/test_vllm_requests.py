@@ -37,8 +37,8 @@ class _VllmRunner:
 
 
 class _Runner(VaseRunnerMixin, _VllmRunner):
-    def __init__(self):
-        super().__init__()
+    def __init__(self):  # the mixin's constructor needs vLLM's config and distributed state: its fields set here
+        _VllmRunner.__init__(self)
         self.vase_config = VaseVllmConfig.from_dict({"method": "snapkv", "budget": 24, "window": 8, "seed": 7})
         self.vase_requests, self.vase_recomputes = {}, 0
         self.vase_ring = QueryRing(["l0"], 2, 4, 8, torch.float32, torch.device("cpu"))

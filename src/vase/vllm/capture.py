@@ -122,11 +122,3 @@ def install(impl: object, ring: QueryRing | None = None) -> None:
     if ring is not None:
         impl.vase_ring = ring
 
-
-def __getattr__(name: str):
-    # The CPU implementation, built on first use so importing this module needs no vLLM.
-    if name == "VaseCPUAttentionImpl":
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-        return capturing(CPUAttentionBackendImpl)
-    raise AttributeError(name)

@@ -28,30 +28,18 @@ import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from .capture import QueryRing, install
-from .config import VaseConfigError, VaseVllmConfig
+from .capture import install
 from .layouts import backend_of, split_kv
 from .plugin import check_at_start
-from .refusals import check_attention_layer, v2_runner_reason
-from .requests import VaseRequest
+from .refusals import check_attention_layer
 from .runner_step import VaseStepMixin
 
 
 class VaseGPUModelRunner(VaseStepMixin, GPUModelRunner):
     """vLLM's V1 GPU model runner with vase's eviction (see the module docstring; the step and per-request state:
-    the mixins, `vase.vllm.runner_step` and `vase.vllm.requests`)."""
+    the mixins, `vase.vllm.runner_step` and `vase.vllm.requests`, whose `__init__` is its constructor)."""
 
-    def __init__(self, vllm_config, device):
-        super().__init__(vllm_config, device)
-        self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
-        self.vase_policy = self._vase_rank_policy(vllm_config)  # TP: kept sets independent of the degree
-        self.vase_requests: dict[str, VaseRequest] = {}
-        self.vase_ring: QueryRing | None = None
-        self.vase_layers: list[str] = []
-        self.vase_backend: str | None = None
-        self.vase_evictions = 0
-        self.vase_recomputes = 0
-        self.vase_recomputed_tokens = 0  # tokens those replays prefilled again
+    vase_backend: str | None = None  # the attention backend of its layers (set at load_model)
 
     # -- setup ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
@@ -71,13 +59,11 @@ class VaseGPUModelRunner(VaseStepMixin, GPUModelRunner):
 
 
 class VaseGPUWorker(Worker):
-    """vLLM's GPU worker building `VaseGPUModelRunner` (V1 runner only)."""
+    """vLLM's GPU worker building `VaseGPUModelRunner` through vLLM's hook (V1 runner only: `check_at_start` refuses
+    V2, `refusals.check_built_config`)."""
 
-    def _make_model_runner(self):
+    def _make_model_runner(self) -> VaseGPUModelRunner:
         check_at_start(self.vllm_config, "GPU worker")  # a VllmConfig built by hand skips EngineArgs' checks
-        if getattr(self, "use_v2_model_runner", False):  # the config check refuses this first; kept as a backstop
-            raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 "
-                                  f"because {v2_runner_reason(self.vllm_config)}")
         return VaseGPUModelRunner(self.vllm_config, self.device)
 
     def determine_available_memory(self) -> int:

@@ -193,10 +193,10 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.model_executor.models.utils.extract_layer_index", "VaseRunnerMixin: layer order",
              params=("layer_name", "num_attn_module")),
     Internal("vllm.v1.worker.cpu_model_runner.CPUModelRunner", "VaseCPUModelRunner (subclass)"),
-    Internal("vllm.v1.worker.cpu_worker.CPUWorker.init_device", "VaseCPUWorker: builds vase's runner",
-             params=("self",)),
-    Internal("vllm.v1.worker.gpu_worker.Worker._make_model_runner", "VaseGPUWorker: builds vase's runner",
-             params=("self",)),
+    Internal("vllm.v1.worker.cpu_worker.CPUWorker.init_device", "VaseCPUWorker: builds the stock runner inline (no "
+             "hook), which vase's replaces", params=("self",)),
+    Internal("vllm.v1.worker.gpu_worker.Worker._make_model_runner", "VaseGPUWorker: builds vase's runner (the hook; "
+             "VaseCPUWorker overrides it too, called from its init_device)", params=("self",)),
     Internal("vllm._custom_ops.cpu_attn_reshape_and_cache", "worker.cpu_kernel_layout: reads the CPU block layout",
              params=("key", "value", "key_cache", "value_cache", "slot_mapping", "isa", "k_scale", "v_scale",
                      "kv_cache_dtype")),

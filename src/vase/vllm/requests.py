@@ -58,9 +58,9 @@ class VaseRequest:
 class VaseRunnerMixin:
     """The per-request part of vase's model runners (see the module docstring).
 
-    The runner sets `vase_config`, `vase_requests` ({}), `vase_ring`, `vase_recomputes` (0) and
-    defines `_vase_step(scheduled)`; vLLM's runner brings `input_batch`, `requests`, `device`,
-    `compilation_config` and `model_config`."""
+    Its `__init__` is the one constructor of both runners: vLLM's, then vase's state (`vase_config`,
+    `vase_policy`, `vase_requests`, `vase_ring`, the counters). The runner defines `_vase_step(scheduled)`;
+    vLLM's runner brings `input_batch`, `requests`, `device`, `compilation_config` and `model_config`."""
 
     vase_config: VaseVllmConfig
     vase_requests: dict[str, VaseRequest]
@@ -69,6 +69,17 @@ class VaseRunnerMixin:
     vase_layers: list[str]
     vase_block_size: int
     vase_group: int = 0
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
+        self.vase_policy = self._vase_rank_policy(vllm_config)  # TP: kept sets independent of the degree
+        self.vase_requests: dict[str, VaseRequest] = {}
+        self.vase_ring: QueryRing | None = None
+        self.vase_layers: list[str] = []
+        self.vase_evictions = 0  # eviction events (all layers of one request at one step count once)
+        self.vase_recomputes = 0  # replays of preempted requests (their policy state starts over, re-seeded)
+        self.vase_recomputed_tokens = 0  # tokens those replays prefilled again
 
     def _vase_step(self, scheduled: np.ndarray) -> None:
         raise NotImplementedError

@@ -14,7 +14,7 @@ The step itself (1. and 2.) is `vase.vllm.runner_step.VaseStepMixin`, shared wit
    write outside the request's blocks stops with one line (`VaseStepError`);
 2. RoPE positions stay logical; the slot mapping and sequence lengths use the physical length
    (logical minus the tokens evicted so far);
-3. each attention layer records the last w post-RoPE queries of each request.
+3. each attention layer records the last w post-RoPE queries of each request (`capture.install`, as on the GPU).
 
 With sliding-window layers (Gemma 3, gpt-oss: several KV cache groups, `vase.vllm.groups`) all of
 this applies to the full-attention group only: its layers are evicted, its block table and slot
@@ -37,14 +37,13 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .capture import QueryRing
+from .capture import install
 from ..storage.fp8 import FORMATS
-from .config import VaseConfigError, VaseVllmConfig
+from .config import VaseConfigError
 from .fp8 import storage_dtype
 from .paged import Layout
 from .plugin import check_at_start
-from .refusals import check_attention_layer, v2_runner_reason
-from .requests import VaseRequest
+from .refusals import check_attention_layer
 from .runner_step import VaseStepMixin
 from .stages import stage_span
 
@@ -80,18 +79,6 @@ def cpu_kernel_layout(block_size: int, head_dim: int, dtype: torch.dtype, kv_cac
         index[plain_at] = torch.arange(plain_at.numel())
         where.append(index.view(block_size, head_dim))
     return Layout(*where)
-
-
-class VaseCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, recording the query window first (`vase_ring` is set on the instance by the runner)."""
-
-    vase_ring: QueryRing | None = None
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        ring = self.vase_ring
-        if ring is not None and attn_metadata is not None:
-            ring.record(layer.layer_name, query)
-        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
 
 
 def logical_metadata(runner, common_attn_metadata):
@@ -140,20 +127,7 @@ _LOGICAL_BUILDERS = {CPUAttentionMetadataBuilder: VaseLogicalLengthsBuilder,
 
 class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
     """vLLM's CPU model runner with vase's eviction (see the module docstring; the step and per-request state: the
-    mixins, `vase.vllm.runner_step` and `vase.vllm.requests`)."""
-
-    def __init__(self, vllm_config, device):
-        super().__init__(vllm_config, device)
-        self.vase_config = VaseVllmConfig.from_additional_config(vllm_config.additional_config)
-        self.vase_policy = self._vase_rank_policy(vllm_config)
-        self.vase_requests: dict[str, VaseRequest] = {}
-        self.vase_ring: QueryRing | None = None
-        self.vase_layers: list[str] = []
-        self.vase_evictions = 0  # eviction events (all layers of one request at one step count once)
-        self.vase_recomputes = 0  # replays of preempted requests (their policy state starts over, re-seeded)
-        self.vase_recomputed_tokens = 0  # tokens those replays prefilled again
-        #: set to a dict to record, per request id, its evictions and the slots its first eviction kept per layer
-        self.vase_record: dict | None = None
+    mixins, `vase.vllm.runner_step` and `vase.vllm.requests`, whose `__init__` is its constructor)."""
 
     # -- setup ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
@@ -165,7 +139,7 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
                 raise VaseConfigError(f"vase needs vLLM's CPU attention, layer {name} uses {type(impl).__name__}: "
                                       f"use a model with standard attention")
             check_attention_layer(name, impl, self.model_config.dtype, sliding=True)  # fp8 formats pass: vase.vllm.fp8
-            impl.__class__ = VaseCPUAttentionImpl
+            install(impl)  # records its queries (`vase.vllm.capture`, the one mechanism)
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
@@ -238,15 +212,19 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
 
 
 class VaseCPUWorker(CPUWorker):
-    """vLLM's CPU worker running `VaseCPUModelRunner`."""
+    """vLLM's CPU worker running `VaseCPUModelRunner`.
+
+    vLLM 0.32's `CPUWorker.init_device` builds its stock runner inline (no hook, unlike `Worker._make_model_runner`,
+    which the CPU worker inherits and never calls): vase's runner replaces it there, built by the same method name
+    as on the GPU worker. The V2 runner is refused by `check_at_start` (`refusals.check_built_config`)."""
 
     def init_device(self):
         check_at_start(self.vllm_config, "CPU worker")  # a VllmConfig built by hand skips EngineArgs' checks
         super().init_device()
-        if getattr(self, "use_v2_model_runner", False):  # the config check refuses this first; kept as a backstop
-            raise VaseConfigError(f"vase's vLLM plugin hooks vLLM's V1 model runner, and this engine would run V2 "
-                                  f"because {v2_runner_reason(self.vllm_config)}")
-        self.model_runner = VaseCPUModelRunner(self.vllm_config, torch.device("cpu"))
+        self.model_runner = self._make_model_runner()
+
+    def _make_model_runner(self) -> VaseCPUModelRunner:
+        return VaseCPUModelRunner(self.vllm_config, torch.device("cpu"))
 
     def determine_available_memory(self) -> int:
         """vLLM's KV memory less the query ring of the requests the pool will hold (`vase.vllm.ring_size`)."""
