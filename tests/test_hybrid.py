@@ -404,11 +404,10 @@ def test_dropping_a_finished_row_keeps_the_others_exact(family):
     assert cache.stats()["evictions"] >= 5
 
 
-# -- vLLM: Qwen3.5 and chunked-local hybrids refused by the plugin in one line each (stand-ins of vLLM's ModelConfig) -----
+# -- vLLM: Qwen3.5 refused by the plugin in one line (stand-ins of vLLM's ModelConfig); Llama 4 taken -------------------
 
 @pytest.mark.parametrize("family, fragment", [
     ("qwen3.5", "(qwen3_5_text) has recurrent (linear-attention or Mamba) layers"),
-    ("llama4", "(llama4_text) has chunked-local attention layers (Llama 4) beside full attention"),
 ])
 def test_vllm_plugin_refuses_hybrid_families_in_one_line(family, fragment):
     from types import SimpleNamespace as NS
@@ -428,6 +427,9 @@ def test_vllm_plugin_refuses_hybrid_families_in_one_line(family, fragment):
     plain = NS(model="m", hf_config=hybrid_config("qwen3-moe"), hf_text_config=hybrid_config("qwen3-moe"),
                use_mla=False, is_hybrid=False, has_inner_state=False, get_sliding_window=lambda: None)
     assert model_refusal(plain) is None  # MoE with full attention: the plugin evicts it as any dense model
+    llama4 = hybrid_config("llama4")  # chunked-local beside full attention: evicted (tests/test_vllm_hybrid.py)
+    assert model_refusal(NS(model="m", hf_config=llama4, hf_text_config=llama4, use_mla=False, is_hybrid=False,
+                            has_inner_state=False, get_sliding_window=lambda: None)) is None
     for sliding in ("gemma3", "gpt-oss", "qwen3-next"):  # sliding-window or recurrent groups: evicted in the full group
         cfg = hybrid_config(sliding)
         assert model_refusal(NS(**{**vars(plain), "hf_config": cfg, "hf_text_config": cfg})) is None, sliding

@@ -9,12 +9,13 @@ by physical length in the one full-attention group and leaves the sliding groups
 keeps their logical positions, slots and sequence lengths. A linear-attention hybrid (Qwen3-Next,
 Qwen3.5) gets Mamba-style state groups (`MambaSpec`: one recurrent state per request and layer, which
 does not grow with the sequence) beside its full-attention group: also left to vLLM, read at the
-logical lengths.
+logical lengths. Llama 4's chunked-local layers get a `ChunkedLocalAttentionSpec` group: left to vLLM likewise
+(its chunks follow the logical positions), the global NoPE layers' full-attention group evicted.
 """
 
 from __future__ import annotations
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from .config import VaseConfigError
 
@@ -27,7 +28,7 @@ def full_attention_group(kv_cache_config) -> int:
     kinds = [type(g.kv_cache_spec) for g in groups]
     full = [i for i, kind in enumerate(kinds) if kind is FullAttentionSpec]
     other = [kind.__name__ for kind in kinds if kind is not FullAttentionSpec
-             and not issubclass(kind, (SlidingWindowSpec, MambaSpec))]
+             and not issubclass(kind, (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec))]
     if len(full) != 1 or other:
         raise VaseConfigError(f"vase evicts in one full-attention KV cache group beside sliding-window or recurrent-"
                               f"state groups; this model's groups are {[k.__name__ for k in kinds]}: use a model "

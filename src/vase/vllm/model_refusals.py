@@ -7,8 +7,7 @@ linear attention, which vLLM's CPU build runs only in bf16) likewise, the state 
 linear-attention hybrids compared end to end are taken (`LINEAR_COMPARED`: Qwen3-Next); other recurrent
 hybrids (Qwen3.5, whose vLLM module needs torchvision; Jamba, Falcon-H1, ...) are refused here and run with
 vase's transformers engine instead, which evicts their full-attention layers (docs/models.md). Llama 4's chunked-local layers get a group of their own
-(`ChunkedLocalAttentionSpec`, neither full attention nor a sliding window) beside which the plugin does not
-evict yet either: refused here, evicted by the transformers engine. A model sliding every layer has nothing
+(`ChunkedLocalAttentionSpec`), left to vLLM at the logical lengths like a sliding-window group. A model sliding every layer has nothing
 growing to evict. MLA's latent cache has no per-KV-head tokens to evict.
 """
 
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vase.hf.hybrid import CHUNKED, FULL, LINEAR, SLIDING, layer_types
+from vase.hf.hybrid import FULL, LINEAR, SLIDING, layer_types
 
 from .config import VaseConfigError
 
@@ -41,11 +40,6 @@ def model_refusal(model_config: Any) -> str | None:
     if (recurrent or LINEAR in types) and not (kind in LINEAR_COMPARED and types == {LINEAR, FULL}):
         return (f"{name} ({kind}) has recurrent (linear-attention or Mamba) layers, and vase's vLLM plugin evicts "
                 f"beside them only in {', '.join(LINEAR_COMPARED)} (compared end to end): {_INSTEAD}")
-    if CHUNKED in types:
-        # vLLM 0.32 gives these layers a ChunkedLocalAttentionSpec group (vllm/v1/kv_cache_interface.py), which
-        # `groups.full_attention_group`'s allow-list (full attention beside sliding-window groups) does not take
-        return (f"{name} ({kind}) has chunked-local attention layers (Llama 4) beside full attention, in a KV cache "
-                f"group of their own that vase's vLLM plugin does not evict beside yet: {_INSTEAD}")
     if (model_config.get_sliding_window() is not None or SLIDING in types) and FULL not in types:
         return (f"{name} ({kind}) has sliding-window attention in every layer: its cache is already bounded and "
                 f"there is no full-attention layer to evict in; use a model with full-attention layers")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from copy import copy
 
-from ..hf.hybrid import LINEAR, SLIDING, layer_types
+from ..hf.hybrid import CHUNKED, LINEAR, SLIDING, layer_types
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, evicts_under
 from .model_refusals import check_model_layers, local_layers_refusal
@@ -79,16 +79,17 @@ PREFIX_HYBRID_REFUSAL = ("vase keeps vLLM's prefix cache with full attention in 
 
 
 def check_prefix_caching(vllm_config, asked: bool | None) -> None:
-    """Prefix caching with vase: kept with full attention in every layer; with sliding-window or linear-attention
-    layers beside it (several KV cache groups) turned off, or refused in one line when `asked` for explicitly.
-    vLLM 0.32 itself allows it for linear-attention hybrids (`MambaModelConfig.verify_and_update_config` sets
+    """Prefix caching with vase: kept with full attention in every layer; with sliding-window, chunked-local or
+    linear-attention layers beside it (several KV cache groups) turned off, or refused in one line when `asked` for
+    explicitly. vLLM 0.32 itself allows it for linear-attention hybrids (`MambaModelConfig.verify_and_update_config` sets
     mamba_cache_mode 'align', a recurrent state kept per block); turned off here, after that hook ran, the mode
     is set back to 'none' (one state per request), as vLLM sets it with prefix caching off."""
     cache = vllm_config.cache_config
     model = vllm_config.model_config
     text = getattr(model, "hf_text_config", None) or model.hf_config
     types = set(layer_types(text))
-    sliding = model.get_sliding_window() is not None or SLIDING in types or LINEAR in types
+    sliding = (model.get_sliding_window() is not None or SLIDING in types or LINEAR in types or CHUNKED in types
+               or getattr(text, "attention_chunk_size", None) is not None)
     if cache.enable_prefix_caching and sliding:
         if asked:
             raise VaseConfigError(PREFIX_HYBRID_REFUSAL)

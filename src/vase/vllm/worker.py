@@ -125,6 +125,23 @@ _LOGICAL_BUILDERS = {CPUAttentionMetadataBuilder: VaseLogicalLengthsBuilder,
                      GDNAttentionMetadataBuilder: VaseLogicalGDNBuilder}
 
 
+def logical_builder(cls: type) -> type | None:
+    """vase's class for a metadata builder of a group left to vLLM (None: not one vase knows). Llama 4's chunked-local
+    group builds with a class vLLM makes per chunk size over the CPU builder (`ChunkedLocalAttentionBuilder`, which
+    splits each request into chunks by its sequence length): subclassed here so that it splits the logical lengths."""
+    if cls in _LOGICAL_BUILDERS:
+        return _LOGICAL_BUILDERS[cls]
+    if issubclass(cls, CPUAttentionMetadataBuilder) and cls.__name__ == "ChunkedLocalAttentionBuilder":
+        def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+            return cls.build(self, common_prefix_len, logical_metadata(self.vase_runner, common_attn_metadata),
+                             *args, **kwargs)
+
+        ours = type(f"VaseLogical{cls.__name__}", (cls,), {"vase_runner": None, "build": build})
+        _LOGICAL_BUILDERS[cls] = ours
+        return ours
+    return None
+
+
 class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
     """vLLM's CPU model runner with vase's eviction (see the module docstring; the step and per-request state: the
     mixins, `vase.vllm.runner_step` and `vase.vllm.requests`, whose `__init__` is its constructor)."""
@@ -149,7 +166,7 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
                 continue
             for group in groups:
                 for builder in group.metadata_builders:
-                    ours = _LOGICAL_BUILDERS.get(type(builder))
+                    ours = logical_builder(type(builder))
                     if ours is None:
                         raise VaseConfigError(f"vase needs vLLM's CPU attention or gated-delta-net linear attention "
                                               f"in every other KV cache group, group {gid} builds "
