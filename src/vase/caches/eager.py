@@ -40,7 +40,7 @@ from ..core.ring import new_ring, ring_read, ring_write
 from ..core.policies import Policy
 from ..core.schedule import first_limit, must_evict, room, steady_limit
 from ..core.scalars import plain, plain_items, plain_seed
-from ..core.spec import RequestSpec, whole_tokens
+from ..core.spec import Request, RequestSpec, whole_tokens
 from ..storage.protocol import KVStorage
 from ..storage.registry import eager_storage
 from ..hf.verify import LastForward, Pending, Snapshot, cut_mask
@@ -576,7 +576,23 @@ class EvictionCache(Cache):
         budget, window, sort_kept, max_length = plain(budget), plain(window), plain(sort_kept), plain(max_length)
         seed, method_params = plain_seed(seed), plain_items(method_params)
         req = RequestSpec.of(method, budget, window, seed=seed, storage=storage, **method_params).validate()
-        policy, budget = req.policy, req.budget
+        self._build(model, req, sort_kept=sort_kept, max_length=max_length, num_layers=num_layers)
+
+    @classmethod
+    def from_request(cls, model, request: Request, *, sort_kept: bool = False, max_length: int | None = None,
+                     num_layers: int | None = None) -> EvictionCache:
+        """The cache for an already validated `Request` (`RequestSpec(...).validate()`): nothing is parsed again.
+        The keyword constructor is the door that builds the Request; this is the way down for callers holding one."""
+        if not isinstance(request, Request):
+            raise SpecError(f"request must be a vase.core.spec.Request (RequestSpec(...).validate()), got "
+                            f"{type(request).__name__}")
+        cache = cls.__new__(cls)
+        cache._build(model, request, sort_kept=plain(sort_kept), max_length=plain(max_length), num_layers=num_layers)
+        return cache
+
+    def _build(self, model, req: Request, *, sort_kept: bool, max_length: int | None, num_layers: int | None) -> None:
+        """Build the layers from a validated request (the cache's own keywords are checked here)."""
+        policy, budget, window, seed = req.policy, req.budget, req.window, req.seed
         if not isinstance(sort_kept, bool):
             raise SpecError(f"sort_kept must be True or False, got {sort_kept!r} ({type(sort_kept).__name__})")
         if max_length is not None:  # a capacity, so -1 or 2.5 is no size (it was accepted and ignored)
