@@ -38,6 +38,7 @@ from ..hf.hybrid import FULL, LINEAR, is_hybrid, text_config
 from ..core.kernel import choose, compact_slots, keep_index
 from ..core.ring import new_ring, ring_read, ring_write
 from ..core.policies import Policy
+from ..core.policy_state import draw_layer_state, ensure_slot_state
 from ..core.schedule import first_limit, must_evict, room, steady_limit
 from ..core.scalars import plain, plain_items, plain_seed
 from ..core.spec import Request, RequestSpec, whole_tokens
@@ -147,8 +148,7 @@ class EvictionLayer(CacheLayerMixin):
         self.device = key_states.device
         self.storage.allocate(key_states, value_states, capacity)
         self.positions = torch.full((b, h, capacity), -1, dtype=torch.long, device=self.device)
-        for name in cfg.policy.slot_state:
-            self.slot_state[name] = torch.zeros(b, h, capacity, dtype=torch.float32, device=self.device)
+        ensure_slot_state(cfg.policy, self.slot_state, b, h, capacity, self.device)
         self.is_initialized = True
         self.cache.ensure_generators(b, self.device)
 
@@ -441,18 +441,9 @@ class EvictionLayer(CacheLayerMixin):
 
     def _init_layer_state(self, rows: list[int]) -> None:
         """Draw the policy's per-layer state for the rows of `rows` evicting for the first time (hook 2 of Policy)."""
-        fresh = [r for r in rows if not self.state_ready[r]]
-        if not fresh:
-            return
         b, h, _, d = self.keys.shape
-        state = self.cfg.policy.init_layer_state(len(fresh), h, d, [self.cache.generators[r] for r in fresh],
-                                                 self.device)
-        for name, value in state.items():
-            if name not in self.layer_state:
-                self.layer_state[name] = value.new_zeros(b, *value.shape[1:])
-            self.layer_state[name][fresh] = value
-        for r in fresh:
-            self.state_ready[r] = True
+        draw_layer_state(self.cfg.policy, self.layer_state, self.state_ready, rows, self.cache.generators, b, h, d,
+                         self.device)
 
     def _compact(self, index: torch.Tensor, pad: list[int]) -> None:
         """Move the slots `index` [b, h, n] to the front of the storage and of every per-slot buffer, in place;

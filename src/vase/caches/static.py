@@ -32,7 +32,6 @@ control (`quant_select="random"`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -43,6 +42,8 @@ from ..hf.attention import KERNELS, STATIC_PREFIX, stock_kernel, base_kernel
 from .eager import EvictionCache, EvictionLayer
 from ..core.kernel import choose, compact_slots, keep_index
 from ..core.ring import new_ring, ring_read, ring_write
+from ..core.policy_state import draw_layer_state
+from .noise_replay import NoiseReplay, Recorder, fill
 from ..storage.static import front_index
 from ..storage.registry import static_refusal, static_store
 
@@ -80,42 +81,6 @@ def check_compilable(cache: EvictionCache, kernel: str) -> None:
                                       f"the evicting methods (and 'full' through transformers' StaticCache)")
     if kernel not in ("sdpa", "eager"):
         raise CompileUnsupportedError(f"compile=True needs attn_implementation 'sdpa' or 'eager', not {kernel!r}")
-
-
-# -- random draws made on the host, replayed inside the step -------------------------------------------
-class _Recorder:
-    """A noise source (see `vase.core.policies.base.uniform_noise`) that records what a policy draws."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        self.draws: list[tuple[str, tuple[int, ...]]] = []
-        self.generator = generator
-
-    def draw(self, kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        self.draws.append((kind, tuple(shape[1:])))
-        fn = torch.rand if kind == "uniform" else torch.randn
-        return fn(shape, device=device, generator=self.generator)
-
-
-class NoiseReplay:
-    """A noise source that hands out pre-drawn tensors [batch, ...] in order (built inside the step)."""
-
-    def __init__(self, buffers: Sequence[torch.Tensor]):
-        self.buffers = list(buffers)
-        self.next = 0
-
-    def draw(self, kind: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        buf = self.buffers[self.next]
-        self.next += 1
-        return buf
-
-
-def _fill(buffers: list[torch.Tensor], draws: list[tuple[str, tuple[int, ...]]], rows: list[int],
-          generators: Sequence[torch.Generator]) -> None:
-    """Draw each recorded (kind, shape) for `rows` with their generators, as the eager cache would."""
-    for buf, (kind, shape) in zip(buffers, draws):
-        for r in rows:
-            fn = torch.rand if kind == "uniform" else torch.randn
-            buf[r].copy_(fn(shape, generator=generators[r], device=buf.device))
 
 
 # -- one layer ---------------------------------------------------------------------------------------
@@ -265,16 +230,10 @@ class StaticLayer(CacheLayerMixin):
                 self.row_peak_bytes[r] = self.store.held_bytes(self.host_length[r], r)
         gens = self.cache.generators
         policy = self.cfg.policy
-        fresh = [r for r in due if not self.state_ready[r]]
-        if fresh:
-            b, h, _, d = self.keys.shape
-            state = policy.init_layer_state(len(fresh), h, d, [gens[r] for r in fresh], self.device)
-            for name, value in state.items():
-                self.layer_state[name][fresh] = value
-            for r in fresh:
-                self.state_ready[r] = True
+        b, h, _, d = self.keys.shape
+        draw_layer_state(policy, self.layer_state, self.state_ready, due, gens, b, h, d, self.device)
         if policy.stochastic:
-            _fill(self.noise, self.cache.draws, due, gens)
+            fill(self.noise, self.cache.draws, due, gens)
 
     def advance(self, due: list[int]) -> None:
         """After a step: the host mirror of lengths and the counters."""
@@ -365,7 +324,7 @@ class StaticEvictionCache(Cache):
         queries = torch.randn(1, self.q_heads, w, d, device=dev, generator=gen)
         extra = {name: torch.zeros(1, h, B, device=dev) for name in self.policy.slot_state}
         extra.update(self.policy.init_layer_state(1, h, d, [torch.Generator(device=dev)], dev))
-        rec = _Recorder(gen)
+        rec = Recorder(gen)
         self.policy.select(keys, keys.clone(), queries if self.policy.needs_queries else None, B - w,
                            generator=rec, budget=B, **extra)
         return rec.draws

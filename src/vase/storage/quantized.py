@@ -34,48 +34,18 @@ and multiplied back on reading.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import torch
 
-from ..hf.hybrid import full_attention_layers
 from ..hf.masks import causal_padding_mask
-from ..core.policies import Policy, value_magnitude
-from ..core.policies.base import top_k_indices
+from ..core.policies import value_magnitude
 from ..core.storage_specs import (BITS, CACHE_STORAGE_OPTIONS, SELECT, QuantConfig, QuantSpec,  # noqa: F401
                                   bits_problem, check_format, quant_config)  # the rules: importable here too
 from .packing import Packed, dequantize, packed_bytes, quant_kwargs, quantize  # noqa: F401
-from ..core.schedule import physical_length, placeholder_budget
 from .protocol import Rows
-
-def gather_entries(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """t [b, h, n, ...] reordered along n by order [b, h, m] -> [b, h, m, ...]."""
-    if t.dim() == 3:
-        return t.gather(2, order)
-    return t.gather(2, order[..., None].expand(*order.shape, t.shape[-1]))
-
-
-def left_pack(mask: torch.Tensor, m: int) -> torch.Tensor:
-    """Indices [b, h, m] of the entries of mask [b, h, n] that are True, first, in their order."""
-    return torch.sort(mask.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :m]
-
-
-def flush_split(slots: torch.Tensor, rank: torch.Tensor, old_below, guard: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule of a flush: which entries stay in full precision and which are quantized.
-
-    slots [b, h, n] (-1 = empty), rank [b, h, n] (the reserve ranking); entries whose slot is below
-    `old_below` (an int, or [b, 1, 1] per row) are old. Returns (keep, quant) masks [b, h, n]: the
-    window and the top-`guard` old entries by rank are kept, the other old ones quantized."""
-    valid = slots >= 0
-    old = valid & (slots < old_below)
-    reserve = torch.zeros_like(old)
-    if guard:
-        top = top_k_indices(rank.masked_fill(~old, float("-inf")), min(guard, slots.shape[2]))
-        reserve.scatter_(-1, top, True)
-        reserve &= old
-    return valid & ~(old & ~reserve), old & ~reserve
+from .flush import flush_split, gather_entries, key_scale_of, left_pack, pack_into, split_flush  # noqa: F401
+from .quantized_bytes import (RANK_DTYPE, QuantBytes, entry_bytes, full_precision_entries,  # noqa: F401
+                              slot_dtype)  # the byte model: importable here too
 
 
 def slot_map(index: torch.Tensor, live: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -109,113 +79,6 @@ def place(out_k: torch.Tensor, out_v: torch.Tensor, length: int, slots: torch.Te
     idx = (base + torch.where((slots >= 0) & (slots < length), slots, length)).view(-1)
     out_k.view(-1, d).index_copy_(0, idx, k_rows.reshape(-1, d).to(out_k.dtype))
     out_v.view(-1, dv).index_copy_(0, idx, v_rows.reshape(-1, dv).to(out_v.dtype))
-
-
-def slot_dtype(capacity: int) -> torch.dtype:
-    """The narrowest signed integer type that holds the slot tags -1 .. capacity (capacity = the trash entry),
-    among int16 and int64: inductor's AVX2 code (torch 2.13) widens int8 and int32 tags to int64 wrongly in the
-    compiled step (index out of bounds, or a crash; `tests/test_compile.py::test_tag_widening_is_exact`), int16
-    and int64 correctly. One byte more per entry below 127 slots, four more above 32,767."""
-    return torch.int16 if capacity <= torch.iinfo(torch.int16).max else torch.int64
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return (torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)).bits // 8
-
-
-RANK_DTYPE = torch.float32  # the reserve ranking of each full-precision entry (value magnitude, or random)
-
-
-def entry_bytes(head_dim: int, v_head_dim: int, bits: int, group: int, full_element_bytes: int,
-                capacity: int) -> tuple[int, int]:
-    """Bytes of one (token, KV head) entry of a quantized layer with `capacity` slots, tags included.
-
-    Returns (quantized: packed K and V codes, scales and zeros, and the slot tag;
-             full precision: K and V at `full_element_bytes` per element, the slot tag and the reserve rank)."""
-    tag = _itemsize(slot_dtype(capacity))
-    quant = packed_bytes(1, head_dim, bits, group) + packed_bytes(1, v_head_dim, bits, group) + tag
-    return quant, (head_dim + v_head_dim) * full_element_bytes + tag + _itemsize(RANK_DTYPE)
-
-
-def full_precision_entries(length: int, unflushed: int, window: int, guard: int) -> int:
-    """Entries per KV head a quantized layer holds in full precision with `length` tokens stored.
-
-    The window, the `unflushed` tokens fed since the last flush that left it, and the reserve
-    (`guard` of the older tokens, all of them when fewer). Exact while no full-precision token has
-    been evicted (always for `full`); after an eviction that dropped some, the layer holds fewer."""
-    recent = min(length, window + unflushed)
-    return recent + min(guard, length - recent)
-
-
-@dataclass(frozen=True)
-class QuantBytes:
-    """The bytes a quantized cache holds for one sequence (all layers), from its configuration and stored length.
-
-    The same entry sizes as `QuantStorage.held_bytes` (tags included), for the eval's per-sequence
-    accounting where only the eviction schedule is known (`vase.core.schedule`)."""
-
-    cfg: QuantConfig
-    window: int
-    layers: int
-    kv_heads: int
-    head_dim: int
-    full_element_bytes: int  # the model's dtype (2 for bf16, 4 for fp32)
-
-    @property
-    def group(self) -> int:
-        return self.cfg.group or min(32, self.head_dim)
-
-    def held(self, length: int, steps: int, capacity: int) -> int:
-        """Bytes held with `length` tokens stored (per KV head), `steps` tokens fed after the prompt."""
-        quant, full = entry_bytes(self.head_dim, self.head_dim, self.cfg.bits, self.group, self.full_element_bytes,
-                                  capacity)
-        fp = full_precision_entries(length, steps % self.cfg.flush_every, self.window, self.cfg.guard)
-        scales = self.head_dim * _itemsize(torch.float16) if self.cfg.key_scale else 0
-        return self.layers * self.kv_heads * (fp * full + (length - fp) * quant + scales)
-
-    def byte_steps(self, prompt_len: int, n_generated: int, capacity: int, budget: int | None = None,
-                   evicts: bool = False) -> int:
-        """Bytes held summed over the decode steps 1..n_generated (the stored length from `vase.core.schedule`)."""
-        total = 0
-        for step in range(1, n_generated + 1):
-            length = physical_length(prompt_len, budget, self.window, step) if evicts and budget else prompt_len + step
-            total += self.held(length, step, capacity)
-        return total
-
-    @classmethod
-    def for_model(cls, model, policy: Policy, budget: int | None, window: int,
-                  storage: QuantSpec | Mapping[str, Any] | None) -> "QuantBytes | None":
-        """The accounting of an `EvictionCache(model, policy, budget, window, storage=storage)`; None when it is
-        not quantized (no storage, or 16 bits). `storage` may also be keyword options (`kv_bits=...`), method
-        parameters among them (only the storage ones are read)."""
-        spec = QuantSpec.from_options(storage) if isinstance(storage, Mapping) else storage
-        if spec is None or int(spec.bits) == 16 or model is None:
-            return None
-        cfg = quant_config(policy, budget or placeholder_budget(window), window, int(spec.bits), spec.guard, spec.group,
-                           spec.select, spec.flush_every, 0, spec.key_scale)
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        heads = int(text.num_attention_heads)
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        dtype = next(model.parameters()).dtype
-        layers = len(full_attention_layers(text))  # a hybrid model quantizes its evicting (full-attention) layers
-        return cls(cfg, window, layers, int(getattr(text, "num_key_value_heads", None) or heads),
-                   head_dim, _itemsize(dtype))
-
-    def write_bytes(self, capacity: int) -> int:
-        """Bytes one token's codes take once flushed (all layers and KV heads): what a step writes besides the
-        full-precision token (the bench's traffic model)."""
-        codes, _ = entry_bytes(self.head_dim, self.head_dim, self.cfg.bits, self.group, self.full_element_bytes,
-                               capacity)
-        return self.layers * self.kv_heads * codes
-
-    def allocated(self, capacity: int) -> int:
-        """Bytes a layer set with `capacity` slots allocates (`QuantStorage.capacity_bytes`, all layers)."""
-        quant, full = entry_bytes(self.head_dim, self.head_dim, self.cfg.bits, self.group, self.full_element_bytes,
-                                  capacity)
-        n_fp = self.cfg.guard + self.window + self.cfg.flush_every
-        scales = self.head_dim * _itemsize(torch.float16) if self.cfg.key_scale else 0
-        counters = 2 * _itemsize(torch.long)  # qn, fn
-        return self.layers * self.kv_heads * ((capacity + 1) * quant + n_fp * full + counters + scales)
 
 
 class QuantStorage:
@@ -439,53 +302,34 @@ class QuantStorage:
 
     def _flush(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rank: torch.Tensor, length: int,
                keep_exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Keep the window and the top-R old tokens in full precision, quantize the other old ones.
+        """Keep the window and the top-R old tokens in full precision, quantize the other old ones
+        (`vase.storage.flush`).
 
         `length`: the stored length when decoding made this flush (slots below `length - w` are old).
         keep_exact: return the quantized entries' slots [b, h, n] (-1 = none) and exact keys and values."""
-        b, h = k.shape[:2]
         n_fp = self.fk.shape[2]
-        ck, cv = torch.cat([self.fk, k], 2), torch.cat([self.fv, v], 2)
-        cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
-        keep, quant = flush_split(cs, cr, length - self.window, self.qcfg.guard)
-        # The new full-precision store: the kept entries, left-packed.
-        fn = keep.sum(-1)
-        n_keep = int(fn.max())
+        kept, out = split_flush(self.fk, self.fv, self.fslot, self.frank, k, v, slots, rank, length - self.window,
+                                self.qcfg.guard, None)
+        n_keep = int(kept.count.max())
         if n_keep > n_fp:
             raise RuntimeError(f"full-precision store overflow ({n_keep} > {n_fp}): the window holds more tokens "
                                "than expected")
-        order = left_pack(keep, n_fp)
-        kept = keep.gather(-1, order)
-        self.fk, self.fv = gather_entries(ck, order), gather_entries(cv, order)
-        self.fslot = gather_entries(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype)
-        self.frank = gather_entries(cr, order)
-        self.fn = fn
-        # Quantize the rest into the packed store, after each head's live entries.
-        m = quant.sum(-1)
-        n_q = int(m.max())
-        if n_q == 0:
+        self.fk, self.fv, self.fslot, self.frank, self.fn = kept
+        if out is None:
             return None
-        order = left_pack(quant, n_q)
-        chosen = quant.gather(-1, order)
+        n_q = out.slots.shape[2]
         trash = self.qslot.shape[2] - 1
-        dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=self.device), trash)
-        if int((self.qn + m).max()) > trash:
+        dest = torch.where(out.chosen, self.qn[..., None] + torch.arange(n_q, device=self.device), trash)
+        if int((self.qn + out.count).max()) > trash:
             raise RuntimeError("quantized store overflow: more old tokens than the cache capacity")
-        keys, values = gather_entries(ck, order), gather_entries(cv, order)
-        qslots = gather_entries(cs, order).masked_fill(~chosen, -1)
-        exact = (qslots, keys, values) if keep_exact else None
+        keys = out.keys
+        exact = (out.slots, keys, out.values) if keep_exact else None
         if self.qcfg.key_scale:
             if self.kscale is None:  # fixed at the first flush (the prompt): codes never need rescaling
-                live = ck.float().abs().masked_fill((cs < 0)[..., None], 0)
-                self.kscale = live.amax(2, keepdim=True).clamp(min=1e-4).to(torch.float16)
+                self.kscale = key_scale_of(out.all_keys, out.all_slots)
             keys = keys / self.kscale.to(keys.dtype)
-        for store, src in ((self.qk, keys), (self.qv, values)):
-            p = quantize(src, self.qcfg.bits, self.group)
-            for name in ("codes", "scale", "zero"):
-                buf = getattr(store, name)
-                buf.scatter_(2, dest[..., None].expand(b, h, n_q, buf.shape[-1]), getattr(p, name))
-        self.qslot.scatter_(2, dest, qslots.to(self.qslot.dtype))
-        self.qn += m
+        pack_into(self.qk, self.qv, self.qslot, dest, keys, out.values, out.slots, self.qcfg.bits, self.group)
+        self.qn += out.count
         self.q_hi = min(self.q_hi + n_q, trash)
         return exact
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from ..core.policies import value_magnitude
-from .packing import Packed, dequantize, quantize
-from .quantized import (QuantStorage, entry_bytes, flush_split, gather_entries, left_pack, place, renumber,
-                          slot_dtype, slot_map)
+from .flush import gather_entries, key_scale_of, left_pack, pack_into, split_flush
+from .packing import Packed, dequantize
+from .quantized import QuantStorage, entry_bytes, place, renumber, slot_dtype, slot_map
 from ..core.kernel import compact_slots, flat_slots, gather_slots
 
 
@@ -207,41 +207,25 @@ class StaticQuant:
 
     def _flush(self, slot: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor, slots: torch.Tensor,
                rank: torch.Tensor) -> None:
-        """`QuantStorage._flush` with this row's length after the write (the new token [b, h, 1, d] included)."""
+        """`QuantStorage._flush` (`vase.storage.flush`) with this row's length after the write (the new token
+        [b, h, 1, d] included), every entry at its upper bound, in place (non-chosen ones go to the trash)."""
         b, h = key_states.shape[:2]
-        n_fp = self.fk.shape[2]
-        ck, cv = torch.cat([self.fk, key_states], 2), torch.cat([self.fv, value_states], 2)
-        cs, cr = torch.cat([self.fslot.long(), slots], 2), torch.cat([self.frank, rank], 2)
-        keep, quant = flush_split(cs, cr, (slot + 1 - self.window).view(b, 1, 1), self.guard)
-        order = left_pack(keep, n_fp)
-        kept = keep.gather(-1, order)
-        self.fk.copy_(gather_entries(ck, order))
-        self.fv.copy_(gather_entries(cv, order))
-        self.fslot.copy_(gather_entries(cs, order).masked_fill(~kept, -1).to(self.fslot.dtype))
-        self.frank.copy_(gather_entries(cr, order))
-        self.fn.copy_(keep.sum(-1))
-        # quantize the old tokens that left (every entry at its upper bound; non-chosen ones go to the trash)
-        n_q = cs.shape[2]
-        order = left_pack(quant, n_q)
-        chosen = quant.gather(-1, order)
+        n_q = self.fslot.shape[2] + slots.shape[2]
+        kept, out = split_flush(self.fk, self.fv, self.fslot, self.frank, key_states, value_states, slots, rank,
+                                (slot + 1 - self.window).view(b, 1, 1), self.guard, n_q)
+        for store, new in zip((self.fk, self.fv, self.fslot, self.frank, self.fn), kept):
+            store.copy_(new)
         trash = self.qslot.shape[2] - 1
-        dest = torch.where(chosen, self.qn[..., None] + torch.arange(n_q, device=cs.device), trash)
-        keys, values = gather_entries(ck, order), gather_entries(cv, order)
+        dest = torch.where(out.chosen, self.qn[..., None] + torch.arange(n_q, device=out.slots.device), trash)
+        keys = out.keys
         if self.key_scale:  # fixed at the first flush that quantizes anything, as the eager storage
-            live = ck.float().abs().masked_fill((cs < 0)[..., None], 0)
-            first = ~self.kscale_set & quant.any()
-            self.kscale.copy_(torch.where(first, live.amax(2, keepdim=True).clamp(min=1e-4).to(torch.float16),
-                                          self.kscale))
+            first = ~self.kscale_set & out.quant.any()
+            self.kscale.copy_(torch.where(first, key_scale_of(out.all_keys, out.all_slots), self.kscale))
             self.kscale_set.copy_(self.kscale_set | first)
             keys = keys / self.kscale.to(keys.dtype)
-        for store, src in ((self.qk, keys), (self.qv, values)):
-            p = quantize(src, self.bits, self.group)
-            for name in ("codes", "scale", "zero"):
-                buf = getattr(store, name)
-                buf.scatter_(2, dest[..., None].expand(b, h, n_q, buf.shape[-1]), getattr(p, name))
-        self.qslot.scatter_(2, dest, gather_entries(cs, order).masked_fill(~chosen, -1).to(self.qslot.dtype))
+        pack_into(self.qk, self.qv, self.qslot, dest, keys, out.values, out.slots, self.bits, self.group)
         self.qslot[:, :, trash] = -1
-        self.qn.add_(quant.sum(-1))
+        self.qn.add_(out.count)
 
     def step_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the layer's `update` hands the attention function: the zero-stride carriers (shapes and dtype;

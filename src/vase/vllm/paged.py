@@ -34,6 +34,7 @@ import torch
 
 from ..core.kernel import choose, gather_slots, keep_index
 from ..core.policies import Policy
+from ..core.policy_state import draw_layer_state, ensure_slot_state
 
 
 def slot_index(block_ids: torch.Tensor, n: int, block_size: int,
@@ -127,13 +128,11 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
     keys, values = (stored_k, stored_v) if codec is None else (codec.keys(stored_k), codec.values(stored_v))
     h = keys.shape[1]
     extra: dict[str, torch.Tensor] = {}
-    slot_state = state.slot_state.setdefault(layer, {})
+    # the policy's state hooks (`vase.core.policy_state`): zero for every token written since, nothing scored it
+    slot_state = ensure_slot_state(policy, state.slot_state.setdefault(layer, {}), 1, h, length, keys.device)
     for name in policy.slot_state:
-        if name not in slot_state:  # zero for every token written since: nothing scored it yet
-            slot_state[name] = torch.zeros(1, h, length, dtype=torch.float32, device=keys.device)
         extra[name] = slot_state[name][:, :, :n_cand]
-    if layer not in state.layer_state:  # hook 2: drawn once per layer, right before its first eviction
-        state.layer_state[layer] = policy.init_layer_state(1, h, keys.shape[-1], [state.generator], keys.device)
+    _draw_layer_state(policy, state, layer, h, keys.shape[-1], keys.device)
     extra.update(state.layer_state[layer])
     # one eviction kernel for every engine (`vase.core.kernel`): the policy's choice, then the window; [1, h, B]
     kept = choose(policy, keys[:, :, :n_cand], values[:, :, :n_cand], queries, budget, window, [state.generator],
@@ -151,6 +150,14 @@ def evict_paged(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: t
         moved[:, :, :budget] = gather_slots(tensor, index)
         slot_state[name] = moved
     return index
+
+
+def _draw_layer_state(policy: Policy, state: RequestPolicyState, layer: int, kv_heads: int, head_dim: int,
+                      device: torch.device) -> None:
+    """Hook 2 for one request's `layer` (a batch of one row): drawn once, right before its first eviction there."""
+    ready = [layer in state.layer_state]
+    draw_layer_state(policy, state.layer_state.setdefault(layer, {}), ready, [0], [state.generator], 1, kv_heads,
+                     head_dim, device)
 
 
 @dataclass
@@ -191,14 +198,11 @@ def evict_paged_batch(key_cache: torch.Tensor, value_cache: torch.Tensor, jobs: 
     keys, values = (stored_k, stored_v) if codec is None else (codec.keys(stored_k), codec.values(stored_v))
     h, device = keys.shape[1], keys.device
     extra: dict[str, torch.Tensor] = {}
+    for job in jobs:  # the state hooks (`vase.core.policy_state`), per request: hook 2 before its first eviction
+        ensure_slot_state(policy, job.state.slot_state.setdefault(layer, {}), 1, h, length, device)
+        _draw_layer_state(policy, job.state, layer, h, keys.shape[-1], device)
     for name in policy.slot_state:  # per-slot state: each request's own, stacked (a copy, written back below)
-        for job in jobs:
-            if name not in job.state.slot_state.setdefault(layer, {}):
-                job.state.slot_state[layer][name] = torch.zeros(1, h, length, dtype=torch.float32, device=device)
         extra[name] = torch.cat([job.state.slot_state[layer][name][:, :, :n_cand] for job in jobs])
-    for job in jobs:  # hook 2: drawn once per layer and request, right before its first eviction there
-        if layer not in job.state.layer_state:
-            job.state.layer_state[layer] = policy.init_layer_state(1, h, keys.shape[-1], [job.state.generator], device)
     for name in jobs[0].state.layer_state[layer]:
         extra[name] = torch.cat([job.state.layer_state[layer][name] for job in jobs])
     generators = [job.state.generator for job in jobs]

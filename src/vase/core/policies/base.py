@@ -46,7 +46,7 @@ def uniform_noise(shape: tuple[int, ...], generator, device: torch.device) -> to
     """Uniform(0,1) noise of `shape` [batch, ...]; one generator per batch row when a list is given.
 
     Drawing each row from its own generator makes a row's choices independent of the batch.
-    A noise source (an object with `draw(kind, shape, device)`, e.g. `vase.caches.static.NoiseReplay`
+    A noise source (an object with `draw(kind, shape, device)`, e.g. `vase.caches.noise_replay.NoiseReplay`
     replaying host draws inside a compiled step) is asked instead.
     """
     return _noise("uniform", shape, generator, device)
