@@ -1,6 +1,7 @@
 """The traffic ceiling of bounded vs full decode for the hybrid shapes, including those too large to run here.
 
     python benchmarks/hybrid_ceilings.py --results docs/results/hybrid-ceilings.json
+    python benchmarks/hybrid_ceilings.py --set mla --results docs/results/mla-ceilings.json
 
 Nothing is timed: each shape is built on the meta device (shapes, no memory) and the traffic model
 (`vase.bench.traffic`, docs/bench.md) gives the mean bytes of a batch-1 decode step with the full cache
@@ -29,15 +30,21 @@ SHAPES = (
     ("qwen3.5-35b-a3b", 4, "bfloat16"),
 )
 
+#: multi-head latent attention shapes (issue 42): the K/V is the latent cache, kv_lora_rank + qk_rope_head_dim
+#: per token and layer (`vase.hf.hybrid.kv_bytes_per_layer_token`)
+MLA_SHAPES = (("deepseek-r1", None, "bfloat16"), ("deepseek-v2-lite", None, "bfloat16"), ("kimi-k2", None, "bfloat16"))
+SETS = {"hybrid": SHAPES, "mla": MLA_SHAPES}
 
-def ceiling_rows(lengths: list[int], budget: int, window: int, prompt: int) -> list[dict]:
+
+def ceiling_rows(lengths: list[int], budget: int, window: int, prompt: int,
+                 shapes: tuple = SHAPES) -> list[dict]:
     """One row per entry of SHAPES: bytes per step and the ceiling vs full at each length (batch 1)."""
     from vase.bench.shapes import build_random_model
     from vase.bench.traffic import ModelBytes, decode_traffic
     from vase.hf.hybrid import full_attention_layers, layer_types
 
     rows = []
-    for name, layers, dtype in SHAPES:
+    for name, layers, dtype in shapes:
         model = build_random_model(name, dtype=dtype, device="meta", num_layers=layers,
                                    attn_implementation="eager")
         sizes = ModelBytes.from_model(model)
@@ -57,6 +64,7 @@ def ceiling_rows(lengths: list[int], budget: int, window: int, prompt: int) -> l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--set", choices=sorted(SETS), default="hybrid", help="which shapes (default: hybrid)")
     ap.add_argument("--lengths", default="4096,32768", help="comma-separated output lengths")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--window", type=int, default=64)
@@ -73,7 +81,7 @@ def main() -> None:
     from vase.files.provenance import finish, provenance, write_results
 
     record = provenance(note="computed by the traffic model, nothing timed")
-    rows = ceiling_rows(lengths, args.budget, args.window, args.prompt_length)
+    rows = ceiling_rows(lengths, args.budget, args.window, args.prompt_length, SETS[args.set])
     keys = ["shape", "dtype", "full_attention", "weights_gb"]
     columns = ["shape", "dtype", "full-attention layers", "weights read a step (GB)"]
     formats = {"weights_gb": ".2f"}

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig,
                           PreTrainedConfig, Qwen3Config, Qwen3NextConfig)
+from transformers.models.deepseek_v2 import DeepseekV2Config
+from transformers.models.deepseek_v3 import DeepseekV3Config
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -92,6 +94,32 @@ SHAPES: dict[str, tuple[type[PreTrainedConfig], dict[str, Any]]] = {
                                            num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
                                            head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
                                            max_position_embeddings=32768)),
+    # Multi-head latent attention (bench shapes only: the traffic model counts the latent cache, kv_lora_rank +
+    # qk_rope_head_dim per token and layer; vase's engines refuse MLA models today). DeepSeek-R1 (671B): 61
+    # layers, the first 3 dense, 256 routed experts (8 per token) + 1 shared; RoPE scaling left at default.
+    "deepseek-r1": (DeepseekV3Config, dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                                           moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                                           num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+                                           num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4,
+                                           routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                                           qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                           max_position_embeddings=163840, tie_word_embeddings=False)),
+    # DeepSeek-V2-Lite (16B): 27 layers, the first dense, 64 routed experts (6 per token) + 2 shared, no q LoRA.
+    "deepseek-v2-lite": (DeepseekV2Config, dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                                                moe_intermediate_size=1408, num_hidden_layers=27,
+                                                num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+                                                n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1,
+                                                n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None,
+                                                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                                max_position_embeddings=163840, tie_word_embeddings=False)),
+    # Kimi K2 (1T): DeepSeek-V3's architecture with 64 heads, 384 routed experts (8 per token) + 1 shared.
+    "kimi-k2": (DeepseekV3Config, dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+                                       moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+                                       num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
+                                       num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                       routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536,
+                                       qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                       max_position_embeddings=131072, tie_word_embeddings=False)),
     # For tests: a 2-layer GQA Qwen3 (4 query heads, 2 KV heads, head_dim 16) that decodes in microseconds.
     "tiny": (Qwen3Config, dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -194,7 +222,7 @@ def build_random_model(name_or_config_json: str | Path | PreTrainedConfig = "tin
     """A causal LM with the shapes of `name_or_config_json` and random weights, in eval mode.
 
     name_or_config_json: a name from `SHAPES` (qwen3-0.6b, qwen3-4b, qwen3-14b, smollm2-135m, the hybrid
-    qwen3.5-0.8b, qwen3.5-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b and gemma3-270m, tiny), a path to a config.json (or its directory), or a config object.
+    qwen3.5-0.8b, qwen3.5-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b, gemma3-1b and gemma3-270m, the MLA deepseek-r1, deepseek-v2-lite and kimi-k2, tiny), a path to a config.json (or its directory), or a config object.
     """
     from transformers.initialization import no_init_weights
 

@@ -99,7 +99,8 @@ def _storage(p) -> int:
 def _routed_experts(model, text) -> tuple[int, float]:
     """Bytes of the routed experts' parameters (an `experts` module's tensors with one slice per expert) and
     experts per token / E; (0, 1.0) for a dense model. A shared expert is dense: read every step."""
-    total = int(getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0)
+    total = int(getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+                or getattr(text, "n_routed_experts", None) or 0)
     per_token = int(getattr(text, "num_experts_per_tok", None) or 0)
     if total <= 1 or per_token <= 0:
         return 0, 1.0

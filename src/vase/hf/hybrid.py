@@ -86,8 +86,13 @@ def _attention_dims(cfg: Any) -> tuple[int, int]:
 
 
 def kv_bytes_per_layer_token(config: Any, element_bytes: int) -> int:
-    """K and V bytes one token takes in one attention layer (full or sliding): 2 x kv_heads x head_dim x bytes."""
-    kv_heads, head_dim = _attention_dims(text_config(config))
+    """K and V bytes one token takes in one attention layer (full or sliding): 2 x kv_heads x head_dim x bytes;
+    for multi-head latent attention (DeepSeek-V2/V3, Kimi K2: a config with ``kv_lora_rank``), the latent
+    cache a serving engine keeps, one vector shared by every head: (kv_lora_rank + qk_rope_head_dim) x bytes."""
+    cfg = text_config(config)
+    if getattr(cfg, "kv_lora_rank", None):
+        return (int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)) * element_bytes
+    kv_heads, head_dim = _attention_dims(cfg)
     return 2 * kv_heads * head_dim * element_bytes
 
 
