@@ -2,7 +2,7 @@
 
 Importing this package does not import vLLM; vLLM loads `vase.vllm.plugin:register` through
 its `vllm.general_plugins` entry point, and nothing changes unless `additional_config` has a
-"vase" section. See docs/serving.md.
+"vase" section. See docs/vllm.md.
 """
 
 from .config import CONFIG_KEY, VaseConfigError, VaseVllmConfig, additional_config

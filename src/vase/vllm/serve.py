@@ -8,7 +8,7 @@ port, ``--additional-config '{"vase": {...}}'`` and every vLLM option given afte
 vLLM's server as a child process with the same terminal. It watches ``/health`` and prints one
 line when the server answers (URL, model, method, budget, seconds taken); Ctrl-C and SIGTERM are
 passed on to vLLM, which shuts down its own way, and its exit status is ours. vLLM takes a while
-to start on a CPU (about 1-2 minutes on a busy 2-core machine, see docs/serving.md): when it is not
+to start on a CPU (about 1-2 minutes on a busy 2-core machine, see docs/vllm.md): when it is not
 answering after ``--ready-timeout`` seconds a line says so and what to check, and the wait goes
 on. Method ``full`` runs stock vLLM (no vase section). No vllm import here: the argument list is
 built and checked without it.
