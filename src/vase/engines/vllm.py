@@ -356,9 +356,9 @@ class VllmEngine:
                           stats={"rows": rows, "engine": "vllm", "block_size": block_size})
 
     def forced_log_probs(self, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
-                         method: str = "full", budget: int = 512, window: int = 64, seed: int = 0,
+                         method: str = "full", budget: int = 512, window: int = 64, seed: int | None = None,
                          max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
-                         **params: Any) -> torch.Tensor:
+                         request: Request | None = None, **params: Any) -> torch.Tensor:
         """Not supported: vLLM has no teacher forcing through an evicting cache (fidelity is transformers only)."""
         raise NotImplementedError("the vLLM engine cannot teacher-force (fidelity runs on the transformers engine): "
                                   "use --engine transformers")
