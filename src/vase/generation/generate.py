@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -160,11 +161,7 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
     `budget`, `window` and the method's parameters: carried down to the cache as it is, never validated again.
     `seed` (None: the request's seed, else 0) seeds the rows either way.
     """
-    if request is not None:  # the method, budget, window and storage come from the request
-        request = carried(request, **set_beside(method, budget, window), **method_params)
-        seed = request.seed if seed is None else seed
-    elif seed is None:
-        seed = 0
+    request, seed = _carry(request, seed, {**set_beside(method, budget, window), **method_params})
     # numpy scalars are the numbers they hold (vase.core.scalars), then checked like them
     budget, window, max_new_tokens, temperature, top_p, top_k, greedy, chat_template, ignore_eos, sort_kept = map(
         plain, (budget, window, max_new_tokens, temperature, top_p, top_k, greedy, chat_template, ignore_eos,
@@ -224,6 +221,15 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
         prefill_seconds=prefill_seconds,
         stats={**_final_stats(cache, compile), "rows": rows},
     )
+
+
+def _carry(request: Request | None, seed: Any, given: dict[str, Any]) -> tuple[Request | None, Any]:
+    """(the carried request, refused with keywords `given` beside it, or None; the seed: as given, else the
+    request's, else 0)."""
+    if request is None:
+        return None, 0 if seed is None else seed
+    request = carried(request, **given)
+    return request, request.seed if seed is None else seed
 
 
 def prepare_prompts(model, tokenizer, prompts: Sequence[str], chat_template: bool, max_new_tokens: int
@@ -332,12 +338,10 @@ def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids
     target = torch.as_tensor(target_ids, device=device).view(-1)
     if target.numel() == 0:
         raise ValueError("target_ids is empty")
+    request, seed = _carry(request, seed, {**set_beside(method, budget, window, "full"), **method_params})
     if request is None:  # the door: the one validation of this call's request
-        seed = 0 if seed is None else seed
         request = RequestSpec.of(method, plain(budget), plain(window), seed=[plain(seed)], **method_params).validate()
     else:
-        request = carried(request, **set_beside(method, budget, window, "full"), **method_params)
-        seed = request.seed if seed is None else seed
         check_seed(plain(seed))
     cache = EvictionCache.from_request(model, replace(request, seed=[plain(seed)]),
                                        max_length=prompt.shape[1] + target.numel())
