@@ -17,6 +17,7 @@ import vase
 from vase.engines import Engine, TransformersEngine, VllmEngine, engine_args, kv_bytes_per_token
 from vase.core.capabilities import EngineInfo, engine_class, engine_info, register_engine
 from vase.core.errors import SpecError
+from vase.core.spec import RequestSpec
 from vase.generation.generate import eos_ids, forced_log_probs
 
 from .conftest import F64, tiny_model, tiny_tokenizer
@@ -84,15 +85,19 @@ class ToyEngine:
             self.model, self._tokenizer = load_model(self.model_name, dtype="float32", device="cpu")
 
     def generate(self, prompts, *, method="vase-attnv", budget=512, window=64, max_new_tokens=2048,
-                 temperature=0.6, top_p=0.95, top_k=None, greedy=False, seed=0, chat_template=True, **params):
+                 temperature=0.6, top_p=0.95, top_k=None, greedy=False, seed=None, chat_template=True, request=None,
+                 **params):
         self.start()
-        ToyEngine.calls.append(("generate", list(prompts), method, budget))
-        return vase.generate(self.model, self._tokenizer, prompts, method=method, budget=budget, window=window,
-                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             greedy=greedy, seed=seed, chat_template=chat_template, **params)
+        if request is None:  # the keyword door: build (and validate) the request here, once
+            request = RequestSpec.of(method, budget, window, **params).validate()
+            params = {}
+        ToyEngine.calls.append(("generate", list(prompts), request.method, request.budget))
+        return vase.generate(self.model, self._tokenizer, prompts, request=request, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, seed=seed,
+                             chat_template=chat_template, **params)
 
-    def forced_log_probs(self, prompt_ids, target_ids, *, method="full", budget=512, window=64, seed=0,
-                         max_chunk=None, on_chunk=None, **params):
+    def forced_log_probs(self, prompt_ids, target_ids, *, method="full", budget=512, window=64, seed=None,
+                         max_chunk=None, on_chunk=None, request=None, **params):
         raise NotImplementedError("the toy engine does not teacher-force")
 
     def close(self) -> None:

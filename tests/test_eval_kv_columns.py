@@ -75,7 +75,8 @@ class _Recorder:
         for prompts, kwargs, out in self.calls:
             for r, ids in enumerate(out.token_ids):
                 if list(ids) == rec["token_ids"] and kwargs["seed"][r] == rec["seed"] and \
-                        getattr(kwargs.get("storage"), "bits", None) == bits and kwargs["method"] == rec["method"].removesuffix("-q"):
+                        getattr(kwargs["request"].storage, "bits", None) == bits and \
+                        kwargs["request"].method == rec["method"].removesuffix("-q"):
                     return prompts[r], kwargs
         raise AssertionError(f"no call produced {rec['method']} {rec['problem_id']}")
 

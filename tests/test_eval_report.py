@@ -18,11 +18,12 @@ from vase.generation.generate import GenerationOutput
 GOLD = {build_user_message(p): p.answer for p in load_task("arith", limit=8)}
 
 
-def fake_generate(model, tokenizer, prompts, *, method, budget, seed, max_new_tokens, **kw):
-    """Instant, deterministic stand-in: the full cache answers right more often than small budgets."""
+def fake_generate(model, tokenizer, prompts, *, request, seed, max_new_tokens, **kw):
+    """Instant, deterministic stand-in: the full cache answers right more often than small budgets (the runner
+    hands down the config's validated request)."""
     texts, ids, finished = [], [], []
     for prompt, s in zip(prompts, seed):
-        good = (s % 10) < (8 if method == "full" else min(8, budget // 10))
+        good = (s % 10) < (8 if request.method == "full" else min(8, request.budget // 10))
         text = f"so the answer is \\boxed{{{GOLD[prompt]}}}" if good else "abcdefghij" * 8
         texts.append(text)
         ids.append(list(range(3, 3 + (12 if good else max_new_tokens))))

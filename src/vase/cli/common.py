@@ -13,11 +13,14 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 import yaml
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from ..core.spec import Request
 
 console = Console()
 err_console = Console(stderr=True)
@@ -128,6 +131,14 @@ def checked_params(methods: list[str], items: list[str] | None, *, budgets: list
     every budget: the method takes them (types and ranges included), the budget rule, the reserve rule and the
     storage (--kv-bits, or ``-p kv_bits=``; not both), and what `engine` can run: all before any slow model
     load. Returns the parsed items (method parameters and storage keywords as given)."""
+    return checked_requests(methods, items, budgets=budgets, window=window, storage=storage, engine=engine)[0]
+
+
+def checked_requests(methods: list[str], items: list[str] | None, *, budgets: list[int] | None = None,
+                     window: int | None = None, storage: dict | None = None, engine: str | None = None
+                     ) -> tuple[dict, dict[tuple[str, int], Request]]:
+    """:func:`checked_params`, and the validated requests it checked: ``{(method, budget): Request}`` (empty without
+    `budgets`), the CLI's door, to carry down to ``vase.generate`` / an engine (``request=``) as they are."""
     from ..core.spec import RequestSpec, split_storage
 
     params = parse_params(items)
@@ -137,14 +148,16 @@ def checked_params(methods: list[str], items: list[str] | None, *, budgets: list
                         f"it once")
     options = {**params, **(storage or {})}
     method_params = split_storage(params)[0]
+    requests: dict[tuple[str, int], Request] = {}
     for name in methods:
         if budgets is None:  # the method and its parameters only
             policy = RequestSpec.of(name, **options).build_policy()
         for b in budgets or []:
-            policy = RequestSpec.of(name, b, window if window is not None else 64, **options).validate(engine).policy
+            requests[name, b] = RequestSpec.of(name, b, window if window is not None else 64, **options).validate(engine)
+            policy = requests[name, b].policy
         if method_params and not (policy.evicts or policy.selects):
             warn(f"--param {', '.join(sorted(method_params))} is ignored by {policy.name!r}: it keeps every token")
-    return params
+    return params, requests
 
 
 #: What an empty list's message offers as an example, per flag (default: by the item type).

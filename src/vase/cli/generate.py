@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..core.checks import check_sampling
-from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_range, checked_params, console, given,
-                     model_options, quant_options, warn)
+from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_range, checked_requests, console,
+                     given, model_options, quant_options, warn)
 
 __all__ = ["generate", "read_prompts", "engine_runner", "print_summary"]
 
@@ -91,11 +91,14 @@ def generate(
     quant = quant_options(kv_bits, quant_guard)
     # The request spec checks the method, its parameters, the budget, the reserves and the storage (--kv-bits or
     # -p kv_bits=, one spelling of one rule) against the engine, before the model loads.
-    params = checked_params([method], param, budgets=[budget], window=window, storage=quant, engine=engine)
-    params, spelled = split_storage(params)
-    quant = {**quant, **spelled}  # the storage applies to both methods of --compare, however it was spelled
+    # The validated requests are carried down to vase.generate / the engine as they are (never validated again).
+    params, requests = checked_requests([method], param, budgets=[budget], window=window, storage=quant,
+                                        engine=engine)
+    request, other = requests[method, budget], None
+    quant = {**quant, **split_storage(params)[1]}  # the storage applies to both methods of --compare, however spelled
     if compare:
-        checked_params([compare], None, budgets=[budget], window=window, storage=quant, engine=engine)
+        other = checked_requests([compare], None, budgets=[budget], window=window, storage=quant,
+                                 engine=engine)[1][compare, budget]
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     if greedy:
         ignored = [f for f, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--top-k", "top_k"))
@@ -121,10 +124,9 @@ def generate(
     def stream(row: int, text: str) -> None:
         console.out(text, end="", highlight=False)
 
-    steps = generate_batches(run, mdl, tok, prompts, method=method, compare=compare, seed=seed,
-                             batch_size=batch_size, stream=stream if single else None, params=params, budget=budget,
-                             window=window, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             top_k=top_k, greedy=greedy, chat_template=chat, **quant)
+    steps = generate_batches(run, mdl, tok, prompts, method=request, compare=other, seed=seed,
+                             batch_size=batch_size, stream=stream if single else None, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, chat_template=chat)
     _print_steps(steps, single, method, compare, budget)
 
 def _print_steps(steps, single: bool, method: str, compare: str | None, budget: int) -> None:
@@ -158,7 +160,7 @@ def engine_runner(name: str, model: ModelArgs, seed: int):
     from ..models import resolve_device, resolve_dtype
     from ..vllm.stats import summarize
 
-    # The method, budget, window and seed were checked by the request spec (checked_params); dtype and device here,
+    # The method, budget, window and seed were checked by the request spec (checked_requests); dtype and device here,
     # before the engine starts. (An EvalConfig used to check them, with eval's default budgets and methods.)
     resolve_dtype(model.dtype, resolve_device(model.device))
     engine = engine_class(name)(model.model, dtype=model.dtype, device=model.device, seed=seed)

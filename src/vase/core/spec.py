@@ -38,8 +38,8 @@ from .scalars import plain, plain_items, plain_seed
 from .schedule import placeholder_budget
 from .storage_specs import CACHE_STORAGE_OPTIONS, QuantConfig, QuantSpec, spec_from_options, spec_types, storage_keywords
 
-__all__ = ["SpecError", "RequestSpec", "Request", "placeholder_budget", "split_storage", "INT_MAX", "SEED_MAX",
-           "STORAGE_KEYWORDS"]
+__all__ = ["SpecError", "RequestSpec", "Request", "carried", "set_beside", "placeholder_budget", "split_storage", "INT_MAX",
+           "SEED_MAX", "STORAGE_KEYWORDS"]
 
 #: Integers torch must hold (a larger budget or length overflows a C long deep inside torch).
 INT_MAX = 2**31 - 1
@@ -99,6 +99,7 @@ class Request:
     storage: Any  # the storage spec as asked (a registered spec type, `vase.core.storage_specs`; None: full precision)
     storage_config: Any  # its validated configuration (QuantConfig, Fp8Config, ...; None: full precision)
     seed: Any
+    params: Mapping[str, Any] = field(default_factory=dict)  # the method's parameters as asked (the vLLM section's)
 
     @property
     def method(self) -> str:
@@ -191,7 +192,7 @@ class RequestSpec:
         elif engine is not None:
             engine_info(engine)
         return Request(policy=policy, budget=budget, window=window, storage=self.storage, storage_config=config,
-                       seed=self.seed)
+                       seed=self.seed, params=dict(self.params))
 
     def build_policy(self) -> Policy:
         """Step 2 of `validate` alone: the method with its parameters (SpecError for an unknown name, a parameter
@@ -232,3 +233,23 @@ class RequestSpec:
             raise SpecError(f"quant_guard ({guard}) is larger than the budget ({budget}): it counts old tokens kept "
                             f"in full precision inside the budget; lower quant_guard (--quant-guard) or raise the "
                             f"budget")
+
+
+def carried(request: Any, **given: Any) -> Request:
+    """The `Request` a caller carries down (``request=``), as it is: nothing is validated again. `given`: the
+    keywords that would build another request beside it (only those the caller set): SpecError, one line, when
+    any is set, or when `request` is not a validated Request."""
+    if not isinstance(request, Request):
+        raise SpecError(f"request must be a vase.core.spec.Request (RequestSpec(...).validate()), got "
+                        f"{type(request).__name__}")
+    if given:
+        raise SpecError(f"pass request= or {', '.join(sorted(given))}, not both: the request already holds the "
+                        f"method, its parameters, the budget, the window and the storage")
+    return request
+
+
+def set_beside(method: Any, budget: Any, window: Any, default_method: str = "vase-attnv") -> dict[str, Any]:
+    """Of a door's request keywords, those the caller set (not at the door's defaults: `default_method`, B 512,
+    w 64): what `carried` refuses beside ``request=``."""
+    return {k: v for k, v, default in (("method", method, default_method), ("budget", budget, 512),
+                                       ("window", window, 64)) if not (type(v) is type(default) and v == default)}

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from vase.core.spec import Request
     from vase.generation.generate import ChunkObserver, GenerationOutput
 
 __all__ = ["Engine", "kv_bytes_per_token"]
@@ -43,11 +44,13 @@ class Engine(Protocol):
 
     def generate(self, prompts: Sequence[str], *, method: str = "vase-attnv", budget: int = 512, window: int = 64,
                  max_new_tokens: int = 2048, temperature: float = 0.6, top_p: float = 0.95, top_k: int | None = None,
-                 greedy: bool = False, seed: int | Sequence[int] = 0, chat_template: bool = True,
-                 **params: Any) -> GenerationOutput:
-        """Generate from `prompts` (one completion each) with `method` at budget B and window w.
+                 greedy: bool = False, seed: int | Sequence[int] | None = None, chat_template: bool = True,
+                 request: Request | None = None, **params: Any) -> GenerationOutput:
+        """Generate from `prompts` (one completion each) with `method` at budget B and window w, or with
+        `request`, a validated :class:`vase.core.spec.Request` carried down as it is (never validated again).
 
-        Row r is seeded with ``seed + r`` (or ``seed[r]``) for sampling and eviction. Returns texts,
+        Row r is seeded with ``seed + r`` (or ``seed[r]``; None: the request's seed, else 0) for sampling and
+        eviction. Returns texts,
         generated ids per row (EOS excluded), prompt lengths, finished-on-EOS flags, wall seconds, and
         ``stats["rows"]``: per row ``evictions``, ``kv_bytes``, ``kv_bytes_peak``, ``kv_bytes_full``.
         `params` are the method's parameters.
@@ -55,9 +58,9 @@ class Engine(Protocol):
         ...
 
     def forced_log_probs(self, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
-                         method: str = "full", budget: int = 512, window: int = 64, seed: int = 0,
+                         method: str = "full", budget: int = 512, window: int = 64, seed: int | None = None,
                          max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
-                         **params: Any) -> torch.Tensor:
+                         request: Request | None = None, **params: Any) -> torch.Tensor:
         """Teacher-force `target_ids` [T] after `prompt_ids` [P]: float32 log-probs [T, vocab], row t the
         distribution that predicted target t (see :func:`vase.generation.generate.forced_log_probs`)."""
         ...

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vase.core.errors import SpecError
+from vase.core.spec import Request, RequestSpec, carried, set_beside
 from vase.generation.generate import GenerationOutput
 
 from .base import kv_bytes_per_token
@@ -279,9 +281,10 @@ class VllmEngine:
     # -- the protocol ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str], *, method: str = "vase-attnv", budget: int = 512, window: int = 64,
                  max_new_tokens: int = 2048, temperature: float = 0.6, top_p: float = 0.95, top_k: int | None = None,
-                 greedy: bool = False, seed: int | Sequence[int] = 0, chat_template: bool = True,
-                 **params: Any) -> VllmOutput:
-        """``vase.generate``'s settings and output, through vLLM (`params`: the method's parameters).
+                 greedy: bool = False, seed: int | Sequence[int] | None = None, chat_template: bool = True,
+                 request: Request | None = None, **params: Any) -> VllmOutput:
+        """``vase.generate``'s settings and output, through vLLM (`params`: the method's parameters; or `request`,
+        a validated Request carried down as it is: the engine's config is built from it, never validated again).
 
         Returns texts, token ids (EOS excluded), prompt lengths, finished flags, wall seconds of the call,
         and ``stats["rows"]``: per sequence ``evictions``, ``kv_bytes`` (held at the end),
@@ -292,9 +295,17 @@ class VllmEngine:
 
         from vase.core import schedule
         from vase.generation.generate import encode_prompts, row_seeds
-        from vase.vllm.config import VaseVllmConfig, vase_section
+        from vase.vllm.config import CONFIG_KEY, VaseConfigError, request_config
         from vase.vllm.stats import request_stats
 
+        if request is None:  # the door: the one validation of this call's request (what vLLM can run included)
+            try:
+                request = RequestSpec.of(method, budget, window, **params).validate(engine="vllm")
+            except SpecError as exc:
+                raise VaseConfigError(f"vase config: {exc}") from None
+        else:
+            request = carried(request, **set_beside(method, budget, window), **params)
+        seed = request.seed if seed is None else seed
         self.start()
         tok = self._tokenizer
         seeds = row_seeds(seed, len(prompts))
@@ -302,8 +313,8 @@ class VllmEngine:
         for p in prompts:  # one at a time: no padding to strip
             ids, _ = encode_prompts(tok, [p], chat_template)
             ids_list.append([int(t) for t in ids[0].tolist()])
-        section = vase_section(method, budget, window, params)
-        cfg = VaseVllmConfig.from_dict(section["vase"]) if section is not None else None
+        cfg = request_config(request)  # None: full, stock vLLM
+        section = None if cfg is None else {CONFIG_KEY: cfg.to_dict()}
         check_fits(ids_list, max_new_tokens, self._max_positions)
         need = max(len(i) for i in ids_list) + max_new_tokens
         max_len = need if not self._max_positions else min(max(need, self._max_len), self._max_positions)
@@ -345,9 +356,9 @@ class VllmEngine:
                           stats={"rows": rows, "engine": "vllm", "block_size": block_size})
 
     def forced_log_probs(self, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
-                         method: str = "full", budget: int = 512, window: int = 64, seed: int = 0,
+                         method: str = "full", budget: int = 512, window: int = 64, seed: int | None = None,
                          max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
-                         **params: Any) -> torch.Tensor:
+                         request: Request | None = None, **params: Any) -> torch.Tensor:
         """Not supported: vLLM has no teacher forcing through an evicting cache (fidelity is transformers only)."""
         raise NotImplementedError("the vLLM engine cannot teacher-force (fidelity runs on the transformers engine): "
                                   "use --engine transformers")

@@ -25,7 +25,7 @@ from vase.core.policies import Policy, UnknownMethodError, get_policy
 from vase.core.scalars import plain, plain_items
 from vase.storage.quantized import QuantSpec  # torch only: checking a config imports no transformers
 from vase.storage.registry import spec_from_options
-from vase.core.spec import INT_MAX, SEED_MAX, RequestSpec, split_storage
+from vase.core.spec import INT_MAX, SEED_MAX, Request, RequestSpec, split_storage
 
 __all__ = [
     "ConfigError",
@@ -298,13 +298,30 @@ class EvalConfig:
         need(len(set(self.budgets)) == len(self.budgets), f"budgets lists a budget twice: {self.budgets}")
         # The one request check (budget rule, reserves, storage) of every method at every budget (no budget: the
         # methods that keep every token, at theirs).
+        requests: dict[tuple[str, int | None], Request] = {}
         for b in self.budgets or [None]:
             for s in specs.values():
-                try:
-                    RequestSpec(s.method, b, self.window, params=s.params, storage=s.storage,
-                                seed=self.seed).validate(self.engine)  # the params as given: a sinks set is read
-                except SpecError as exc:
-                    raise ConfigError(f"{s.label}: {exc}") from exc
+                requests[s.label, b] = self._validated(s, b)
+        if (FULL, None) not in requests:  # the reference runs without a budget (its placeholder)
+            requests[FULL, None] = self._validated(specs[FULL], None)
+        object.__setattr__(self, "_requests", requests)  # not a field: no part of to_dict, equality or identity
+
+    def _validated(self, s: MethodSpec, budget: int | None) -> Request:
+        """The one request check of method `s` at `budget` (ConfigError naming the method)."""
+        try:
+            return RequestSpec(s.method, budget, self.window, params=s.params, storage=s.storage,
+                               seed=self.seed).validate(self.engine)  # the params as given: a sinks set is read
+        except SpecError as exc:
+            raise ConfigError(f"{s.label}: {exc}") from exc
+
+    def request(self, label: str, budget: int | None) -> Request:
+        """The validated request of method `label` at `budget` (None: a method that keeps every token, at its
+        placeholder), checked once when the config was built and carried down to the engine (``request=``) as it
+        is; another (label, budget) is checked on first ask."""
+        requests = self.__dict__.setdefault("_requests", {})
+        if (label, budget) not in requests:
+            requests[label, budget] = self._validated(self.method_specs()[label], budget)
+        return requests[label, budget]
 
     def method_specs(self) -> dict[str, MethodSpec]:
         """Label -> MethodSpec, ``full`` first, then ``methods`` in order. Raises ConfigError."""

@@ -68,8 +68,8 @@ class FidelityPass:
                 comp = full_lp  # the reference against itself: zero by definition
                 extra = self._noise_floor(prompt_ids, targets, full_lp, target_t, seed0)
             else:
-                comp = self.engine.forced_log_probs(prompt_ids, targets, method=spec.method, budget=u.budget,
-                                                    window=c.window, seed=seed0, **spec.cache_params)
+                comp = self.engine.forced_log_probs(prompt_ids, targets, request=c.request(u.label, u.budget),
+                                                    seed=seed0)
             m = _chunked_fidelity(full_lp, comp, target_t)
             # Means over the targets after the first eviction only: earlier ones are full's own and dilute it.
             # Selection (Quest) is measured from the same target on as the eviction methods at its budget.

@@ -279,12 +279,13 @@ class _Runner(FidelityPass):
         spec = self.specs[u.label]
         prompts = [build_user_message(self.problems[i]) for i, _ in batch]
         seeds = [sample_seed(c.seed, i, s) for i, s in batch]
-        # The full cache has no budget (u.budget None): the request spec gives it the placeholder.
+        # The config's validated request, carried down as it is; the full cache has no budget (u.budget None): the
+        # request spec gave it the placeholder.
         try:
             out = self.engine.generate(
-                prompts, method=spec.method, budget=u.budget, window=c.window,
-                max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                greedy=c.greedy, seed=seeds, chat_template=c.chat_template, **spec.cache_params)
+                prompts, request=c.request(u.label, u.budget), max_new_tokens=c.max_new_tokens,
+                temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, greedy=c.greedy, seed=seeds,
+                chat_template=c.chat_template)
         except ValueError as e:  # "prompt 1 is too long" counts this call's prompts: name the problem and its row
             m = re.match(r"prompt (\d+)\b", str(e))
             if m is None or int(m.group(1)) >= len(batch):

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.spec import Request
+
 __all__ = ["Started", "Finished", "Divergence", "generate_batches", "divergence", "first_divergence"]
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -72,26 +74,43 @@ def divergence(index: int, ids: Sequence[int], other_ids: Sequence[int], tokeniz
     return Divergence(index, at, len(ids), context)
 
 
-def generate_batches(run: Callable[..., Any], model: Any, tokenizer: Any, prompts: Sequence[str], *, method: str,
-                     compare: str | None = None, seed: int = 0, batch_size: int = 8,
+def generate_batches(run: Callable[..., Any], model: Any, tokenizer: Any, prompts: Sequence[str], *,
+                     method: str | Request, compare: str | Request | None = None, seed: int = 0, batch_size: int = 8,
                      stream: Callable[[int, str], None] | None = None, params: dict[str, Any] | None = None,
                      **kwargs: Any) -> Iterator[Started | Finished | Divergence]:
     """Run ``prompts`` through ``run`` (:func:`vase.generate` or one like it) ``batch_size`` at a time.
 
-    ``params`` are the first method's parameters (the compared one runs with its defaults); ``kwargs``
-    (budget, window, sampling, storage) go to both. Yields, per batch: Started and Finished for
-    ``method``, then, with ``compare``, Started and Finished for it and one Divergence per prompt.
+    ``method`` / ``compare``: a method name, or a validated :class:`vase.core.spec.Request`, which goes down to
+    ``run`` as ``request=`` as it is (the CLI's, validated at its door: nothing downstream validates again).
+    ``params`` are the first method's parameters when it is a name (the compared one runs with its defaults);
+    ``kwargs`` (sampling, and with names budget, window, storage) go to both. Yields, per batch: Started and
+    Finished for ``method``, then, with ``compare``, Started and Finished for it and one Divergence per prompt.
     """
+    first = _request_of(method, params)
+    second = _request_of(compare, None) if compare else None
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start:start + batch_size])
         seeds = [seed + start + r for r in range(len(batch))]
-        yield Started(method, start, batch, second=False)
-        out = run(model, tokenizer, batch, method=method, seed=seeds, stream=stream, **kwargs, **(params or {}))
-        yield Finished(method, start, batch, second=False, output=out)
-        if not compare:
+        yield Started(_name(method), start, batch, second=False)
+        out = run(model, tokenizer, batch, seed=seeds, stream=stream, **first, **kwargs)
+        yield Finished(_name(method), start, batch, second=False, output=out)
+        if second is None:
             continue
-        yield Started(compare, start, batch, second=True)
-        other = run(model, tokenizer, batch, method=compare, seed=seeds, stream=stream, **kwargs)
-        yield Finished(compare, start, batch, second=True, output=other)
+        yield Started(_name(compare), start, batch, second=True)
+        other = run(model, tokenizer, batch, seed=seeds, stream=stream, **second, **kwargs)
+        yield Finished(_name(compare), start, batch, second=True, output=other)
         for r in range(len(batch)):
             yield divergence(start + r, out.token_ids[r], other.token_ids[r], tokenizer)
+
+
+def _request_of(method: str | Request, params: dict[str, Any] | None) -> dict[str, Any]:
+    """What names one run to ``run``: ``request=`` a carried Request, or ``method=`` and its parameters."""
+    if isinstance(method, Request):
+        if params:
+            raise ValueError(f"params {sorted(params)} given beside a Request: the request holds its parameters")
+        return {"request": method}
+    return {"method": method, **(params or {})}
+
+
+def _name(method: str | Request) -> str:
+    return method.method if isinstance(method, Request) else method

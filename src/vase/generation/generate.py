@@ -13,13 +13,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from ..caches.eager import EvictionCache
 from ..core.checks import check_flags, check_prompts, check_sampling, check_seed
 from ..core.scalars import plain, plain_items, plain_seed
+from ..core.spec import Request, RequestSpec, carried, set_beside
 from ..hf.compat import cache_kwargs
 from .decoding import Sampler, prefill, sampler_generators  # noqa: F401  (re-exported: vase.generation.generate.Sampler)
 from ..core.policies import Policy
@@ -142,9 +144,9 @@ def _save_row_stats(cache, active: list[int], row_stats: list[dict] | None) -> N
 def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Policy = "vase-attnv",
              budget: int | None = 512, window: int = 64, max_new_tokens: int = 2048, temperature: float = 0.6,
              top_p: float = 0.95, top_k: int | None = None, greedy: bool = False,
-             seed: int | Sequence[int] = 0, chat_template: bool = True, ignore_eos: bool = False,
+             seed: int | Sequence[int] | None = None, chat_template: bool = True, ignore_eos: bool = False,
              sort_kept: bool = False, stream: Callable[[int, str], None] | None = None, compile: bool | str = False,
-             **method_params) -> GenerationOutput:
+             request: Request | None = None, **method_params) -> GenerationOutput:
     """Generate from `prompts` with a bounded KV cache evicted by `method`.
 
     Sampling defaults are the paper's (temperature 0.6, top-p 0.95); `greedy=True` takes the
@@ -154,7 +156,12 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
     inductor) runs the decode steps compiled over fixed-shape buffers (`vase.generation.compiled`; `full` then
     uses transformers' StaticCache); the first call of a configuration compiles for a while.
     Extra keyword arguments are the method's parameters.
+
+    request: an already validated `vase.core.spec.Request` (`RequestSpec(...).validate()`) instead of `method`,
+    `budget`, `window` and the method's parameters: carried down to the cache as it is, never validated again.
+    `seed` (None: the request's seed, else 0) seeds the rows either way.
     """
+    request, seed = _carry(request, seed, {**set_beside(method, budget, window), **method_params})
     # numpy scalars are the numbers they hold (vase.core.scalars), then checked like them
     budget, window, max_new_tokens, temperature, top_p, top_k, greedy, chat_template, ignore_eos, sort_kept = map(
         plain, (budget, window, max_new_tokens, temperature, top_p, top_k, greedy, chat_template, ignore_eos,
@@ -171,8 +178,9 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
         raise TypeError(f"stream must be a function stream(row, text), got {stream!r}")
     input_ids, attention_mask, total = prepare_prompts(model, tokenizer, prompt_list, chat_template, max_new_tokens)
     seeds = row_seeds(seed, len(prompt_list))
-    cache = EvictionCache(model, method, budget, window, seed=seeds, sort_kept=sort_kept,
-                          max_length=total, **method_params)
+    if request is None:  # the door: the one validation of this call's request (vase.core.spec)
+        request = RequestSpec.of(method, budget, window, seed=seeds, **method_params).validate()
+    cache = EvictionCache.from_request(model, replace(request, seed=seeds), sort_kept=sort_kept, max_length=total)
     sampler = Sampler(greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k)
     run_decode = decode
     if compile:
@@ -213,6 +221,15 @@ def generate(model, tokenizer, prompts: str | Sequence[str], *, method: str | Po
         prefill_seconds=prefill_seconds,
         stats={**_final_stats(cache, compile), "rows": rows},
     )
+
+
+def _carry(request: Request | None, seed: Any, given: dict[str, Any]) -> tuple[Request | None, Any]:
+    """(the carried request, refused with keywords `given` beside it, or None; the seed: as given, else the
+    request's, else 0)."""
+    if request is None:
+        return None, 0 if seed is None else seed
+    request = carried(request, **given)
+    return request, request.seed if seed is None else seed
 
 
 def prepare_prompts(model, tokenizer, prompts: Sequence[str], chat_template: bool, max_new_tokens: int
@@ -294,9 +311,9 @@ ChunkObserver = Callable[[EvictionCache, int, int], AbstractContextManager]
 
 @torch.inference_mode()
 def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids: Sequence[int] | torch.Tensor, *,
-                     method: str | Policy = "full", budget: int | None = 512, window: int = 64, seed: int = 0,
+                     method: str | Policy = "full", budget: int | None = 512, window: int = 64, seed: int | None = None,
                      max_chunk: int | None = None, on_chunk: ChunkObserver | None = None,
-                     **method_params) -> torch.Tensor:
+                     request: Request | None = None, **method_params) -> torch.Tensor:
     """Teacher-force `target_ids` after `prompt_ids` through a cache evicted by `method`.
 
     prompt_ids: [P] token ids; target_ids: [T] token ids (T >= 1). Returns float32 log-probabilities
@@ -312,14 +329,22 @@ def forced_log_probs(model, prompt_ids: Sequence[int] | torch.Tensor, target_ids
     and left just after it: state read on entry is the cache before the chunk, on exit after it (an
     eviction made by the chunk shows in the layers' ``evictions``). The prompt's forward is not a
     chunk; T = 1 feeds no chunk at all.
+
+    request: a validated `vase.core.spec.Request` instead of `method`, `budget`, `window` and the cache keywords
+    (as in :func:`generate`); `seed` (None: the request's, else 0) seeds the cache.
     """
     device = next(model.parameters()).device
     prompt = torch.as_tensor(prompt_ids, device=device).view(1, -1)
     target = torch.as_tensor(target_ids, device=device).view(-1)
     if target.numel() == 0:
         raise ValueError("target_ids is empty")
-    cache = EvictionCache(model, method, budget, window, seed=[seed],
-                          max_length=prompt.shape[1] + target.numel(), **method_params)
+    request, seed = _carry(request, seed, {**set_beside(method, budget, window, "full"), **method_params})
+    if request is None:  # the door: the one validation of this call's request
+        request = RequestSpec.of(method, plain(budget), plain(window), seed=[plain(seed)], **method_params).validate()
+    else:
+        check_seed(plain(seed))
+    cache = EvictionCache.from_request(model, replace(request, seed=[plain(seed)]),
+                                       max_length=prompt.shape[1] + target.numel())
     out = model(input_ids=prompt, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     pieces = [out.logits[0, -1:].float().log_softmax(-1)]
     fed, total = 0, target.numel() - 1

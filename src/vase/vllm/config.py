@@ -12,13 +12,15 @@ code build and check configs without vLLM installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..core.capabilities import refuse_unsupported
 from ..core.errors import SpecError
 from ..core.scalars import plain_items
 from ..core.policies import Policy, get_policy
-from ..core.spec import RequestSpec, split_storage
+from ..core.spec import Request, RequestSpec, split_storage
 
 #: The key of vase's section in vLLM's `additional_config`.
 CONFIG_KEY = "vase"
@@ -32,9 +34,23 @@ class VaseConfigError(ValueError):
     """A vase section of `additional_config` that cannot run (one line, names the value and the fix)."""
 
 
+#: The configs this process validated, by their section (canonical JSON): the plugin, the scheduler and each runner
+#: read the engine's section again, and get the config validated once instead of a second validation.
+_VALIDATED: dict[str, "VaseVllmConfig"] = {}
+_VALIDATED_MAX = 64
+
+
+def _key(section: Any) -> str | None:
+    try:
+        return json.dumps(section, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class VaseVllmConfig:
-    """A validated vase configuration: the policy and its schedule parameters."""
+    """A validated vase configuration: the policy and its schedule parameters, and the validated `Request` it was
+    built from (`request`; None only for a config built by hand, whose `policy` is then built on each read)."""
 
     method: str
     budget: int
@@ -42,9 +58,12 @@ class VaseVllmConfig:
     seed: int = 0
     sort_kept: bool = False
     params: dict[str, Any] = field(default_factory=dict)
+    request: Request | None = field(default=None, compare=False, repr=False)
 
     @property
     def policy(self) -> Policy:
+        if self.request is not None:
+            return self.request.policy
         return get_policy(self.method, **self.params)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,19 +92,51 @@ class VaseVllmConfig:
             req = RequestSpec.of(method, budget, window, seed=seed, **options).validate(engine="vllm")
         except SpecError as exc:
             raise VaseConfigError(f"vase config: {exc}") from None
-        policy, params = req.policy, split_storage(options)[0]
+        return cls._of(req, seed, sort_kept, _key(section))
+
+    @classmethod
+    def from_request(cls, request: Request, *, seed: int | None = None, sort_kept: bool = False) -> "VaseVllmConfig":
+        """The config of an already validated `Request` (nothing is validated again; what vLLM cannot store, and a
+        method that does not evict, are refused). `seed`: the config's seed (None: the request's, one integer)."""
+        if not isinstance(request, Request):
+            raise VaseConfigError(f"request must be a vase.core.spec.Request (RequestSpec(...).validate()), got "
+                                  f"{type(request).__name__}")
+        seed = request.seed if seed is None else seed
+        if isinstance(seed, (list, tuple)):
+            raise VaseConfigError(f"the vase config's seed must be one integer, got {seed!r}")
+        if not isinstance(sort_kept, bool):
+            raise VaseConfigError(f"sort_kept must be true or false, got {sort_kept!r}")
+        if request.storage is not None:
+            try:
+                refuse_unsupported("vllm", storage=True)
+            except SpecError as exc:
+                raise VaseConfigError(f"vase config: {exc}") from None
+        return cls._of(request, seed, sort_kept, None)
+
+    @classmethod
+    def _of(cls, req: Request, seed: Any, sort_kept: bool, given: str | None) -> "VaseVllmConfig":
+        """The config of a validated request, remembered under its section (and the section as given)."""
+        policy = req.policy
         if not policy.evicts:
             raise VaseConfigError(f"vase config: method {policy.name!r} does not evict, so the plugin has nothing "
                                   f"to do: drop additional_config[\"vase\"] to run stock vLLM")
-        return cls(method=policy.name, budget=budget, window=window, seed=seed, sort_kept=sort_kept,
-                   params=params)
+        cfg = cls(method=policy.name, budget=req.budget, window=req.window, seed=seed, sort_kept=sort_kept,
+                  params=dict(req.params), request=replace(req, seed=seed))
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        for key in {given, _key(cfg.to_dict())} - {None}:
+            _VALIDATED[key] = cfg
+        return cfg
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> "VaseVllmConfig | None":
-        """The vase config in vLLM's `additional_config`, or None when there is none (stock vLLM)."""
+        """The vase config in vLLM's `additional_config`, or None when there is none (stock vLLM). A section this
+        process validated already (`additional_config`, `from_request`, an earlier read) is not validated again."""
         if not isinstance(additional_config, dict) or additional_config.get(CONFIG_KEY) is None:
             return None
-        return cls.from_dict(additional_config[CONFIG_KEY])
+        section = additional_config[CONFIG_KEY]
+        known = _VALIDATED.get(_key(section) or "")
+        return known if known is not None else cls.from_dict(section)
 
 
 def additional_config(method: str, budget: int, window: int = 64, *, seed: int = 0, sort_kept: bool = False,
@@ -106,3 +157,11 @@ def vase_section(method: str, budget: int, window: int = 64, params: dict[str, A
     if method.strip().lower() == "full":
         return None
     return additional_config(method, budget, window, **(params or {}))
+
+
+def request_config(request: Request) -> VaseVllmConfig | None:
+    """The engine's config of a validated `Request` (`VaseVllmConfig.from_request`, section seed 0: the engine seeds
+    each request itself), or None for ``full`` (stock vLLM, no vase section). Nothing is validated again."""
+    if request.method == "full":
+        return None
+    return VaseVllmConfig.from_request(request, seed=0)

@@ -1,0 +1,125 @@
+"""One Request, validated once at the door, carried down (issue 43): each door validates its request exactly once
+(`RequestSpec.validate`, counted here), and nothing below it (vase.generate given ``request=``, the engines, the
+batches of `vase generate`, the eval runner, the vLLM plugin's readers of its section) validates it again. A
+validation added back anywhere below a door makes a count here go up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vase
+from tests.conftest import run_main, tiny_model, tiny_tokenizer
+from vase.core.errors import SpecError
+from vase.core.spec import Request, RequestSpec
+from vase.engines import TransformersEngine
+from vase.eval.config import EvalConfig
+from vase.eval.runner import run_eval
+from vase.generation.generate import forced_log_probs
+from vase.vllm.config import VaseVllmConfig, additional_config, request_config
+
+KW = dict(max_new_tokens=12, chat_template=False, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return tiny_model(dtype=torch.float64), tiny_tokenizer()
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """The number of `RequestSpec.validate` calls so far (reset with ``validations.clear()``)."""
+    calls: list[RequestSpec] = []
+    real = RequestSpec.validate
+
+    def counting(self, engine=None):
+        calls.append(self)
+        return real(self, engine)
+
+    monkeypatch.setattr(RequestSpec, "validate", counting)
+    return calls
+
+
+def test_vase_generate_validates_once_at_its_door_and_not_at_all_with_a_request(tiny, validations):
+    model, tok = tiny
+    by_keywords = vase.generate(model, tok, ["abcdefghijklmnop", "xy"], method="snapkv", budget=12, window=4, seed=3, **KW)
+    assert len(validations) == 1  # the door
+    request = RequestSpec.of("snapkv", 12, 4, seed=3).validate()
+    validations.clear()
+    carried = vase.generate(model, tok, ["abcdefghijklmnop", "xy"], request=request, **KW)
+    assert len(validations) == 0  # carried down as it is
+    assert carried.token_ids == by_keywords.token_ids and carried.stats["evictions"] == by_keywords.stats["evictions"] > 0
+    assert carried.stats["method"] == "snapkv" and carried.stats["budget"] == 12
+
+
+def test_forced_log_probs_and_the_engine_carry_the_request(tiny, validations):
+    model, tok = tiny
+    ref = forced_log_probs(model, list(range(5, 25)), list(range(30, 45)), method="snapkv", budget=12, window=4, seed=2)
+    assert len(validations) == 1
+    request = RequestSpec.of("snapkv", 12, 4).validate()
+    validations.clear()
+    engine = TransformersEngine(model, tok)
+    got = engine.forced_log_probs(list(range(5, 25)), list(range(30, 45)), request=request, seed=2)
+    out = engine.generate(["abcdefghijklmnop"], request=request, seed=[4], **KW)
+    assert len(validations) == 0
+    assert torch.equal(got, ref) and out.stats["evictions"] > 0
+
+
+def test_a_request_and_its_keywords_are_not_both_given(tiny):
+    model, tok = tiny
+    request = RequestSpec.of("snapkv", 12, 4).validate()
+    with pytest.raises(SpecError, match=r"pass request= or budget, not both"):
+        vase.generate(model, tok, ["ab"], request=request, budget=16, **KW)
+    with pytest.raises(SpecError, match=r"pass request= or n_large, not both"):
+        TransformersEngine(model, tok).generate(["ab"], request=request, n_large=2, **KW)
+    with pytest.raises(SpecError, match=r"request must be a vase.core.spec.Request"):
+        vase.generate(model, tok, ["ab"], request=RequestSpec.of("snapkv", 12, 4), **KW)
+
+
+def test_vase_generate_cli_validates_once_per_method_whatever_the_batches(tiny, validations, tmp_path, capsys):
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("abc\nde\nfgh\n")
+    code, out, err = run_main(["generate", "--file", str(prompts), "--model", str(tmp_path / "m"), "--method", "snapkv",
+                               "--compare", "streamingllm", "--budget", "12", "--window", "4", "--max-new-tokens", "3",
+                               "--batch-size", "2", "--no-chat"], capsys)
+    assert code == 0, err
+    assert "snapkv" in out and "streamingllm" in out
+    # 2 batches x 2 methods = 4 generate calls, 2 validations: one per method, at the CLI's door
+    assert sorted(str(s.method) for s in validations) == ["snapkv", "streamingllm"]
+
+
+def test_the_vllm_config_is_validated_once_and_read_by_the_plugin_without_validating(validations):
+    section = additional_config("snapkv", 24, 8, n_large=4)
+    assert len(validations) == 1
+    for _ in range(3):  # the plugin's start check, the scheduler, a runner: the same process reads the same section
+        cfg = VaseVllmConfig.from_additional_config(section)
+    assert len(validations) == 1
+    assert cfg.to_dict() == section["vase"] and isinstance(cfg.request, Request) and cfg.policy.n_large == 4
+    request = RequestSpec.of("h2o", 32, 8).validate()
+    validations.clear()
+    built = request_config(request)
+    again = VaseVllmConfig.from_additional_config({"vase": built.to_dict()})
+    assert len(validations) == 0 and again is built and built.request.policy is request.policy
+    assert request_config(RequestSpec.of("full", None, 8).validate()) is None  # stock vLLM
+
+
+def test_the_eval_validates_at_its_config_and_the_runner_carries_the_requests(tiny, validations, tmp_path):
+    model, tok = tiny
+    config = EvalConfig(task="arith", limit=2, methods=["snapkv"], budgets=[12, 16], window=4, max_new_tokens=4,
+                        batch_size=2, model="tiny", output_dir=str(tmp_path))
+    assert len(validations) == 5  # full and snapkv at each budget, and full at its placeholder: the config's door
+    validations.clear()
+    seen: list[Request] = []
+
+    def gen(model, tokenizer, prompts, **kw):
+        seen.append(kw["request"])
+        return vase.generate(model, tokenizer, prompts, **kw)
+
+    run_eval(config, model, tok, generate_fn=gen, progress=False, summarize=False)
+    assert len(validations) == 0
+    assert sorted((r.method, r.budget) for r in seen if r.method != "full") == [("snapkv", 12), ("snapkv", 16)]
+    assert [r for r in seen if r.method == "full"] == [config.request("full", None)]
