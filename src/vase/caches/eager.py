@@ -35,6 +35,7 @@ from ..hf.attention import PENDING_LAYER, install
 from ..hf.masks import and_selection, causal_padding_mask, real_slots
 from ..core.errors import SpecError
 from ..hf.hybrid import FULL, LINEAR, is_hybrid, text_config
+from ..hf.latent import latent_choosers
 from ..core.kernel import choose, compact_slots, keep_index
 from ..core.ring import new_ring, ring_read, ring_write
 from ..core.policies import Policy
@@ -232,7 +233,10 @@ class EvictionLayer(CacheLayerMixin):
         return stored
 
     def serves(self, key: torch.Tensor) -> bool:
-        """Whether `key` [b, kv_heads, L, d] is the K this layer's last `update` returned (by storage and shape)."""
+        """Whether `key` [b, kv_heads, L, d] is the K this layer's last `update` returned (by storage and shape; an
+        MLA layer's attention gets the heads' keys up-projected from it: by batch and length)."""
+        if self.layer_idx in self.cache.latent:
+            return self._served is not None and (key.shape[0], key.shape[2]) == (self._served[1][0], self._served[1][2])
         return self._served == (key.data_ptr(), key.shape)
 
     def held_bytes(self, row: int | None = None) -> int:
@@ -433,7 +437,8 @@ class EvictionLayer(CacheLayerMixin):
         extra = {name: state[sel, :, pad:n_cand] for name, state in self.slot_state.items()}
         self._init_layer_state(rows)
         extra.update({name: state[sel] for name, state in self.layer_state.items()})
-        keep = choose(policy, keys, values, queries, cfg.budget, cfg.window, generators, extra)
+        chooser = self.cache.latent.get(self.layer_idx, choose)  # MLA: one kept set for every head (`vase.hf.latent`)
+        keep = chooser(policy, keys, values, queries, cfg.budget, cfg.window, generators, extra)
         if isinstance(sel, list):  # advanced indexing copied the state: write updates back
             for name, state in self.slot_state.items():
                 state[rows, :, pad:n_cand] = extra[name]
@@ -607,6 +612,8 @@ class EvictionCache(Cache):
         self._mask_memo: tuple | None = None
         #: the storage's validated configuration (QuantConfig, Fp8Config, ...); None: full precision (`DenseStorage`)
         self.storage_config = req.storage_config
+        #: MLA layers (`vase.hf.latent`): layer index -> the chooser scoring the heads' up-projections of the latent
+        self.latent = latent_choosers(model, policy, req.storage_config)
         super().__init__(layers=[self._new_layer(i) for i in range(num_layers)])
 
     def _new_layer(self, i: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin:
@@ -723,7 +730,7 @@ class EvictionCache(Cache):
             now = peak = full = 0
             steps: int | None = 0
             for l in layers:
-                per_token = 2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
+                per_token = l.keys.shape[1] * (l.keys.shape[3] + l.values.shape[3]) * l.keys.element_size()
                 held = l.held_bytes(r)
                 now += held
                 # the peak stored length is reached just before the first eviction (else it is now)
@@ -754,7 +761,7 @@ class EvictionCache(Cache):
 
         def kv_bytes(l: EvictionLayer, length: int) -> int:
             b, h, _, d = l.keys.shape
-            return 2 * b * h * length * d * l.keys.element_size()
+            return b * h * length * (d + l.values.shape[3]) * l.keys.element_size()
 
         first = layers[0]
         return {
