@@ -212,3 +212,25 @@ def test_storage_compile_and_other_mla_types_are_refused_in_one_line():
     config.model_type = "deepseek_v32"  # a top-k indexer beside the latent: not run
     assert "deepseek_v32" in config_problem(config)
     assert all(config_problem(hybrid_config(f)) is None for f in MLA)
+
+
+def test_models_page_rows_of_mla_families():
+    """docs/models.md's MLA rows say what `vase.hf.support` and the vLLM plugin's refusal do."""
+    from pathlib import Path
+    from types import SimpleNamespace as NS
+
+    from vase.vllm.model_refusals import model_refusal
+
+    from .test_hybrid import _table
+
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    rows = {r["model_type"]: r for r in _table(text, "| family | model_type |")}
+    for family in MLA:
+        cfg = hybrid_config(family)
+        row = rows[cfg.model_type]
+        assert config_problem(cfg) is None and row["transformers"] == "tested (tests/test_mla.py)"
+        assert row["evicted"].startswith("every layer (the latent cache") and row["compile=True"] == "refused (MLA)"
+        stand_in = NS(model="m", hf_config=cfg, hf_text_config=cfg, use_mla=True, is_hybrid=False,
+                      has_inner_state=False, get_sliding_window=lambda: None)
+        line = model_refusal(stand_in)
+        assert row["vLLM CPU"] == "refused" and "--engine transformers" in line and "\n" not in line
