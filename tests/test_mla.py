@@ -234,3 +234,34 @@ def test_models_page_rows_of_mla_families():
                       has_inner_state=False, get_sliding_window=lambda: None)
         line = model_refusal(stand_in)
         assert row["vLLM CPU"] == "refused" and "--engine transformers" in line and "\n" not in line
+
+
+def test_teacher_forcing_equals_decoding():
+    """`forced_log_probs` (several tokens per forward up to each eviction point, the eval's fidelity) on the latent
+    cache: the log-probs of decoding the same tokens one at a time."""
+    from vase.generation.generate import forced_log_probs
+
+    model = hybrid_model("deepseek-v3")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 90, (1, 10))
+    cache = EvictionCache(model, "vase-attnv", 12, 4)
+    logits, tokens = _decode(model, cache, ids, torch.ones_like(ids), 40)
+    assert cache.stats()["evictions"] >= 8
+    forced = forced_log_probs(model, ids[0], torch.cat(tokens, dim=-1)[0], method="vase-attnv", budget=12, window=4)
+    torch.testing.assert_close(forced, torch.stack([l[0].float().log_softmax(-1) for l in logits[:-1]]),
+                               atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_prompt_lookup_equals_plain_greedy(method, monkeypatch):
+    """transformers' prompt lookup (drafts verified several at a time, evictions deferred across them,
+    `vase.hf.verify`) on the latent cache: the tokens and kept sets of plain greedy decoding."""
+    from .test_speculative import run
+
+    model = hybrid_model("deepseek-v3")
+    model.generation_config.eos_token_id = None
+    tokens, kept, stats, forwards = run(model, method, monkeypatch)
+    s_tokens, s_kept, s_stats, s_forwards = run(model, method, monkeypatch, prompt_lookup_num_tokens=3)
+    assert stats["evictions"] >= 8 and s_forwards < forwards - 10  # drafts were accepted
+    assert s_tokens == tokens and len(s_kept) == len(kept)
+    assert all(a == b and torch.equal(p, q) for (a, p), (b, q) in zip(kept, s_kept))
