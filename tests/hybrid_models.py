@@ -11,6 +11,9 @@ Each has 4 layers mixing full attention with the family's other layer type, 4 qu
 - ``llama4``:     Llama 4 text (chunked-local RoPE layers 0 and 2 with chunk 8 = the window, global NoPE
                   full-attention layers 1 and 3 with attention-temperature tuning from position 3 on;
                   layer 1 MoE, 4 experts top-1 and a shared expert)
+- ``deepseek-v3``, ``deepseek-v2`` (MLA): 3 layers of multi-head latent attention, 4 heads (key 16 + 8 RoPE,
+                  value 12) over a 16 + 8 latent; layer 0 dense, layers 1-2 MoE (4 routed experts top-2 and a
+                  shared one); V3 with a query LoRA and group-limited routing
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 from .conftest import VOCAB
 
 FAMILIES = ("gemma3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3-moe", "llama4")
+#: multi-head latent attention (tests/test_mla.py): the latent cache is every layer's, shared by the heads
+MLA = ("deepseek-v3", "deepseek-v2")
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                max_position_embeddings=2048, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 2,
@@ -69,6 +74,17 @@ def hybrid_config(family: str, window: int = 8):
         return Llama4TextConfig(**_COMMON, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=4,
                                 no_rope_layers=[1, 0, 1, 0], attention_chunk_size=window, moe_layers=[1],
                                 num_local_experts=4, num_experts_per_tok=1, floor_scale=4, attn_scale=0.5)
+    if family in MLA:
+        from transformers import DeepseekV2Config, DeepseekV3Config
+
+        mla = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                   max_position_embeddings=2048, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 2, bos_token_id=VOCAB - 3,
+                   intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
+                   n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16,
+                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
+        if family == "deepseek-v3":  # a query LoRA too; routing in 2 groups of 2 experts, the best group kept
+            return DeepseekV3Config(**mla, q_lora_rank=24, n_group=2, topk_group=1)
+        return DeepseekV2Config(**mla, q_lora_rank=None, n_group=1, topk_group=1)
     raise ValueError(family)
 
 
@@ -79,7 +95,7 @@ def hybrid_model(family: str, attn: str | None = None, seed: int = 0, dtype: tor
 
     torch.manual_seed(seed)
     attn = attn or ("eager" if family == "gpt-oss" else "sdpa")
-    kwargs = {"experts_implementation": "eager"} if family in ("gpt-oss", "qwen3-next", "qwen3-moe") else {}
+    kwargs = {"experts_implementation": "eager"} if family in ("gpt-oss", "qwen3-next", "qwen3-moe", *MLA) else {}
     # eager experts: a plain loop over the chosen experts (grouped_mm takes no float64)
     model = AutoModelForCausalLM.from_config(hybrid_config(family, window), attn_implementation=attn, **kwargs)
     if family == "gpt-oss":  # the initialiser leaves the sinks at N(0, 0.02): make them matter

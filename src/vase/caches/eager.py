@@ -20,6 +20,7 @@ from ..hf.attention import install
 from ..hf.masks import causal_padding_mask, real_slots
 from ..core.errors import SpecError
 from ..hf.hybrid import FULL, LINEAR, is_hybrid, text_config
+from ..hf.latent import latent_choosers
 from ..core.policies import Policy
 from ..core.scalars import plain, plain_items, plain_seed
 from ..core.spec import Request, RequestSpec, whole_tokens
@@ -107,6 +108,8 @@ class EvictionCache(Cache):
         self._mask_memo: tuple | None = None
         #: the storage's validated configuration (QuantConfig, Fp8Config, ...); None: full precision (`DenseStorage`)
         self.storage_config = req.storage_config
+        #: MLA layers (`vase.hf.latent`): layer index -> the chooser scoring the heads' up-projections of the latent
+        self.latent = latent_choosers(model, policy, req.storage_config)
         super().__init__(layers=[self._new_layer(i) for i in range(num_layers)])
 
     def _new_layer(self, i: int) -> CacheLayerMixin | LinearAttentionCacheLayerMixin:
@@ -223,7 +226,7 @@ class EvictionCache(Cache):
             now = peak = full = 0
             steps: int | None = 0
             for l in layers:
-                per_token = 2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
+                per_token = l.keys.shape[1] * (l.keys.shape[3] + l.values.shape[3]) * l.keys.element_size()
                 held = l.held_bytes(r)
                 now += held
                 # the peak stored length is reached just before the first eviction (else it is now)
@@ -254,7 +257,7 @@ class EvictionCache(Cache):
 
         def kv_bytes(l: EvictionLayer, length: int) -> int:
             b, h, _, d = l.keys.shape
-            return 2 * b * h * length * d * l.keys.element_size()
+            return b * h * length * (d + l.values.shape[3]) * l.keys.element_size()
 
         first = layers[0]
         return {

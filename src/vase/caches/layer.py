@@ -222,7 +222,10 @@ class EvictionLayer(CropLayer, CacheLayerMixin):
         return stored
 
     def serves(self, key: torch.Tensor) -> bool:
-        """Whether `key` [b, kv_heads, L, d] is the K this layer's last `update` returned (by storage and shape)."""
+        """Whether `key` [b, kv_heads, L, d] is the K this layer's last `update` returned (by storage and shape; an
+        MLA layer's attention gets the heads' keys up-projected from it: by batch and length)."""
+        if self.layer_idx in self.cache.latent:
+            return self._served is not None and (key.shape[0], key.shape[2]) == (self._served[1][0], self._served[1][2])
         return self._served == (key.data_ptr(), key.shape)
 
     def held_bytes(self, row: int | None = None) -> int:
@@ -374,7 +377,8 @@ class EvictionLayer(CropLayer, CacheLayerMixin):
         extra = {name: state[sel, :, pad:n_cand] for name, state in self.slot_state.items()}
         self._init_layer_state(rows)
         extra.update({name: state[sel] for name, state in self.layer_state.items()})
-        keep = choose(policy, keys, values, queries, cfg.budget, cfg.window, generators, extra)
+        chooser = self.cache.latent.get(self.layer_idx, choose)  # MLA: one kept set for every head (`vase.hf.latent`)
+        keep = chooser(policy, keys, values, queries, cfg.budget, cfg.window, generators, extra)
         if isinstance(sel, list):  # advanced indexing copied the state: write updates back
             for name, state in self.slot_state.items():
                 state[rows, :, pad:n_cand] = extra[name]

@@ -66,6 +66,9 @@ def check_no_kept_layers(cache: EvictionCache) -> None:
 def check_compilable(cache: EvictionCache, kernel: str) -> None:
     """Raise CompileUnsupportedError (one line saying what to change) when `cache` has no static form."""
     check_no_kept_layers(cache)
+    if cache.latent:  # `vase.hf.latent`: the static step has no shared-heads chooser
+        raise CompileUnsupportedError("compile=True has no static form for multi-head latent attention (MLA): use "
+                                      "compile=False, which evicts its latent cache")
     policy = cache.policy
     refusal = static_refusal(cache.storage_config)  # the storage's own (`vase.storage.registry`)
     if refusal:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from .hybrid import layer_type_problem
+from .latent import latent_problem
 
 
 class UnsupportedModelError(ValueError):
@@ -36,7 +37,7 @@ def config_problem(config: Any) -> str | None:
         if text_config is not None and text_config is not config:
             configs.append(text_config)
     for cfg in configs:
-        problem = sliding_window_problem(cfg)
+        problem = sliding_window_problem(cfg) or latent_problem(cfg)
         if problem:
             return f"its layers cannot be evicted: {problem}"
     return None

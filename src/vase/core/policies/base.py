@@ -154,6 +154,9 @@ class Policy:
     evicts: ClassVar[bool] = True
     #: keeps the whole cache but attends a B-token selection at every step (Quest)
     selects: ClassVar[bool] = False
+    #: why this method cannot choose one kept set shared by every head (multi-head latent attention,
+    #: `vase.core.shared_heads`); None: it can (its `score` reads keys per head, values only by magnitude)
+    shared_heads_refusal: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         check_parameter_types(self)  # types first (from the field annotations), so the range checks below can compare
@@ -240,8 +243,19 @@ class Policy:
         fractional value guard (default: n_keep).
         """
         self._check_shapes(keys, values, queries, n_keep)
-        b, h, n, _ = keys.shape
-        device = keys.device
+        return self.select_by(tuple(keys.shape[:3]), n_keep, lambda: value_magnitude(values, self.metric),
+                              lambda: self.score(keys, values, queries, generator=generator, **extra),
+                              generator=generator, budget=budget, device=keys.device)
+
+    def select_by(self, shape: tuple[int, int, int], n_keep: int, magnitude, scores, generator=None,
+                  budget: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+        """`select` given how to get the value magnitudes and the scores: LongTensor [batch, heads, n_keep].
+
+        shape: (batch, heads, n) of the candidates; magnitude, scores: callables returning [batch, heads, n]
+        (asked only when the value guard or the scores are needed). `select` asks `value_magnitude` and
+        `score` of its keys and values; a layer whose heads share one kept set (`vase.core.shared_heads`) asks
+        the heads' reductions."""
+        b, h, n = shape
         if n_keep == n:
             return torch.arange(n, device=device).expand(b, h, n).clone()
 
@@ -253,22 +267,21 @@ class Policy:
             parts.append(torch.arange(n_sinks, device=device).expand(b, h, n_sinks))
             excluded[..., :n_sinks] = True
         if n_reserve > n_sinks:
-            magnitude = value_magnitude(values, self.metric).masked_fill(excluded, float("-inf"))
-            large = top_k_indices(magnitude, n_reserve - n_sinks)
+            large = top_k_indices(magnitude().masked_fill(excluded, float("-inf")), n_reserve - n_sinks)
             parts.append(large)
             excluded.scatter_(-1, large, True)
 
         n_rest = n_keep - max(n_reserve, n_sinks)
         if n_rest > 0:
-            scores = self.score(keys, values, queries, generator=generator, **extra).float()
-            if scores.shape != (b, h, n):
-                raise ValueError(f"{self.name}.score returned {tuple(scores.shape)}, expected {(b, h, n)}")
+            scored = scores().float()
+            if scored.shape != (b, h, n):
+                raise ValueError(f"{self.name}.score returned {tuple(scored.shape)}, expected {(b, h, n)}")
             if self.sample:
-                weights = scores if self.nonnegative_scores else scores - scores.amin(-1, keepdim=True)
+                weights = scored if self.nonnegative_scores else scored - scored.amin(-1, keepdim=True)
                 weights = weights.masked_fill(excluded, float("-inf"))
                 parts.append(sample_without_replacement(weights, n_rest, generator))
             else:
-                parts.append(top_k_indices(scores.masked_fill(excluded, float("-inf")), n_rest))
+                parts.append(top_k_indices(scored.masked_fill(excluded, float("-inf")), n_rest))
         return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0].clone()
 
     def _check_shapes(self, keys, values, queries, n_keep) -> None:

@@ -17,6 +17,7 @@ class CurDKV(Policy):
     protect_sinks: bool = True
     rank: int = 20
     name = "curdkv"
+    shared_heads_refusal = "its score multiplies each head's key and value by one projection (they differ in width)"
     summary = "Keep the top-k by ||kG||^2 ||vG||^2 with one random projection G per layer."
 
     def __post_init__(self) -> None:

@@ -164,6 +164,7 @@ class Quest(Policy):
     summary = "Selection, no eviction: attend sinks, window and the top 16-token pages by a q.k upper bound (B tokens)."
     evicts = False
     selects = True
+    shared_heads_refusal = "it selects pages of stored keys per KV head at every step (a latent cache stores none)"
 
     def __post_init__(self) -> None:
         super().__post_init__()
