@@ -2,12 +2,13 @@
 """n-gram speculative decoding with eviction in the vLLM plugin (issue 41), on the embedded SmolLM2-135M (fp32, CPU).
 
     VLLM_CPU_OMP_THREADS_BIND=0 OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
-        python benchmarks/vllm_spec.py [--repeats 3] [--new 192]
+        python benchmarks/vllm_spec.py [--repeats 2] [--new 96]
 
 Four engines, each started once: stock vLLM without and with n-gram speculation (K = 3 drafts, lookup of 2 to 4
-tokens), vase (vase-attnv, B = 64, w = 32) without and with it. Two workloads of 4 greedy requests each: a
+tokens), vase (vase-attnv, B = 32, w = 16) without and with it. Two workloads of 4 greedy requests each: a
 repetitive one (counting, listing: the n-gram proposer finds its drafts in the context) and a non-repetitive one
-(short essays). Each engine runs both once untimed first (warm-up). Each round runs every (workload, engine) pair in turn, the engine order rotating per round. Per
+(short essays). Each engine runs both once untimed first (warm-up). Each round runs every (workload, engine)
+pair in turn, the engine order rotating per round. Per
 row: tok/s (generated tokens / wall seconds of the batch; median and range over the rounds), drafts accepted per
 verify step and generated tokens per request-step (1.0 without speculation), and whether the tokens equal the
 same engine's without speculation (greedy fp32: they should). Writes docs/results/vllm-spec.json
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from vase.files.provenance import finish, provenance, write_results  # noqa: E402
 
-METHOD, BUDGET, WINDOW, BLOCK = "vase-attnv", 64, 32, 32
+METHOD, BUDGET, WINDOW, BLOCK = "vase-attnv", 32, 16, 32
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 #: (name, vase, speculation); each engine lives in its own process (`serve`): in one process, a second engine fails
 #: to start after one with a proposer (vLLM 0.32's CPU kernel overrides do not register twice)
@@ -121,8 +122,8 @@ def serve(conn, path: str, vase: bool, spec: bool, max_len: int, prompts: dict, 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--new", type=int, default=192)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--new", type=int, default=96)
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
