@@ -1,4 +1,6 @@
-"""Speculative decoding stays refused by the vLLM plugin (issue 41): one line, naming what to drop.
+"""Speculative decoding with the vLLM plugin (issue 41): n-gram proposals run (tests/test_vllm_spec.py); proposers
+with a KV cache of their own (draft model, EAGLE, MTP), and n-gram drafts of w tokens or more, are refused in one
+line naming what to change.
 
 No engine is started: `check_engine_args` runs on the EngineArgs fields it reads, before anything is built.
 """
@@ -24,9 +26,11 @@ def _engine_args(**overrides):
 
 
 @pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+    {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 4},  # K >= w = 16
     {"method": "draft_model", "model": "draft", "num_speculative_tokens": 2},
+    {"model": "some/draft-model", "num_speculative_tokens": 2},
     {"method": "eagle", "model": "eagle-head", "num_speculative_tokens": 2},
+    {"method": "mtp", "num_speculative_tokens": 1},
 ])
 def test_speculative_config_is_refused_in_one_line_naming_the_option(spec):
     from vase.vllm import plugin
@@ -42,5 +46,17 @@ def test_no_speculative_config_passes_the_check():
     from vase.vllm import plugin
 
     args = _engine_args()
+    plugin.check_engine_args(args, VaseVllmConfig.from_dict({"method": "snapkv", "budget": 128, "window": 16}))
+    assert args.scheduler_cls == plugin.SCHEDULER_CLS
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    {"model": "[ngram]", "num_speculative_tokens": 15},
+])
+def test_ngram_speculation_below_the_window_passes_the_check(spec):
+    from vase.vllm import plugin
+
+    args = _engine_args(speculative_config=spec)
     plugin.check_engine_args(args, VaseVllmConfig.from_dict({"method": "snapkv", "budget": 128, "window": 16}))
     assert args.scheduler_cls == plugin.SCHEDULER_CLS

@@ -3,7 +3,7 @@
 import pytest
 
 from vase.core import schedule
-from vase.vllm.steps import StepPlan, VaseStepError, allocation_length, next_boundary, plan_step
+from vase.vllm.steps import StepPlan, VaseStepError, allocation_length, next_boundary, plan_step, step_end
 
 B, W = 64, 16
 
@@ -73,3 +73,16 @@ def test_a_step_across_a_boundary_is_refused_in_one_line(computed, n):
     assert "req-7" in message and f"writes {n} tokens" in message and "\n" not in message
     end = next_boundary(20, computed, B, W)
     assert plan_step("req-7", 20, computed, end - computed, B, W).physical_end == allocation_length(20, end, B, W)
+
+
+def test_drafts_after_the_prompt_stop_at_the_first_eviction_only():
+    """vLLM pads a waiting request's one-token step (its prompt's last token, the rest a prefix-cache hit) with
+    placeholder drafts: they may pass the prompt end (nothing is evicted there), never an eviction boundary; known
+    tokens still stop at the prompt end. P0 = 20, B = 64, w = 16: first eviction at 80."""
+    assert step_end(20, 19, 1, B, W) == 80 and step_end(20, 10, 30, B, W) == 20 and step_end(20, 79, 1, B, W) == 80
+    assert plan_step("r", 20, 19, 4, B, W, drafts=3) == StepPlan(0, 0, 0, 23)
+    with pytest.raises(VaseStepError):
+        plan_step("r", 20, 19, 4, B, W, drafts=2)  # two known tokens: 19 and 20, past the prompt end
+    assert plan_step("r", 20, 77, 3, B, W, drafts=2).physical_end == 80  # a verify step ending on the boundary
+    with pytest.raises(VaseStepError):
+        plan_step("r", 20, 78, 4, B, W, drafts=3)  # its drafts would pass the boundary

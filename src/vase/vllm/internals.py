@@ -73,7 +73,8 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_SCHED}.update_from_output", "VaseScheduler.update_from_output: trims blocks above the bound",
              params=("self", "scheduler_output", "model_runner_output")),
     Internal("vllm.v1.core.sched.output.SchedulerOutput", "scheduler and workers: the step's requests",
-             attrs=("num_scheduled_tokens", "finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs")),
+             attrs=("num_scheduled_tokens", "finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs",
+                    "scheduled_spec_decode_tokens")),
     Internal("vllm.v1.core.sched.output.CachedRequestData", "VaseRunnerMixin._update_states: requests resumed after "
              "a preemption (their replay may start at a prefix-cache hit)", attrs=("resumed_req_ids",)),
     Internal("vllm.v1.request.Request", "EvictingKVCacheManager, VaseScheduler",

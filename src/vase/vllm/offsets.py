@@ -16,10 +16,11 @@ from .steps import StepPlan, plan_step
 
 
 def plan_batch(req_ids: list[str], origins: np.ndarray, computed: np.ndarray, scheduled: np.ndarray, budget: int,
-               window: int) -> list[StepPlan]:
-    """`plan_step` of each of R requests (origins, computed, scheduled: [R] integers)."""
-    return [plan_step(req_ids[i], int(origins[i]), int(computed[i]), int(scheduled[i]), budget, window)
-            for i in range(len(req_ids))]
+               window: int, drafts: np.ndarray | None = None) -> list[StepPlan]:
+    """`plan_step` of each of R requests (origins, computed, scheduled, drafts: [R] integers; drafts: the draft
+    tokens among the scheduled ones, none by default)."""
+    return [plan_step(req_ids[i], int(origins[i]), int(computed[i]), int(scheduled[i]), budget, window,
+                      0 if drafts is None else int(drafts[i])) for i in range(len(req_ids))]
 
 
 def capture_rows(query_starts: np.ndarray, computed: np.ndarray, scheduled: np.ndarray, ring_slots: np.ndarray,

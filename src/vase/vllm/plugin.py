@@ -24,7 +24,7 @@ from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, evicts_under
 from .model_refusals import check_model_layers, local_layers_refusal
 from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
-from .refusals import BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape
+from .refusals import BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape, speculative_refusal
 
 #: The vLLM minor version whose internals the scheduler and worker hooks were written against.
 SUPPORTED_VLLM = "0.32"
@@ -45,9 +45,9 @@ def check_vllm_version(version: str | None = None) -> None:
 
 def check_engine_args(args, cfg: VaseVllmConfig) -> None:
     """Refuse, before anything is built, the engine options vase cannot evict under; set the rest."""
-    if args.speculative_config:
-        raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop "
-                              "speculative_config or additional_config['vase']")
+    refusal = speculative_refusal(args.speculative_config or None, cfg.window)  # n-gram only (refusals.py)
+    if refusal:
+        raise VaseConfigError(refusal)
     check_cache_dtype(args.kv_cache_dtype)
     if getattr(args, "kv_transfer_config", None) is not None:
         raise VaseConfigError("vase frees and rewrites KV blocks that a KV connector (kv_transfer_config, "
@@ -122,8 +122,10 @@ def check_vllm_config(vllm_config, prefix_caching_asked: bool | None = None) -> 
     if local:  # sliding or chunked layers in the evicted group
         raise VaseConfigError(local)
     check_prefix_caching(vllm_config, prefix_caching_asked)
-    if vllm_config.speculative_config is not None:
-        raise VaseConfigError("vase evicts tokens that speculative decoding would roll back: drop speculative_config")
+    cfg = VaseVllmConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
+    refusal = speculative_refusal(vllm_config.speculative_config, cfg.window if cfg else 1)
+    if refusal:
+        raise VaseConfigError(refusal)
     check_built_config(vllm_config)
     check_runner_shape(vllm_config)
 

@@ -155,3 +155,36 @@ def check_head_sizes(name: str, layer: Any) -> None:
 BEAM_SEARCH_REFUSAL = ("vase does not run under vLLM's beam search (it sends one max_tokens=1 request per step, each "
                        "re-prefilled, so nothing is ever evicted): sample without beam search or drop "
                        "additional_config['vase']")
+
+
+# -- speculative decoding: n-gram proposals only --------------------------------------------------------------------
+#: The proposers that run with eviction: they keep no KV cache of their own (n-gram lookup over the token ids).
+EVICTED_PROPOSERS = ("ngram",)
+
+
+def _spec_field(spec: Any, name: str) -> Any:
+    return spec.get(name) if isinstance(spec, dict) else getattr(spec, name, None)
+
+
+def speculative_refusal(spec: Any, window: int) -> str | None:
+    """One line refusing `spec` (EngineArgs' `speculative_config` dict, or the built `SpeculativeConfig`) for an
+    engine evicting with window `window`, or None when it runs: an n-gram proposer drafting fewer than `window`
+    tokens. A draft model, EAGLE or MTP proposer keeps its own KV cache (its layers join vLLM's KV cache groups),
+    which the plugin would have to evict to the target's kept set; K >= w would let vLLM pad a resumed request's
+    first step (`pad_spec_decode`) past its first eviction boundary, which the scheduler cannot cut."""
+    if spec is None:
+        return None
+    method = _spec_field(spec, "method")
+    if method in (None, "[ngram]") and _spec_field(spec, "model") in ("ngram", "[ngram]"):
+        method = "ngram"
+    method = "ngram" if method == "[ngram]" else method
+    if method not in EVICTED_PROPOSERS:
+        return (f"vase evicts with n-gram speculation only, and speculative_config asks for the {method or 'draft model'}"
+                f" proposer, whose own KV cache (draft layers in vLLM's KV cache groups) would need the target's kept "
+                f"set: use speculative_config={{'method': 'ngram', ...}}, drop speculative_config {_DROP}")
+    k = int(_spec_field(spec, "num_speculative_tokens") or 0)
+    if k >= window:
+        return (f"vase needs num_speculative_tokens ({k}) below the window w ({window}): a verify step must fit "
+                f"between two eviction boundaries; lower num_speculative_tokens in speculative_config or raise "
+                f"window {_DROP}")
+    return None

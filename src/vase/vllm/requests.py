@@ -97,6 +97,9 @@ class VaseRunnerMixin:
     def _update_states(self, scheduler_output):
         # the blocks the scheduler holds for each scheduled request now (after its trims; `VaseScheduler.schedule`)
         self.vase_owned = getattr(scheduler_output, "vase_blocks", None)
+        # speculative decoding: the draft tokens (or vLLM's placeholders) each request verifies this step
+        self.vase_drafts = {req_id: len(tokens) for req_id, tokens in
+                            (getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}).items()}
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._vase_preempted(req_id)
         # resumed after a preemption: its replay may start past 0 (a prefix-cache hit), the state starts over

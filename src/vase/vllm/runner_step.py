@@ -54,7 +54,9 @@ class VaseStepMixin(VaseRunnerMixin):
         table = batch.block_table[self.vase_group]
         self.vase_logical_seq_lens = None
         reqs = [self._vase_request(req_id, i, int(computed[i])) for i, req_id in enumerate(req_ids)]
-        plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), computed, scheduled, cfg.budget, cfg.window)
+        drafts = getattr(self, "vase_drafts", None) or {}  # speculative decoding: draft tokens per request
+        plans = plan_batch(req_ids, np.array([r.origin for r in reqs]), computed, scheduled, cfg.budget, cfg.window,
+                           np.array([drafts.get(req_id, 0) for req_id in req_ids]))
         for i, (req, plan) in enumerate(zip(reqs, plans)):
             self._vase_check_room(req_ids[i], req, plan, int(table.num_blocks_per_row[i]) * self.vase_block_size,
                                   int(computed[i]), int(scheduled[i]))

@@ -41,7 +41,7 @@ from .copy_reserve import CopyReserve, scan_reserve
 from .plugin import PREFIX_HYBRID_REFUSAL, STREAMING_REFUSAL, check_at_start
 from .groups import full_attention_group
 from .ring_size import ring_rows
-from .steps import VaseStepError, allocation_length, evicts_at, max_prefix_hit, next_boundary
+from .steps import VaseStepError, allocation_length, evicts_at, max_prefix_hit, step_end
 
 
 class PhysicalLengthManager:
@@ -434,6 +434,7 @@ class VaseScheduler(Scheduler):
             self.max_num_running_reqs, self.vase_config.policy.needs_queries))
         self.vase_blocks_freed = 0
         self.vase_preemptions = 0
+        self.vase_draft_cuts = 0  # verify steps whose drafts were cut at an eviction boundary
 
     def schedule(self, *args, **kwargs):
         """vLLM's schedule, telling the workers the blocks each scheduled request holds now (after this scheduler's
@@ -468,13 +469,16 @@ class VaseScheduler(Scheduler):
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """vLLM's per-request cut of a step's tokens (called on the running and the waiting path, before blocks
-        are allocated), then vase's: a multi-token step (a prefill chunk, a recomputing prefill) ends at the
-        request's prompt end or its next eviction boundary, so that the worker can evict between chunks."""
+        are allocated), then vase's: a multi-token step (a prefill chunk, a recomputing prefill, a verify step's
+        drafts) ends at the request's prompt end or its next eviction boundary (`steps.step_end`)."""
         if num_new_tokens <= 1 and not self.num_prefill_lookahead:  # a decode step: never crosses a boundary
             return max(num_new_tokens, 0)
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        end = next_boundary(request.num_prompt_tokens, num_computed_tokens, self.vase_config.budget,
-                            self.vase_config.window)
+        real = request.num_tokens - num_computed_tokens  # the rest of the step: draft tokens (or vLLM's placeholders)
+        end = step_end(request.num_prompt_tokens, num_computed_tokens, real, self.vase_config.budget,
+                       self.vase_config.window)
+        if n > end - num_computed_tokens and n > real:  # a verify step cut at a boundary: vLLM drops the last drafts
+            self.vase_draft_cuts += 1
         return min(n, end - num_computed_tokens)
 
     def update_from_output(self, scheduler_output, model_runner_output):

@@ -54,6 +54,17 @@ def next_boundary(origin: int, computed: int, budget: int, window: int) -> int:
     return first + ((computed - first) // window + 1) * window
 
 
+def step_end(origin: int, computed: int, real: int, budget: int, window: int) -> int:
+    """The furthest position a step starting at `computed` may end, its first `real` tokens known ones (prompt or
+    sampled) and the rest draft tokens (speculative decoding; vLLM also pads a waiting request's one-token step with
+    placeholder drafts): `next_boundary`, except that drafts following the prompt's last token stop only at the
+    first eviction boundary. No step crosses an eviction boundary, so an eviction runs on verified tokens only: vLLM
+    rolls a rejected draft back (`num_computed_tokens -= num_rejected`) before the step that would evict."""
+    if computed < origin and computed + real <= origin:  # only drafts pass the prompt end
+        return next_boundary(origin, origin, budget, window)
+    return next_boundary(origin, computed, budget, window)
+
+
 def stored_before(origin: int, computed: int, budget: int, window: int) -> int:
     """Tokens a request stores once `computed` tokens (logical) are written, prompt `origin` (P0)."""
     if computed <= origin:
@@ -61,16 +72,18 @@ def stored_before(origin: int, computed: int, budget: int, window: int) -> int:
     return schedule.physical_length(origin, budget, window, computed - origin)
 
 
-def plan_step(req_id: str, origin: int, computed: int, scheduled: int, budget: int, window: int) -> StepPlan:
-    """The step of request `req_id` that writes `scheduled` tokens after `computed` (both logical), prompt `origin`.
+def plan_step(req_id: str, origin: int, computed: int, scheduled: int, budget: int, window: int,
+              drafts: int = 0) -> StepPlan:
+    """The step of request `req_id` that writes `scheduled` tokens after `computed` (both logical), prompt `origin`,
+    the last `drafts` of them draft tokens (speculative decoding).
 
-    A prefill chunk (new or recomputing), or a decode step: evicts first when it starts on an
-    eviction boundary. Raises VaseStepError for a step that crosses a boundary or the prompt end
-    (the scheduler cuts chunks there; a streaming-input chunk would)."""
+    A prefill chunk (new or recomputing), a decode step or a verify step: evicts first when it starts
+    on an eviction boundary. Raises VaseStepError for a step that crosses a boundary or, with known
+    tokens, the prompt end (`step_end`: the scheduler cuts steps there; a streaming-input chunk would)."""
     c, n = computed, scheduled
     if c + n <= origin:  # (part of) the prompt: nothing evicted yet, physical = logical
         return StepPlan(0, 0, 0, c + n)
-    end = next_boundary(origin, c, budget, window)
+    end = step_end(origin, c, n - drafts, budget, window)
     if c + n > end:
         raise VaseStepError(f"vase: request {req_id} writes {n} tokens at position {c}, past its eviction boundary "
                             f"{end} (prompt {origin}); the plugin's scheduler cuts steps there (no streaming input "
