@@ -34,10 +34,11 @@ $(VENV_TF)/.installed: pyproject.toml
 setup: $(STAMP)
 
 # The suite in TEST_WORKERS pytest-xdist processes (one torch thread each: tests/conftest.py), a whole test file
-# per worker (--dist loadfile), so a module's fixtures (tiny checkpoints, vLLM engines) are built once.
+# per worker (--dist loadfile), so a module's fixtures (tiny checkpoints, vLLM engines) are built once; files handed
+# out in collection order (--no-loadscope-reorder), which tests/conftest.py's SLOW_FIRST starts with the longest.
 # TEST_WORKERS=0 runs it in this process, serially.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(XDIST)

@@ -89,3 +89,26 @@ def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
         code = exc.code if isinstance(exc.code, int) else 1
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+#: The test files that take longest, about longest first (per-file sums of a `--junitxml` run of `make test`'s
+#: command, 2026-12-05). `make test` hands whole files to its workers (`--dist loadfile`) in collection order
+#: (`--no-loadscope-reorder`), so these start first and the short files fill both workers at the end; xdist's
+#: own order (most tests first) left the few-test vLLM files (tp, dp, moe) for last on one worker. test_vllm_tp
+#: goes first and test_vllm_dp and test_vllm_pp later: it makes the degree-1 run the three share
+#: (`tests.vllm_parallel.single_engine`), which the other two would otherwise wait for on their worker.
+SLOW_FIRST: tuple[str, ...] = (
+    "test_vllm_tp.py", "test_vllm_plugin.py", "test_compile.py", "test_static_generate.py", "test_vllm_linear.py",
+    "test_vllm_eval.py", "test_vllm_hybrid.py", "test_vllm_dp.py", "test_models.py", "test_vllm_scale_bench.py",
+    "test_vllm_bench.py", "test_vllm_pp.py", "test_vllm_serve.py", "test_vllm_exact.py", "test_bench.py",
+    "test_cli.py", "test_vllm_prefix.py", "test_gpu_check.py", "test_vllm_llama4.py", "test_quant.py",
+    "test_import_weight.py", "test_eval_runner.py", "test_vllm_moe.py", "test_hybrid.py", "test_cache.py",
+    "test_eval_report.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Move the files of SLOW_FIRST to the front, in that order; every file's own items keep their order."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

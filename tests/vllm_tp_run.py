@@ -18,6 +18,10 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.vllm_parallel import request_entry, worker_env  # noqa: E402
+
 BLOCK = 32
 BUDGET, WINDOW, N_NEW = 48, 16, 150
 METHODS = ["snapkv", "h2o", "vase-attnv"]  # deterministic, per-slot state, seeded stochastic
@@ -104,12 +108,7 @@ def _take_record(worker) -> dict:
 def main(model: str, tp: int, out: str) -> None:
     """Write the run described in the module docstring to `out`; with out == "--stock", only generate a few
     tokens with stock vLLM (the plugin inactive) at this degree."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # The test sends two small functions to the workers (collective_rpc); vLLM pickles callables only when asked.
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    # vLLM's CPU autobind wants one NUMA node per worker; bind the ranks by hand (cores wrap on small machines).
-    cores = os.cpu_count() or 1
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp)))
+    worker_env(tp)
     from vllm import LLM, SamplingParams
 
     from vase.vllm import additional_config
@@ -136,13 +135,10 @@ def main(model: str, tp: int, out: str) -> None:
         for i, o in enumerate(outs):
             rid = o.request_id
             kept = [{e["seen"]: e["positions"] for e in rec[rid]["kept"]} for rec in records]
-            per_request.append({
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
-                # kept[seen] -> per layer, the KV heads of all ranks in global order
-                "kept": {str(seen): [sum((k[seen][layer] for k in kept), []) for layer in range(len(kept[0][seen]))]
-                         for seen in kept[0]},
-            })
+            # kept[seen] -> per layer, the KV heads of all ranks in global order
+            per_request.append(request_entry(o, {str(seen): [sum((k[seen][layer] for k in kept), [])
+                                                             for layer in range(len(kept[0][seen]))]
+                                                 for seen in kept[0]}))
         result["methods"][method] = per_request
     with open(out, "w") as f:
         json.dump(result, f)
