@@ -42,7 +42,17 @@ def test_make_test_runs_the_suite_in_two_xdist_workers_a_file_each():
         return subprocess.run(["make", "-n", "--no-print-directory", "-o", ".venv/.installed", "-o",
                                ".venv-tf-latest/.installed", *args],
                               cwd=REPO, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    assert dry("test") == ".venv/bin/python -m pytest -n 2 --dist loadfile"
-    assert dry("test-tf-latest").startswith(".venv-tf-latest/bin/python -m pytest -n 2 --dist loadfile ")
+    assert dry("test") == ".venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder"
+    assert dry("test-tf-latest").startswith(".venv-tf-latest/bin/python -m pytest -n 2 --dist loadfile "
+                                            "--no-loadscope-reorder ")
     assert dry("test", "TEST_WORKERS=0") == ".venv/bin/python -m pytest -p no:xdist"
     assert '"pytest-xdist' in (REPO / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+
+
+def test_the_slow_files_named_first_exist():
+    """tests/conftest.py's SLOW_FIRST (the files `make test` hands out first) names test files that exist, each once:
+    a renamed or split file must be named again, or it would silently go back to the end of the order."""
+    from tests.conftest import SLOW_FIRST
+
+    assert len(set(SLOW_FIRST)) == len(SLOW_FIRST)
+    assert [name for name in SLOW_FIRST if not (REPO / "tests" / name).is_file()] == []
