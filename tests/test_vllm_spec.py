@@ -11,6 +11,7 @@ vLLM's padded first step after a prefix-cache hit. Two engines, shared by the mo
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -42,6 +43,17 @@ def _engine(path: str, **kwargs):
                    block_size=BLOCK, enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8,
                    enable_chunked_prefill=True, max_num_batched_tokens=64, **kwargs)
     return start_llm(options, additional_config("h2o", B, W))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _later_engines_can_start():
+    """After this module, let later vLLM engines start in this process: the n-gram proposer imports numba, whose
+    `llvmlite.binding.ffi.lib` answers `vars()` with a non-dict, and vLLM 0.32's kernel-override scan over
+    `sys.modules` (`triton_utils/dispatcher.py` `_rebind_kernels`) then fails every later engine start with
+    "'_lib_fn_wrapper' object has no attribute 'get'" (seen in `make test`: 17 errors in the vLLM files a worker ran
+    after this one). The module stays imported by `llvmlite.binding`; only the scan's view of it is dropped."""
+    yield
+    sys.modules.pop("llvmlite.binding.ffi", None)
 
 
 @pytest.fixture(scope="module")
