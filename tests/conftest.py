@@ -112,3 +112,19 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Move the files of SLOW_FIRST to the front, in that order; every file's own items keep their order."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """The `RequestSpec.validate` calls so far, one entry each (reset with ``validations.clear()``)."""
+    from vase.core.spec import RequestSpec
+
+    calls: list = []
+    real = RequestSpec.validate
+
+    def counting(self, engine=None):
+        calls.append(self)
+        return real(self, engine)
+
+    monkeypatch.setattr(RequestSpec, "validate", counting)
+    return calls

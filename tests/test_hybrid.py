@@ -152,23 +152,11 @@ def test_eviction_equals_the_models_own_cache_with_evicted_tokens_masked(family,
 
     # 2. the same tokens through the model's own DynamicCache, each full-attention KV head masked to what vase held
     reference = _reference_model(family)
-    full = DynamicCache(config=reference.config)
     ref_routed: list = []
     handles = _routers(reference, ref_routed)
-    step = iter(held)
-    ref_update = full.update
-
-    def masked_update(key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx == full_layers[0]:
-            _HELD.clear()
-            _HELD.update(next(step))
-        return ref_update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    full.update = masked_update
-    ref_logits, ref_tokens = _decode_forced(reference, full, ids, mask, tokens)
+    ref_logits, ref_tokens, full = _replay_masked(reference, held, full_layers[0], ids, mask, tokens)
     for h in handles:
         h.remove()
-    _HELD.clear()
     for t, (a, b) in enumerate(zip(logits, ref_logits)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"step {t}")
     assert len(routed) == len(ref_routed) > 0 or family not in MOE
@@ -347,6 +335,27 @@ def test_engine_bytes_per_token_counts_the_growing_layers():
     assert kv_bytes_per_token(gemma) == 1 * 512  # one full-attention layer grows; the sliding ones are bounded
     assert kv_bytes_per_token(hybrid_model("qwen3-next")) == 512
     assert kv_bytes_per_token(hybrid_model("gpt-oss")) == 2 * 512
+
+
+def _replay_masked(reference, held: list[dict], first_layer: int, ids, mask, tokens):
+    """The reference model's forced decode of `tokens` over a DynamicCache whose attention sees, at each step, only
+    what vase's cache held then (`held`: one {layer index: [b, h, L] bool} per forward, set when `first_layer` is
+    written; `_reference_attention` applies it). Returns `_decode_forced`'s (logits, tokens) and the cache."""
+    full = DynamicCache(config=reference.config)
+    step = iter(held)
+    update = full.update
+
+    def masked_update(key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == first_layer:
+            _HELD.clear()
+            _HELD.update(next(step))
+        return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    full.update = masked_update
+    try:
+        return (*_decode_forced(reference, full, ids, mask, tokens), full)
+    finally:
+        _HELD.clear()
 
 
 # -- refusals ---------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from vase.hf.support import config_problem
 
 from .hybrid_models import MLA, hybrid_config, hybrid_model
 from .test_cache import _ByteTokenizer, _stored_masks
-from .test_hybrid import _HELD, PAD, _decode, _decode_forced, _Only, _prompts, _reference_model
+from .test_hybrid import PAD, _decode, _decode_forced, _Only, _prompts, _reference_model, _replay_masked
 
 #: every evicting method that can score MLA; curdkv, vase-dkv and quest are refused (test_refusals)
 METHODS = ("snapkv", "snapkv-sample", "snapkv-v", "vase-attnv", "h2o", "tova", "rkv", "knorm", "evict-large-v",
@@ -97,23 +97,11 @@ def test_eviction_equals_dynamic_cache_with_the_kept_set_masked_in_every_head(fa
 
     # 2. the same tokens through the model's own DynamicCache, every head of each layer masked to what vase held
     reference = _reference_model(family)
-    full = DynamicCache(config=reference.config)
     ref_routed: list = []
     handles = _routers(reference, ref_routed)
-    step = iter(held)
-    ref_update = full.update
-
-    def masked_update(key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx == 0:
-            _HELD.clear()
-            _HELD.update(next(step))
-        return ref_update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    full.update = masked_update
-    ref_logits, _ = _decode_forced(reference, full, ids, mask, tokens)
+    ref_logits, _, _ = _replay_masked(reference, held, 0, ids, mask, tokens)
     for h in handles:
         h.remove()
-    _HELD.clear()
     for t, (a, b) in enumerate(zip(logits, ref_logits)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"step {t}")
     assert len(routed) == len(ref_routed) == 2 * (steps + 1) and routed[0][0].abs().max() > 0  # 2 MoE layers

@@ -27,20 +27,6 @@ def tiny():
     return tiny_model(dtype=torch.float64), tiny_tokenizer()
 
 
-@pytest.fixture
-def validations(monkeypatch):
-    """The number of `RequestSpec.validate` calls so far (reset with ``validations.clear()``)."""
-    calls: list[RequestSpec] = []
-    real = RequestSpec.validate
-
-    def counting(self, engine=None):
-        calls.append(self)
-        return real(self, engine)
-
-    monkeypatch.setattr(RequestSpec, "validate", counting)
-    return calls
-
-
 def test_vase_generate_validates_once_at_its_door_and_not_at_all_with_a_request(tiny, validations):
     model, tok = tiny
     by_keywords = vase.generate(model, tok, ["abcdefghijklmnop", "xy"], method="snapkv", budget=12, window=4, seed=3, **KW)

@@ -17,6 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 from vllm.config.compilation import CompilationConfig, CUDAGraphMode  # noqa: E402
 
+from tests.vllm_tiny import engine_args  # noqa: E402
 from vase.core import schedule  # noqa: E402
 from vase.vllm import VaseConfigError, VaseVllmConfig  # noqa: E402
 from vase.vllm.capture import QueryRing  # noqa: E402
@@ -36,15 +37,6 @@ def _one_line(exc_info) -> str:
     return text
 
 
-def _engine_args(**overrides):
-    """The EngineArgs fields the plugin reads before the config is built (defaults as vLLM 0.32 has them)."""
-    args = dict(speculative_config=None, kv_cache_dtype="auto", kv_transfer_config=None, enable_prefix_caching=None,
-                scheduler_cls=None, worker_cls="auto", async_scheduling=None, attention_backend=None,
-                enforce_eager=False, compilation_config=CompilationConfig())
-    args.update(overrides)
-    return SimpleNamespace(**args)
-
-
 def test_gpu_worker_imports_and_is_selected_on_a_cuda_platform(monkeypatch):
     import vllm.platforms
     from vllm.utils.import_utils import resolve_obj_by_qualname
@@ -55,7 +47,7 @@ def test_gpu_worker_imports_and_is_selected_on_a_cuda_platform(monkeypatch):
     from vase.vllm.gpu_worker import VaseGPUModelRunner, VaseGPUWorker
 
     monkeypatch.setattr(vllm.platforms, "current_platform", CUDA, raising=False)
-    args = _engine_args()
+    args = engine_args()
     plugin.check_engine_args(args, VaseVllmConfig.from_dict({"method": "snapkv", "budget": 128, "window": 16}))
     assert args.worker_cls == GPU_WORKER_CLS and args.scheduler_cls == plugin.SCHEDULER_CLS
     assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE and args.async_scheduling is False
@@ -63,7 +55,7 @@ def test_gpu_worker_imports_and_is_selected_on_a_cuda_platform(monkeypatch):
     assert issubclass(VaseGPUWorker, Worker) and issubclass(VaseGPUModelRunner, GPUModelRunner)
     assert VaseGPUWorker._make_model_runner is not Worker._make_model_runner
     monkeypatch.setattr(vllm.platforms, "current_platform", CPU, raising=False)
-    args = _engine_args()
+    args = engine_args()
     plugin.check_engine_args(args, VaseVllmConfig.from_dict({"method": "snapkv", "budget": 128, "window": 16}))
     assert args.worker_cls == CPU_WORKER_CLS and args.compilation_config.cudagraph_mode is None
 
@@ -85,22 +77,22 @@ def test_platforms_without_a_worker_are_refused():
 ])
 def test_gpu_engine_args_refused_in_one_line(overrides, needle):
     with pytest.raises(VaseConfigError) as exc:
-        prepare_gpu_engine_args(_engine_args(**overrides))
+        prepare_gpu_engine_args(engine_args(**overrides))
     assert needle in _one_line(exc)
 
 
 def test_gpu_engine_args_kept_when_they_work():
     for mode in ("PIECEWISE", "NONE"):
-        args = _engine_args(compilation_config=CompilationConfig(cudagraph_mode=mode), attention_backend="TRITON_ATTN")
+        args = engine_args(compilation_config=CompilationConfig(cudagraph_mode=mode), attention_backend="TRITON_ATTN")
         prepare_gpu_engine_args(args)
         assert args.compilation_config.cudagraph_mode == CUDAGraphMode[mode]
-    args = _engine_args(enforce_eager=True, async_scheduling=False)
+    args = engine_args(enforce_eager=True, async_scheduling=False)
     prepare_gpu_engine_args(args)
     assert args.compilation_config.cudagraph_mode is None
 
 
-def _built(async_scheduling=False, mode=CUDAGraphMode.PIECEWISE, backend=None, dcp=1, pp=1):
-    return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+def _built(async_scheduling=False, mode=CUDAGraphMode.PIECEWISE, backend=None, dcp=1, pp=1, spec=None):
+    return SimpleNamespace(speculative_config=spec, scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
                            cache_config=SimpleNamespace(cache_dtype="auto"),
                            compilation_config=SimpleNamespace(cudagraph_mode=mode),
                            attention_config=SimpleNamespace(backend=backend),
@@ -115,7 +107,9 @@ def test_built_gpu_config_refusals():
                           (_built(mode=CUDAGraphMode.FULL_AND_PIECEWISE), "FULL_AND_PIECEWISE"),
                           (_built(backend=SimpleNamespace(name="FLASHMLA")), "FLASHMLA"),
                           (_built(dcp=2), "decode_context_parallel_size=1"),
-                          (_built(pp=2), "pipeline parallelism on vLLM's CPU worker only")):
+                          (_built(pp=2), "pipeline parallelism on vLLM's CPU worker only"),
+                          (_built(spec=SimpleNamespace(method="ngram", num_speculative_tokens=3)),
+                           "speculative decoding on vLLM's CPU worker only")):
         with pytest.raises(VaseConfigError) as exc:
             check_gpu_config(built)
         assert needle in _one_line(exc)
@@ -266,7 +260,7 @@ def test_vase_selects_the_v1_runner_on_cuda_before_the_config_resolves(monkeypat
     stock = plugin._wrap_create_engine_config(lambda self: seen.append(resolve(built)) or built)
     stock(SimpleNamespace(additional_config={}))  # no vase section: stock vLLM's choice, V2
     assert seen == [True]
-    vase_args = _engine_args(additional_config={"vase": {"method": "snapkv", "budget": 128, "window": 16}})
+    vase_args = engine_args(additional_config={"vase": {"method": "snapkv", "budget": 128, "window": 16}})
     monkeypatch.setattr(plugin, "check_vllm_version", lambda: None)
     stock(vase_args)  # the wrapped create_engine_config: V1 chosen before the original resolves anything
     assert seen == [True, False]

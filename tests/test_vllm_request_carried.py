@@ -14,15 +14,8 @@ from vase.core.spec import RequestSpec  # noqa: E402
 from vase.engines.vllm import VllmEngine  # noqa: E402
 
 
-def test_vllm_engine_validates_once_per_door_and_carries_the_request(tmp_path_factory, monkeypatch):
-    calls: list[RequestSpec] = []
-    real = RequestSpec.validate
-
-    def counting(self, engine=None):
-        calls.append(self)
-        return real(self, engine)
-
-    monkeypatch.setattr(RequestSpec, "validate", counting)
+def test_vllm_engine_validates_once_per_door_and_carries_the_request(tmp_path_factory, validations):
+    calls = validations
     path = save_tiny_llama(str(tmp_path_factory.mktemp("llama") / "m"))
     settings = dict(max_new_tokens=24, greedy=True, chat_template=False)
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1"):

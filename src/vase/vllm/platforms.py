@@ -119,6 +119,10 @@ def check_gpu_config(vllm_config: Any) -> None:
     if is_fp8(vllm_config.cache_config.cache_dtype):
         raise VaseConfigError(f"vase evicts an fp8 KV cache on vLLM's CPU worker only (the GPU kernels' fp8 rounding "
                               f"and layout are untested with eviction): use kv_cache_dtype='auto' {_DROP}")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise VaseConfigError(f"vase runs speculative decoding on vLLM's CPU worker only (the n-gram verify steps are "
+                              f"compared there; the GPU runner's spec-decode path is untested with eviction): drop "
+                              f"speculative_config {_DROP}")
     if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
         raise VaseConfigError(f"vase runs pipeline parallelism on vLLM's CPU worker only (each stage's eviction and "
                               f"replayed draws are tested there; the GPU worker sets up no stage): use "

@@ -174,15 +174,16 @@ def speculative_refusal(spec: Any, window: int) -> str | None:
     first step (`pad_spec_decode`) past its first eviction boundary, which the scheduler cannot cut."""
     if spec is None:
         return None
-    method = _spec_field(spec, "method")
-    if method in (None, "[ngram]") and _spec_field(spec, "model") in ("ngram", "[ngram]"):
-        method = "ngram"
-    method = "ngram" if method == "[ngram]" else method
+    # vLLM also takes the legacy spelling model="[ngram]" (method unset)
+    method = str(_spec_field(spec, "method") or _spec_field(spec, "model") or "").strip("[]") or None
     if method not in EVICTED_PROPOSERS:
         return (f"vase evicts with n-gram speculation only, and speculative_config asks for the {method or 'draft model'}"
                 f" proposer, whose own KV cache (draft layers in vLLM's KV cache groups) would need the target's kept "
                 f"set: use speculative_config={{'method': 'ngram', ...}}, drop speculative_config {_DROP}")
-    k = int(_spec_field(spec, "num_speculative_tokens") or 0)
+    k = _spec_field(spec, "num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        return (f"vase needs speculative_config's num_speculative_tokens as a whole number of drafts from 1 to w - 1 "
+                f"(w = {window}), got {k!r}: set it, e.g. 'num_speculative_tokens': 3")
     if k >= window:
         return (f"vase needs num_speculative_tokens ({k}) below the window w ({window}): a verify step must fit "
                 f"between two eviction boundaries; lower num_speculative_tokens in speculative_config or raise "
