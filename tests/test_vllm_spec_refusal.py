@@ -51,3 +51,27 @@ def test_ngram_speculation_below_the_window_passes_the_check(spec):
     args = engine_args(speculative_config=spec)
     plugin.check_engine_args(args, VaseVllmConfig.from_dict({"method": "snapkv", "budget": 128, "window": 16}))
     assert args.scheduler_cls == plugin.SCHEDULER_CLS
+
+
+def _built_with_spec(tp=1, pp=1, dp=1, cache_dtype="auto", moe=False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                                           data_parallel_size=dp),
+                           cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+                           model_config=SimpleNamespace(is_moe=moe))
+
+
+@pytest.mark.parametrize("built,local,needle", [
+    (dict(tp=2), False, "tensor_parallel_size=2"), (dict(pp=2), False, "pipeline_parallel_size=2"),
+    (dict(dp=2), False, "data_parallel_size=2"), (dict(cache_dtype="fp8"), False, "kv_cache_dtype=fp8"),
+    (dict(moe=True), False, "an MoE model"), ({}, True, "sliding-window, chunked or linear-attention layers"),
+])
+def test_speculation_beside_an_uncompared_setting_is_refused_in_one_line(built, local, needle):
+    """Allow-list: n-gram speculation was compared on a dense full-attention model, one worker, the model's dtype."""
+    from vase.vllm.refusals import speculative_scope_refusal
+
+    assert speculative_scope_refusal(_built_with_spec(), False) is None
+    text = speculative_scope_refusal(_built_with_spec(**built), local)
+    assert "\n" not in text and needle in text and "speculative_config" in text

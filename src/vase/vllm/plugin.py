@@ -24,7 +24,8 @@ from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, evicts_under
 from .model_refusals import check_model_layers, local_layers_refusal
 from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
-from .refusals import BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape, speculative_refusal
+from .refusals import (BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape, speculative_refusal,
+                       speculative_scope_refusal)
 
 #: The vLLM minor version whose internals the scheduler and worker hooks were written against.
 SUPPORTED_VLLM = "0.32"
@@ -78,6 +79,15 @@ PREFIX_HYBRID_REFUSAL = ("vase keeps vLLM's prefix cache with full attention in 
                          "drop additional_config['vase']")
 
 
+def has_local_layers(model) -> bool:
+    """Whether vLLM's `model` (its ModelConfig) has sliding-window, chunked-local or linear-attention layers beside
+    full attention (more than one KV cache group)."""
+    text = getattr(model, "hf_text_config", None) or model.hf_config
+    types = set(layer_types(text))
+    return (model.get_sliding_window() is not None or bool(types & {SLIDING, LINEAR, CHUNKED})
+            or getattr(text, "attention_chunk_size", None) is not None)
+
+
 def check_prefix_caching(vllm_config, asked: bool | None) -> None:
     """Prefix caching with vase: kept with full attention in every layer; with sliding-window, chunked-local or
     linear-attention layers beside it (several KV cache groups) turned off, or refused in one line when `asked` for
@@ -86,15 +96,12 @@ def check_prefix_caching(vllm_config, asked: bool | None) -> None:
     is set back to 'none' (one state per request), as vLLM sets it with prefix caching off."""
     cache = vllm_config.cache_config
     model = vllm_config.model_config
-    text = getattr(model, "hf_text_config", None) or model.hf_config
-    types = set(layer_types(text))
-    sliding = (model.get_sliding_window() is not None or SLIDING in types or LINEAR in types or CHUNKED in types
-               or getattr(text, "attention_chunk_size", None) is not None)
-    if cache.enable_prefix_caching and sliding:
+    if cache.enable_prefix_caching and has_local_layers(model):
         if asked:
             raise VaseConfigError(PREFIX_HYBRID_REFUSAL)
         cache.enable_prefix_caching = False
-        if LINEAR in types and getattr(cache, "mamba_cache_mode", "none") != "none":
+        text = getattr(model, "hf_text_config", None) or model.hf_config
+        if LINEAR in layer_types(text) and getattr(cache, "mamba_cache_mode", "none") != "none":
             # undo what vLLM's MambaModelConfig set for prefix caching (vllm/model_executor/models/config.py): its
             # 'none' branch, one recurrent state per request (the runner asserts prefix caching under 'align')
             cache.mamba_cache_mode = "none"
@@ -122,10 +129,12 @@ def check_vllm_config(vllm_config, prefix_caching_asked: bool | None = None) -> 
     if local:  # sliding or chunked layers in the evicted group
         raise VaseConfigError(local)
     check_prefix_caching(vllm_config, prefix_caching_asked)
-    cfg = VaseVllmConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
-    refusal = speculative_refusal(vllm_config.speculative_config, cfg.window if cfg else 1)
-    if refusal:
-        raise VaseConfigError(refusal)
+    if vllm_config.speculative_config is not None:
+        cfg = VaseVllmConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
+        refusal = (speculative_refusal(vllm_config.speculative_config, cfg.window if cfg else 1)
+                   or speculative_scope_refusal(vllm_config, has_local_layers(model)))
+        if refusal:
+            raise VaseConfigError(refusal)
     check_built_config(vllm_config)
     check_runner_shape(vllm_config)
 

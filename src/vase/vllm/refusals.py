@@ -189,3 +189,23 @@ def speculative_refusal(spec: Any, window: int) -> str | None:
                 f"between two eviction boundaries; lower num_speculative_tokens in speculative_config or raise "
                 f"window {_DROP}")
     return None
+
+
+def speculative_scope_refusal(vllm_config: Any, local_layers: bool) -> str | None:
+    """One line refusing speculative decoding beside a setting it was not compared with (None when there is none, or
+    no speculation): tests/test_vllm_spec.py runs a dense full-attention model, one worker, the model's KV dtype.
+    `local_layers`: the model has sliding-window, chunked-local or linear-attention layers (`plugin.has_local_layers`)."""
+    if getattr(vllm_config, "speculative_config", None) is None:
+        return None
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    untested = [name for name, present in (
+        (f"tensor_parallel_size={parallel.tensor_parallel_size}", parallel.tensor_parallel_size > 1),
+        (f"pipeline_parallel_size={parallel.pipeline_parallel_size}", parallel.pipeline_parallel_size > 1),
+        (f"data_parallel_size={parallel.data_parallel_size}", parallel.data_parallel_size > 1),
+        (f"kv_cache_dtype={vllm_config.cache_config.cache_dtype}", vllm_config.cache_config.cache_dtype != "auto"),
+        ("an MoE model", bool(getattr(model, "is_moe", False))),
+        ("sliding-window, chunked or linear-attention layers", local_layers)) if present]
+    if not untested:
+        return None
+    return (f"vase's n-gram speculation is compared on a dense full-attention model with one worker and the model's "
+            f"KV dtype, not with {', '.join(untested)}: drop speculative_config or that setting {_DROP}")
