@@ -421,14 +421,15 @@ def test_every_setting_that_changes_results_names_a_new_run(tmp_path):
     assert run_name(EvalConfig(**q4)) != dense
     other = {"kv_bits": 8, "quant_guard": 8, "quant_group": 16, "quant_select": "random", "flush_every": 8,
              "quant_key_scale": True}
-    assert set(other) | {"kv_dtype"} == set(storage_keywords())
+    assert set(other) | {"kv_dtype", "kv_rounding"} == set(storage_keywords())
     for key, value in other.items():
         changed = dict(base, method_params={"snapkv": {"kv_bits": 4, key: value}})
         assert run_name(EvalConfig(**changed)) != run_name(EvalConfig(**q4)), key
     # fp8 storage (refused beside kv_bits): a run of its own, and each format one
     fp8 = {f: run_name(EvalConfig(**dict(base, method_params={"snapkv": {"kv_dtype": f}})))
            for f in ("fp8", "fp8_e5m2")}
-    assert len({dense, *fp8.values()}) == 3
+    truncated = run_name(EvalConfig(**dict(base, method_params={"snapkv": {"kv_dtype": "fp8", "kv_rounding": "zero"}})))
+    assert len({dense, *fp8.values(), truncated}) == 4
 
 
 def test_a_quantized_run_never_resumes_the_dense_one(tmp_path, tiny):

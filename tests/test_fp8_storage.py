@@ -166,6 +166,29 @@ def test_fp8_doors_refusals_and_crop(model):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_kv_rounding_keyword_reaches_the_stored_codes():
+    """`kv_rounding="zero"` (vLLM's CPU kernel) passes the door as a storage keyword and truncates the stored codes;
+    without an fp8 `kv_dtype`, or with a rounding that is not one of the two, it is refused in one line."""
+    from vase.storage.fp8 import to_fp8
+    req = RequestSpec.of("snapkv", 32, 8, kv_dtype="fp8", kv_rounding="zero").validate()
+    assert req.quant == Fp8Config("fp8", rounding="zero")
+    assert req.storage.options() == {"kv_dtype": "fp8", "kv_rounding": "zero"}
+    with pytest.raises(SpecError, match="kv_rounding=zero rounds fp8 codes: add kv_dtype=fp8"):
+        RequestSpec.of("snapkv", 32, 8, kv_rounding="zero").validate()
+    with pytest.raises(SpecError, match="kv_rounding must be one of nearest, zero, got 'up'"):
+        RequestSpec.of("snapkv", 32, 8, kv_dtype="fp8", kv_rounding="up").validate()
+    torch.manual_seed(0)
+    k, v = torch.randn(1, 2, 3, 16) * 3, torch.randn(1, 2, 3, 16) * 3
+    codes = {}
+    for rounding in ("nearest", "zero"):
+        layer = EvictionCache(None, "snapkv", 32, 8, num_layers=1, kv_dtype="fp8", kv_rounding=rounding).layers[0]
+        layer.update(k, v)
+        layer.awaiting_attention = False
+        codes[rounding] = layer.storage.read(3)[0]
+        assert torch.equal(codes[rounding], to_fp8(k, torch.float8_e4m3fn, 1.0, rounding).float())
+    assert not torch.equal(codes["nearest"], codes["zero"])
+
+
 def test_vase_generate_takes_kv_dtype_and_refuses_compile(model):
     from tests.conftest import tiny_tokenizer, tiny_model
 

@@ -154,31 +154,36 @@ class Fp8Spec:
     differently). Checked by `resolve`."""
 
     dtype: str = "fp8"
-    #: "nearest" (torch's cast) or "zero" (vLLM's CPU kernel); no keyword of its own
+    #: "nearest" (torch's cast) or "zero" (vLLM's CPU kernel, so that a run here stands for vLLM's fp8 on a CPU)
     rounding: str = "nearest"
-    KEYWORDS: ClassVar[dict[str, str]] = {"dtype": "kv_dtype"}
+    KEYWORDS: ClassVar[dict[str, str]] = {"dtype": "kv_dtype", "rounding": "kv_rounding"}
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "Fp8Spec | None":
-        """The spec the keyword `kv_dtype` of `options` spells; None when it is absent."""
-        return cls(options["kv_dtype"]) if "kv_dtype" in options else None
+        """The spec the keywords `kv_dtype` and `kv_rounding` of `options` spell; None when both are absent."""
+        if "kv_dtype" not in options and "kv_rounding" not in options:
+            return None
+        return cls(options.get("kv_dtype", "auto"), options.get("kv_rounding", "nearest"))
 
     def options(self) -> dict[str, Any]:
         """The EvictionCache keywords of this spec (the inverse of `from_options`); a rounding other than torch's
         is named too, so that a run's identity tells the two apart."""
-        return {"kv_dtype": self.dtype, **({"rounding": self.rounding} if self.rounding != "nearest" else {})}
+        return {"kv_dtype": self.dtype, **({"kv_rounding": self.rounding} if self.rounding != "nearest" else {})}
 
     def resolve(self, policy: Policy, budget: int, window: int, seed: int | Sequence[int]) -> "Fp8Config | None":
         """The validated configuration (None for "auto"); ValueError naming the accepted spellings."""
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"kv_rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
         if self.dtype == "auto":
+            if self.rounding != "nearest":
+                raise ValueError(f"kv_rounding={self.rounding} rounds fp8 codes: add kv_dtype=fp8 (or fp8_e4m3, "
+                                 f"fp8_e5m2), or drop kv_rounding")
             return None
         if not isinstance(self.dtype, str) or self.dtype not in FORMATS:
             raise ValueError(f"kv_dtype must be one of auto, {', '.join(FORMATS)}, got {self.dtype!r}")
         if policy.selects:  # its page selection reads the stored keys directly
             raise ValueError(f"kv_dtype={self.dtype} does not run with {policy.name}, which selects pages from the "
                              f"stored keys: use kv_dtype=auto")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"fp8 rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
         return Fp8Config(format=self.dtype, rounding=self.rounding)
 
 

@@ -6,7 +6,8 @@ The same rounding as vLLM's fp8 KV cache (`kv_cache_dtype="fp8"`, per-layer `k_s
 calibrated): a row is stored as `(x / scale)` cast to float8, saturated at the format's largest finite value,
 and read back as `float8 -> model dtype * scale`. The cast rounds to nearest even (torch's cast,
 `rounding="nearest"`); vLLM 0.32's CPU kernel (`cpu_attn_reshape_and_cache`) truncates toward zero (and
-stores -0.0 as +0), which `Fp8Spec(rounding="zero")` reproduces bit for bit (tests/test_vllm_fp8.py). Everything
+stores -0.0 as +0), which `Fp8Spec(rounding="zero")` (keyword `kv_rounding="zero"`) reproduces bit for bit
+(tests/test_vllm_fp8.py). Everything
 the layer reads goes through `read` / `candidates`, so attention and the policies (value guard, key norms, R-KV
 redundancy, DKV) see dequantized K/V. Compaction moves the float8 bytes (no scale is involved). One byte per
 element, plus the two float32 scales per layer.
