@@ -30,6 +30,28 @@ EVICTING = [m for m in method_names() if get_policy(m).evicts]
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 5, [11, 12, 13, 14] * 6, list(range(30, 56))]
 
 
+def test_draft_limit_is_the_next_eviction_boundary():
+    from vase.vllm.steps import draft_limit
+
+    # prompt 30, B 48, w 16: first eviction at max(30, 48) + 16 = 64, then every 16
+    assert [draft_limit(30, c, B, W) for c in (0, 29, 63, 64, 79, 80)] == [64, 64, 64, 80, 80, 96]
+    assert draft_limit(100, 50, B, W) == 116 and draft_limit(100, 116, B, W) == 132
+
+
+def test_physical_draft_slots_subtract_the_offset_and_stop_at_the_limit():
+    import torch
+
+    from vase.vllm.drafter import PADDING_SLOT_ID, physical_draft_slots
+
+    table = torch.tensor([[5, 9, 0], [7, 2, 0]])  # blocks of 4 slots
+    slots = torch.tensor([0, 0, 0, PADDING_SLOT_ID, 0])  # vLLM's logical slots: only PADDING_SLOT_ID is read
+    positions = torch.tensor([10, 11, 12, 3, 5])
+    rows = torch.tensor([0, 0, 0, 1, 1])
+    out = physical_draft_slots(slots, positions, rows, torch.tensor([4, 0]), torch.tensor([12, 64]), table, 4)
+    # row 0: physical 6, 7 -> block 9 offsets 2, 3; position 12 is at its limit; row 1: rejected, then physical 5
+    assert out.tolist() == [38, 39, PADDING_SLOT_ID, PADDING_SLOT_ID, 2 * 4 + 1]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))

@@ -80,3 +80,19 @@ def test_speculation_beside_an_uncompared_setting_is_refused_in_one_line(built, 
         text = speculative_scope_refusal(_built_with_spec(method=method, **built), local)
         assert "\n" not in text and needle in text and "speculative_config" in text
     assert "eagle" in speculative_refusal(_built_with_spec(method="eagle").speculative_config, 16)
+
+
+def test_a_draft_model_with_another_kv_spec_is_refused_in_one_line():
+    """A drafter with other KV heads than the target's (tried: a one-layer drafter with 1 KV head beside the tiny
+    Llama's 2): vLLM puts all layers in one group of mixed specs, which vase does not evict."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from vase.vllm.groups import full_attention_group
+
+    mixed = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=UniformTypeKVCacheSpecs(
+        block_size=32, kv_cache_specs={}))])
+    with pytest.raises(VaseConfigError) as exc:
+        full_attention_group(mixed)
+    assert "\n" not in str(exc.value) and "draft model" in str(exc.value)
