@@ -126,6 +126,25 @@ def test_the_draft_layers_share_the_evicted_group_and_are_evicted_apart(self_dra
     assert type(r.drafter).__name__ == "VaseDraftModelProposer"
 
 
+def test_the_ring_reserve_counts_the_draft_layers_kv_and_no_ring_rows(self_draft):
+    """With the KV memory measured (not given), the workers' ring reserve prices a request's bounded K/V in all four
+    layers (the draft layers' rows live in its blocks) and ring rows for the two target layers only."""
+    from vase.core import schedule
+    from vase.vllm.ring_size import ring_bytes_per_request, ring_reserve
+
+    r = runner(self_draft)
+    cache, r.vase_policy = r.vllm_config.cache_config, get_policy("snapkv")
+    given, cache.kv_cache_memory_bytes = cache.kv_cache_memory_bytes, None
+    try:
+        got = r._vase_ring_reserve(10 ** 9)
+    finally:
+        cache.kv_cache_memory_bytes = given
+    specs, q_heads, head_size = r._vase_ring_layers()
+    assert len(specs) == 4
+    kv = sum(s.page_size_bytes * schedule.max_blocks(B, W, s.block_size) for s in specs)
+    assert got == ring_reserve(10 ** 9, kv, ring_bytes_per_request(2, q_heads, W, head_size, 4), 8) > 0
+
+
 @pytest.mark.parametrize("method", EVICTING)
 def test_draft_model_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(self_draft, plain, method):
     """Three requests in one batch, 200 tokens each, the target drafting for itself: tokens and kept sets at each of

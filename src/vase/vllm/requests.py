@@ -187,7 +187,8 @@ class VaseRunnerMixin:
         cfg = self.vase_config
         specs, q_heads, head_size = self._vase_ring_layers()
         kv = sum(s.page_size_bytes * schedule.max_blocks(cfg.budget, cfg.window, s.block_size) for s in specs)
-        ring = ring_bytes_per_request(len(specs), q_heads, cfg.window, head_size, self.model_config.dtype.itemsize)
+        rows = len(specs) - len(draft_layer_names(self))  # a draft model's layers hold K/V, no ring (vase.vllm.drafter)
+        ring = ring_bytes_per_request(rows, q_heads, cfg.window, head_size, self.model_config.dtype.itemsize)
         return ring_reserve(int(available), kv, ring, int(self.vllm_config.scheduler_config.max_num_seqs))
 
     def _vase_make_ring(self, kv_cache_config) -> None:

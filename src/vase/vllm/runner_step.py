@@ -6,7 +6,8 @@ take `VaseStepMixin`: after vLLM's `_prepare_inputs` (through `VaseRunnerMixin`)
 1. plans each request's step (`vase.vllm.offsets.plan_batch`) and checks its blocks hold it;
 2. evicts the requests whose step starts on an eviction boundary in every layer of the
    full-attention group, those of one length together (`_vase_evict`: `vase.vllm.paged.evict_paged_batch`,
-   one gather, one policy call and one scatter per layer for all of them);
+   one gather, one policy call and one scatter per layer for all of them; a draft model's layers in that group
+   are compacted at the same steps, sink + recent, and its own slots made physical: `vase.vllm.drafter`);
 3. plans the step's query-window copies into the ring (`capture_rows`);
 4. makes the full-attention group's sequence lengths and slot mapping physical (RoPE positions
    stay logical); sliding-window groups (CPU) keep vLLM's logical slots, and their metadata
