@@ -41,8 +41,11 @@ def test_draft_limit_is_the_next_eviction_boundary():
 def test_physical_draft_slots_subtract_the_offset_and_stop_at_the_limit():
     import torch
 
+    from vllm.v1.spec_decode.utils import PADDING_SLOT_ID as VLLM_PADDING
+
     from vase.vllm.drafter import PADDING_SLOT_ID, physical_draft_slots
 
+    assert PADDING_SLOT_ID == VLLM_PADDING  # the slot vLLM's KV writes skip
     table = torch.tensor([[5, 9, 0], [7, 2, 0]])  # blocks of 4 slots
     slots = torch.tensor([0, 0, 0, PADDING_SLOT_ID, 0])  # vLLM's logical slots: only PADDING_SLOT_ID is read
     positions = torch.tensor([10, 11, 12, 3, 5])
