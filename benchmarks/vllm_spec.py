@@ -1,8 +1,12 @@
 #!/usr/bin/env python
-"""n-gram speculative decoding with eviction in the vLLM plugin (issue 41), on the embedded SmolLM2-135M (fp32, CPU).
+"""Speculative decoding with eviction in the vLLM plugin (issue 41), on the embedded SmolLM2-135M (fp32, CPU).
 
     VLLM_CPU_OMP_THREADS_BIND=0 OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
-        python benchmarks/vllm_spec.py [--repeats 2] [--new 96]
+        python benchmarks/vllm_spec.py [--repeats 2] [--new 96] [--proposer ngram|draft_model]
+
+`--proposer draft_model`: the embedded model drafts for itself (K = 3; the only model here with its vocabulary), so
+the table shows what eviction costs a drafter's acceptance (its layers keep sink + recent, `vase.vllm.drafter`),
+not a speed-up; writes docs/results/vllm-spec-draft.json.
 
 Four engines, each started once: stock vLLM without and with n-gram speculation (K = 3 drafts, lookup of 2 to 4
 tokens), vase (vase-attnv, B = 32, w = 16) without and with it. Two workloads of 4 greedy requests each: a
@@ -55,11 +59,18 @@ TABLE = {"columns": ["workload", "engine", "n-gram speculation", "tok/s (median)
                                           "tokens_per_request_step": ".2f"}}
 
 
-def start(path: str, vase: bool, spec: bool, max_len: int):
+def speculative_config(proposer: str, path: str) -> dict:
+    """n-gram lookup, or the model at `path` as its own draft model; K = 3 either way."""
+    if proposer == "ngram":
+        return dict(NGRAM)
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+
+
+def start(path: str, vase: bool, spec: bool, max_len: int, proposer: str = "ngram"):
     from vase.engines.vllm import engine_args, start_engine
     from vase.vllm.config import vase_section
 
-    extra = {"speculative_config": dict(NGRAM)} if spec else {}
+    extra = {"speculative_config": speculative_config(proposer, path)} if spec else {}
     args = engine_args(path, dtype="float32", max_model_len=max_len, seed=0,
                        section=vase_section(METHOD, BUDGET, WINDOW) if vase else None, in_process=True,
                        block_size=BLOCK, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024 * 1024,
@@ -107,10 +118,11 @@ def run(llm, prompts: list[list[int]], new: int) -> dict:
     return {"tok_per_s": generated / seconds, "outputs": outputs, "counts": counts, "generated": generated}
 
 
-def serve(conn, path: str, vase: bool, spec: bool, max_len: int, prompts: dict, new: int) -> None:
+def serve(conn, path: str, vase: bool, spec: bool, max_len: int, prompts: dict, new: int,
+          proposer: str = "ngram") -> None:
     """One engine in a child process: runs the workload named by each message, sends its `run` back (None: stop)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = start(path, vase, spec, max_len)
+    llm = start(path, vase, spec, max_len, proposer)
     for workload in prompts:  # warm-up, untimed: the n-gram proposer's numba kernels compile on their first call
         run(llm, prompts[workload], 16)
     conn.send("ready")
@@ -124,6 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--proposer", choices=["ngram", "draft_model"], default="ngram")
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
@@ -132,9 +145,13 @@ def main() -> None:
 
     path = model_dir(None)
     cmd = ("VLLM_CPU_OMP_THREADS_BIND=0 OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 python "
-           f"benchmarks/vllm_spec.py --repeats {a.repeats} --new {a.new}")
+           f"benchmarks/vllm_spec.py --repeats {a.repeats} --new {a.new}"
+           + (f" --proposer {a.proposer}" if a.proposer != "ngram" else ""))
+    draft = a.proposer == "draft_model"
+    spec_cfg = speculative_config(a.proposer, "<the embedded model>")
+    label = "draft K=3 (itself)" if draft else "ngram K=3"
     rec = provenance(command=cmd, model="SmolLM2-135M-Instruct (embedded), fp32 weights", method=METHOD,
-                     budget=BUDGET, window=WINDOW, block_size=BLOCK, speculative_config=NGRAM, new_tokens=a.new,
+                     budget=BUDGET, window=WINDOW, block_size=BLOCK, speculative_config=spec_cfg, new_tokens=a.new,
                      repeats=a.repeats, workloads=WORKLOADS)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = {w: [tok(p)["input_ids"] for p in texts] for w, texts in WORKLOADS.items()}
@@ -143,7 +160,8 @@ def main() -> None:
     engines = []
     for _, vase, spec in ENGINES:  # started one after the other (each takes the machine while it starts)
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=serve, args=(child, path, vase, spec, max_len, prompts, a.new), daemon=True)
+        proc = ctx.Process(target=serve, args=(child, path, vase, spec, max_len, prompts, a.new, a.proposer),
+                           daemon=True)
         proc.start()
         assert parent.recv() == "ready"
         engines.append((proc, parent))
@@ -165,7 +183,7 @@ def main() -> None:
             drafts = sum(x["counts"]["drafts"] for x in rs)
             verify = sum(x["counts"]["verify_steps"] for x in rs)
             accepted = sum(x["counts"]["accepted"] for x in rs)
-            rows.append({"workload": w, "engine": name, "speculation": "ngram K=3" if spec else "off",
+            rows.append({"workload": w, "engine": name, "speculation": label if spec else "off",
                          "tok_per_s_median": statistics.median(tps), "tok_per_s_range": f"{min(tps):.1f}-{max(tps):.1f}",
                          "tok_per_s": tps, "drafts": drafts, "accepted": accepted, "verify_steps": verify,
                          "accepted_per_verify": accepted / verify if verify else 0.0,
@@ -178,7 +196,10 @@ def main() -> None:
         proc.join(timeout=60)
     print(rows, flush=True)
     finish(rec)
-    write_results(ROOT / "docs" / "results" / "vllm-spec.json", rows, rec, table=TABLE)
+    table = dict(TABLE, columns=[("draft-model speculation" if draft else c) if c == "n-gram speculation" else c
+                                 for c in TABLE["columns"]])
+    write_results(ROOT / "docs" / "results" / ("vllm-spec-draft.json" if draft else "vllm-spec.json"), rows, rec,
+                  table=table)
 
 
 if __name__ == "__main__":

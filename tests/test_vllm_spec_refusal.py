@@ -1,6 +1,6 @@
-"""Speculative decoding with the vLLM plugin (issue 41): n-gram proposals run (tests/test_vllm_spec.py); proposers
-with a KV cache of their own (draft model, EAGLE, MTP), and n-gram drafts of w tokens or more, are refused in one
-line naming what to change.
+"""Speculative decoding with the vLLM plugin (issue 41): n-gram proposals and draft models run (tests/test_vllm_spec.py,
+tests/test_vllm_spec_draft.py); EAGLE and MTP heads (untested), a proposer named by its model path only, and drafts
+of w tokens or more are refused in one line naming what to change.
 
 No engine is started: `check_engine_args` runs on the EngineArgs fields it reads, before anything is built.
 """
@@ -15,8 +15,8 @@ from vase.vllm import VaseConfigError, VaseVllmConfig  # noqa: E402
 
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 4},  # K >= w = 16
-    {"method": "draft_model", "model": "draft", "num_speculative_tokens": 2},
-    {"model": "some/draft-model", "num_speculative_tokens": 2},
+    {"method": "draft_model", "model": "draft", "num_speculative_tokens": 16},  # K >= w
+    {"model": "some/draft-model", "num_speculative_tokens": 2},  # method unset: vLLM infers it, vase asks for it
     {"method": "eagle", "model": "eagle-head", "num_speculative_tokens": 2},
     {"method": "mtp", "num_speculative_tokens": 1},
     {"method": "ngram", "num_speculative_tokens": "3"},  # bad values of K: not a whole number from 1 to w - 1
@@ -44,8 +44,9 @@ def test_no_speculative_config_passes_the_check():
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     {"model": "[ngram]", "num_speculative_tokens": 15},
+    {"method": "draft_model", "model": "some/draft-model", "num_speculative_tokens": 3},
 ])
-def test_ngram_speculation_below_the_window_passes_the_check(spec):
+def test_ngram_or_draft_model_speculation_below_the_window_passes_the_check(spec):
     from vase.vllm import plugin
 
     args = engine_args(speculative_config=spec)
@@ -53,10 +54,10 @@ def test_ngram_speculation_below_the_window_passes_the_check(spec):
     assert args.scheduler_cls == plugin.SCHEDULER_CLS
 
 
-def _built_with_spec(tp=1, pp=1, dp=1, cache_dtype="auto", moe=False):
+def _built_with_spec(tp=1, pp=1, dp=1, cache_dtype="auto", moe=False, method="ngram"):
     from types import SimpleNamespace
 
-    return SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3),
+    return SimpleNamespace(speculative_config=SimpleNamespace(method=method, num_speculative_tokens=3),
                            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                                            data_parallel_size=dp),
                            cache_config=SimpleNamespace(cache_dtype=cache_dtype),
@@ -69,9 +70,29 @@ def _built_with_spec(tp=1, pp=1, dp=1, cache_dtype="auto", moe=False):
     (dict(moe=True), False, "an MoE model"), ({}, True, "sliding-window, chunked or linear-attention layers"),
 ])
 def test_speculation_beside_an_uncompared_setting_is_refused_in_one_line(built, local, needle):
-    """Allow-list: n-gram speculation was compared on a dense full-attention model, one worker, the model's dtype."""
-    from vase.vllm.refusals import speculative_scope_refusal
+    """Allow-list: n-gram and draft-model speculation were compared on a dense full-attention model, one worker, the
+    model's dtype."""
+    from vase.vllm.refusals import speculative_refusal, speculative_scope_refusal
 
-    assert speculative_scope_refusal(_built_with_spec(), False) is None
-    text = speculative_scope_refusal(_built_with_spec(**built), local)
-    assert "\n" not in text and needle in text and "speculative_config" in text
+    for method in ("ngram", "draft_model"):
+        assert speculative_refusal(_built_with_spec(method=method).speculative_config, 16) is None
+        assert speculative_scope_refusal(_built_with_spec(method=method), False) is None
+        text = speculative_scope_refusal(_built_with_spec(method=method, **built), local)
+        assert "\n" not in text and needle in text and "speculative_config" in text
+    assert "eagle" in speculative_refusal(_built_with_spec(method="eagle").speculative_config, 16)
+
+
+def test_a_draft_model_with_another_kv_spec_is_refused_in_one_line():
+    """A drafter with other KV heads than the target's (tried: a one-layer drafter with 1 KV head beside the tiny
+    Llama's 2): vLLM puts all layers in one group of mixed specs, which vase does not evict."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from vase.vllm.groups import full_attention_group
+
+    mixed = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=UniformTypeKVCacheSpecs(
+        block_size=32, kv_cache_specs={}))])
+    with pytest.raises(VaseConfigError) as exc:
+        full_attention_group(mixed)
+    assert "\n" not in str(exc.value) and "draft model" in str(exc.value)

@@ -14,8 +14,8 @@ import os
 import torch
 
 
-def save_tiny_llama(path: str, seed: int = 0, kv_heads: int = 2, heads: int = 4) -> str:
-    """Write the model and tokenizer to `path` (if not there yet); returns `path`."""
+def save_tiny_llama(path: str, seed: int = 0, kv_heads: int = 2, heads: int = 4, layers: int = 2) -> str:
+    """Write the model and tokenizer to `path` (if not there yet); returns `path`. `layers`: decoder layers."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -24,7 +24,7 @@ def save_tiny_llama(path: str, seed: int = 0, kv_heads: int = 2, heads: int = 4)
 
     tok = tiny_tokenizer()
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32 * heads, intermediate_size=256, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32 * heads, intermediate_size=256, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
                       max_position_embeddings=2048, eos_token_id=1, pad_token_id=0, bos_token_id=1,
                       initializer_range=0.15, tie_word_embeddings=False, torch_dtype="float32")

@@ -15,7 +15,8 @@ logical lengths. Llama 4's chunked-local layers get a `ChunkedLocalAttentionSpec
 
 from __future__ import annotations
 
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec,
+                                        UniformTypeKVCacheSpecs)
 
 from .config import VaseConfigError
 
@@ -29,6 +30,11 @@ def full_attention_group(kv_cache_config) -> int:
     full = [i for i, kind in enumerate(kinds) if kind is FullAttentionSpec]
     other = [kind.__name__ for kind in kinds if kind is not FullAttentionSpec
              and not issubclass(kind, (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec))]
+    if UniformTypeKVCacheSpecs in kinds:  # one group of full-attention layers with different KV specs
+        raise VaseConfigError("vase evicts a full-attention KV cache group whose layers share one KV spec, and this "
+                              "engine's mixes specs (UniformTypeKVCacheSpecs: e.g. a draft model with other KV heads, "
+                              "head size or dtype than the target's): use a draft model with the target's, or drop "
+                              "speculative_config or additional_config['vase']")
     if len(full) != 1 or other:
         raise VaseConfigError(f"vase evicts in one full-attention KV cache group beside sliding-window or recurrent-"
                               f"state groups; this model's groups are {[k.__name__ for k in kinds]}: use a model "

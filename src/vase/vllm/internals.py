@@ -30,6 +30,7 @@ class Internal:
 
 _SCHED = "vllm.v1.core.sched.scheduler.Scheduler"
 _RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
 _IMPL_FORWARD = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
 
 VLLM_INTERNALS: tuple[Internal, ...] = (
@@ -226,4 +227,19 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              attrs=("size",)),
     Internal("vllm.config.cache.CacheConfig", "VaseRunnerMixin._vase_ring_reserve: no reserve when the user gave "
              "the KV memory", attrs=("kv_cache_memory_bytes",)),
+    # -- a draft model's own KV cache (drafter.py) ----------------------------------------------------------
+    Internal(f"{_PROPOSER}.set_inputs_first_pass", "drafter: its slot mapping made physical (overridden)",
+             params=("self", "target_token_ids", "next_token_ids", "target_positions", "target_hidden_states",
+                     "token_indices_to_sample", "cad", "num_rejected_tokens_gpu")),
+    Internal(f"{_PROPOSER}._update_positions_dependent_metadata", "drafter: each later draft pass's slots made "
+             "physical (overridden)", params=("self", "positions", "common_attn_metadata", "batch_size",
+                                             "input_batch_size", "block_size")),
+    Internal(_PROPOSER, "drafter: the draft layers, its positions and slot buffers",
+             attrs=("needs_extra_input_slots", "positions", "_slot_mapping_buffer", "block_size",
+                    "_draft_attn_layer_names")),
+    Internal("vllm.v1.attention.backend.CommonAttentionMetadata", "drafter: a draft pass's requests and slots",
+             attrs=("query_start_loc_cpu", "slot_mapping", "block_table_tensor")),
+    Internal("vllm.v1.spec_decode.utils.PADDING_SLOT_ID", "drafter.PADDING_SLOT_ID: a slot the KV write skips"),
+    Internal("vllm.v1.kv_cache_interface.UniformTypeKVCacheSpecs", "groups.full_attention_group: one group of mixed "
+             "specs (a draft model with other KV heads than the target's), refused"),
 )

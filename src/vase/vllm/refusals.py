@@ -157,9 +157,10 @@ BEAM_SEARCH_REFUSAL = ("vase does not run under vLLM's beam search (it sends one
                        "additional_config['vase']")
 
 
-# -- speculative decoding: n-gram proposals only --------------------------------------------------------------------
-#: The proposers that run with eviction: they keep no KV cache of their own (n-gram lookup over the token ids).
-EVICTED_PROPOSERS = ("ngram",)
+# -- speculative decoding: n-gram proposals and draft models --------------------------------------------------------
+#: The proposers that run with eviction: n-gram lookup (no KV cache of its own) and a draft model (its layers in the
+#: target's KV cache group, evicted sink + recent at the same steps, slots made physical: `vase.vllm.drafter`).
+EVICTED_PROPOSERS = ("ngram", "draft_model")
 
 
 def _spec_field(spec: Any, name: str) -> Any:
@@ -168,18 +169,19 @@ def _spec_field(spec: Any, name: str) -> Any:
 
 def speculative_refusal(spec: Any, window: int) -> str | None:
     """One line refusing `spec` (EngineArgs' `speculative_config` dict, or the built `SpeculativeConfig`) for an
-    engine evicting with window `window`, or None when it runs: an n-gram proposer drafting fewer than `window`
-    tokens. A draft model, EAGLE or MTP proposer keeps its own KV cache (its layers join vLLM's KV cache groups),
-    which the plugin would have to evict to the target's kept set; K >= w would let vLLM pad a resumed request's
-    first step (`pad_spec_decode`) past its first eviction boundary, which the scheduler cannot cut."""
+    engine evicting with window `window`, or None when it runs: an n-gram or draft-model proposer drafting fewer than
+    `window` tokens. EAGLE/MTP heads are refused as untested: their layers would take the draft model's path
+    (`vase.vllm.drafter`: physical slots, sink + recent eviction), but no head was run here; K >= w would let vLLM
+    pad a resumed request's first step (`pad_spec_decode`) past its first eviction boundary, which the scheduler
+    cannot cut."""
     if spec is None:
         return None
     # vLLM also takes the legacy spelling model="[ngram]" (method unset)
     method = str(_spec_field(spec, "method") or _spec_field(spec, "model") or "").strip("[]") or None
     if method not in EVICTED_PROPOSERS:
-        return (f"vase evicts with n-gram speculation only, and speculative_config asks for the {method or 'draft model'}"
-                f" proposer, whose own KV cache (draft layers in vLLM's KV cache groups) would need the target's kept "
-                f"set: use speculative_config={{'method': 'ngram', ...}}, drop speculative_config {_DROP}")
+        return (f"vase evicts with n-gram or draft-model speculation only, and speculative_config asks for the "
+                f"{method or 'unnamed'} proposer (EAGLE/MTP heads: untested with eviction, no head runs here): use "
+                f"speculative_config={{'method': 'ngram' or 'draft_model', ...}}, drop speculative_config {_DROP}")
     k = _spec_field(spec, "num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         return (f"vase needs speculative_config's num_speculative_tokens as a whole number of drafts from 1 to w - 1 "
@@ -207,5 +209,5 @@ def speculative_scope_refusal(vllm_config: Any, local_layers: bool) -> str | Non
         ("sliding-window, chunked or linear-attention layers", local_layers)) if present]
     if not untested:
         return None
-    return (f"vase's n-gram speculation is compared on a dense full-attention model with one worker and the model's "
-            f"KV dtype, not with {', '.join(untested)}: drop speculative_config or that setting {_DROP}")
+    return (f"vase's speculation (n-gram, draft model) is compared on a dense full-attention model with one worker "
+            f"and the model's KV dtype, not with {', '.join(untested)}: drop speculative_config or that setting {_DROP}")

@@ -21,6 +21,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from ..core import schedule
 from .capture import QueryRing
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
+from .drafter import attach, draft_layer_names
 from .groups import full_attention_group
 from .heads import RankHeads, rank_policy
 from .paged import RequestPolicyState
@@ -186,7 +187,8 @@ class VaseRunnerMixin:
         cfg = self.vase_config
         specs, q_heads, head_size = self._vase_ring_layers()
         kv = sum(s.page_size_bytes * schedule.max_blocks(cfg.budget, cfg.window, s.block_size) for s in specs)
-        ring = ring_bytes_per_request(len(specs), q_heads, cfg.window, head_size, self.model_config.dtype.itemsize)
+        rows = len(specs) - len(draft_layer_names(self))  # a draft model's layers hold K/V, no ring (vase.vllm.drafter)
+        ring = ring_bytes_per_request(rows, q_heads, cfg.window, head_size, self.model_config.dtype.itemsize)
         return ring_reserve(int(available), kv, ring, int(self.vllm_config.scheduler_config.max_num_seqs))
 
     def _vase_make_ring(self, kv_cache_config) -> None:
@@ -218,14 +220,25 @@ class VaseRunnerMixin:
                                   f"model has {len(groups)}: use a model without sliding-window or hybrid layers")
         # the full-attention group, evicted; sliding-window groups are left to vLLM (vase.vllm.groups)
         self.vase_group = full_attention_group(kv_cache_config)  # refuses local attention in the evicted group
-        self.vase_layers = sorted(groups[self.vase_group].layer_names, key=extract_layer_index)
+        # a draft model's layers share the group (one KV spec) and are evicted apart, sink + recent (vase.vllm.drafter)
+        draft = draft_layer_names(self)
+        names = groups[self.vase_group].layer_names
+        if draft - set(names):
+            raise VaseConfigError(f"vase evicts a draft model's layers in the target's KV cache group, and "
+                                  f"{sorted(draft - set(names))} sit in another: use a draft model with the target's "
+                                  f"KV heads, head size and dtype, or drop speculative_config")
+        self.vase_layers = sorted((n for n in names if n not in draft), key=extract_layer_index)
+        self.vase_draft_layers = tuple(sorted((n for n in names if n in draft), key=extract_layer_index))
+        if draft:
+            attach(self.drafter, self)
         ctx = self.compilation_config.static_forward_context
         first = ctx[self.vase_layers[0]]
         self._vase_make_ring(kv_cache_config)  # sized from the pool vLLM just built
-        for name in self.vase_layers:
+        for name in self.vase_layers + list(self.vase_draft_layers):
             check_evicted_layer(name, ctx[name])  # plain full attention only: an allow-list
-            ctx[name].impl.vase_ring = self.vase_ring
             check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype, self.cache_config.cache_dtype)
+        for name in self.vase_layers:  # the draft layers record no queries (their kept set reads none)
+            ctx[name].impl.vase_ring = self.vase_ring
         self.vase_block_size = groups[self.vase_group].kv_cache_spec.block_size  # the scheduler's; a kernel's may be smaller
         return first
 

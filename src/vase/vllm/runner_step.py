@@ -6,7 +6,8 @@ take `VaseStepMixin`: after vLLM's `_prepare_inputs` (through `VaseRunnerMixin`)
 1. plans each request's step (`vase.vllm.offsets.plan_batch`) and checks its blocks hold it;
 2. evicts the requests whose step starts on an eviction boundary in every layer of the
    full-attention group, those of one length together (`_vase_evict`: `vase.vllm.paged.evict_paged_batch`,
-   one gather, one policy call and one scatter per layer for all of them);
+   one gather, one policy call and one scatter per layer for all of them; a draft model's layers in that group
+   are compacted at the same steps, sink + recent, and its own slots made physical: `vase.vllm.drafter`);
 3. plans the step's query-window copies into the ring (`capture_rows`);
 4. makes the full-attention group's sequence lengths and slot mapping physical (RoPE positions
    stay logical); sliding-window groups (CPU) keep vLLM's logical slots, and their metadata
@@ -23,11 +24,13 @@ import numpy as np
 import torch
 
 from .capture import CapturePlan
+from .drafter import evict_draft_layers
 from .fp8 import Fp8Codec, layer_codec
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
 from .paged import EvictionJob, Layout, evict_paged_batch
 from .requests import VaseRequest, VaseRunnerMixin
 from .stages import draws
+from .steps import draft_limit
 
 
 class VaseStepMixin(VaseRunnerMixin):
@@ -39,6 +42,11 @@ class VaseStepMixin(VaseRunnerMixin):
     vase_logical_seq_lens: torch.Tensor | None = None
     #: pipeline parallelism: (evicted layers on earlier stages, on later stages); (0, 0) for one stage
     vase_pp_span: tuple[int, int] = (0, 0)
+    #: a draft model's layers in the evicted group (`vase.vllm.drafter`), and per request row this step's offset and
+    #: first position without a draft slot ([R] int64; None without a draft model)
+    vase_draft_layers: tuple[str, ...] = ()
+    vase_draft_offsets: torch.Tensor | None = None
+    vase_draft_limits: torch.Tensor | None = None
 
     def _kv_views(self, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -74,6 +82,10 @@ class VaseStepMixin(VaseRunnerMixin):
         src, slot, pos = capture_rows(starts, computed, scheduled, np.array([r.slot for r in reqs]), cfg.window)
         self.vase_ring.plan = CapturePlan(src=as_long(src), slot=as_long(slot), pos=as_long(pos))
         offsets = np.array([p.offset for p in plans], dtype=np.int64)
+        if self.vase_draft_layers:  # the draft model's writes this step: physical slots (`vase.vllm.drafter`)
+            self.vase_draft_offsets = as_long(offsets)
+            self.vase_draft_limits = as_long([draft_limit(r.origin, int(c), cfg.budget, cfg.window)
+                                              for r, c in zip(reqs, computed)])
         if not offsets.any():
             return
         tables = batch.block_table
@@ -116,6 +128,9 @@ class VaseStepMixin(VaseRunnerMixin):
                                       block_size=self.vase_block_size, codec=self._vase_codec(name), write=own)
             if own:
                 kept.append(index)
+        if self.vase_draft_layers:  # the draft model's layers: the same steps and lengths, sink + recent
+            evict_draft_layers(self._kv_views, list(self.vase_draft_layers), jobs, length, keep, cfg.window,
+                               self.vase_layout, self.vase_block_size)
         for j, (req_id, req) in enumerate(zip(req_ids, reqs)):
             req.state.evictions += 1
             self.vase_evictions += 1

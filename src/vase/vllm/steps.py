@@ -65,6 +65,16 @@ def step_end(origin: int, computed: int, real: int, budget: int, window: int) ->
     return next_boundary(origin, computed, budget, window)
 
 
+def draft_limit(origin: int, computed: int, budget: int, window: int) -> int:
+    """The first eviction boundary after `computed` for a request with prompt `origin` (P0): a draft model writes
+    its own K/V for positions ahead of the verified ones, and only those below this limit have a physical slot (the
+    same `logical - offset` as the step's tokens; at the limit the target evicts before it writes)."""
+    first = schedule.first_limit(origin, budget, window)
+    if computed < first:
+        return first
+    return first + ((computed - first) // window + 1) * window
+
+
 def stored_before(origin: int, computed: int, budget: int, window: int) -> int:
     """Tokens a request stores once `computed` tokens (logical) are written, prompt `origin` (P0)."""
     if computed <= origin:
