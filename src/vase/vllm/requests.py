@@ -23,6 +23,7 @@ from .capture import QueryRing
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .groups import full_attention_group
 from .heads import RankHeads, rank_policy
+from .latent import latent_group, query_size
 from .paged import RequestPolicyState
 from .refusals import check_evicted_layer, check_head_sizes, check_kv_tensor
 from .ring_size import ring_bytes_per_request, ring_log_line, ring_reserve, ring_rows
@@ -171,10 +172,12 @@ class VaseRunnerMixin:
         attention layers: what the ring and its reserve are sized by (sliding-window layers have no ring row)."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        specs = [spec for spec in self.get_kv_cache_spec().values() if type(spec) is FullAttentionSpec]
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        specs = [spec for spec in self.get_kv_cache_spec().values() if type(spec) in (FullAttentionSpec, MLAAttentionSpec)]
         ctx = self.compilation_config.static_forward_context
         first = next(ctx[name] for name, _ in self._vase_attention_impls())
-        return specs, int(first.num_heads), int(first.head_size)
+        return specs, int(first.num_heads), query_size(first)
 
     def _vase_ring_reserve(self, available: int) -> int:
         """Bytes the workers take from the KV memory vLLM measured, before it sizes the pool: the ring of the
@@ -199,7 +202,7 @@ class VaseRunnerMixin:
         stores = bool(self.vase_policy.needs_queries)
         rows = ring_rows(kv_cache_config.num_blocks, block_size, cfg.budget, cfg.window, max_seqs, stores)
         first = self.compilation_config.static_forward_context[self.vase_layers[0]]
-        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, cfg.window,
+        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, query_size(first), cfg.window,
                                    self.model_config.dtype, self.device, slots=rows, store=stores)
         if stores:
             pool = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
@@ -217,14 +220,18 @@ class VaseRunnerMixin:
             raise VaseConfigError(f"vase's GPU worker needs one KV cache group (full attention everywhere), this "
                                   f"model has {len(groups)}: use a model without sliding-window or hybrid layers")
         # the full-attention group, evicted; sliding-window groups are left to vLLM (vase.vllm.groups)
-        self.vase_group = full_attention_group(kv_cache_config)  # refuses local attention in the evicted group
+        latent = bool(getattr(self, "vase_latent", None))  # MLA: one group of latent caches (`vase.vllm.latent`)
+        self.vase_group = latent_group(kv_cache_config) if latent else full_attention_group(kv_cache_config)
         self.vase_layers = sorted(groups[self.vase_group].layer_names, key=extract_layer_index)
         ctx = self.compilation_config.static_forward_context
         first = ctx[self.vase_layers[0]]
         self._vase_make_ring(kv_cache_config)  # sized from the pool vLLM just built
         for name in self.vase_layers:
-            check_evicted_layer(name, ctx[name])  # plain full attention only: an allow-list
-            ctx[name].impl.vase_ring = self.vase_ring
+            if latent:  # the MLA layer records its own queries (`latent.install_latent`)
+                ctx[name].vase_ring = self.vase_ring
+            else:
+                check_evicted_layer(name, ctx[name])  # plain full attention only: an allow-list
+                ctx[name].impl.vase_ring = self.vase_ring
             check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype, self.cache_config.cache_dtype)
         self.vase_block_size = groups[self.vase_group].kv_cache_spec.block_size  # the scheduler's; a kernel's may be smaller
         return first
