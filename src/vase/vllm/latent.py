@@ -36,7 +36,7 @@ from .config import VaseConfigError
 from .paged import EvictionJob, _draw_layer_state, slot_index
 
 __all__ = ["LatentProjection", "evict_latent_batch", "gather_rows", "install_latent", "is_latent_model",
-           "latent_cache", "latent_engine_refusal", "latent_group", "query_size", "latent_model_refusal", "scatter_rows"]
+           "latent_cache", "latent_engine_refusal", "query_size", "latent_model_refusal", "scatter_rows"]
 
 _DROP = "or drop additional_config['vase']"
 
@@ -108,16 +108,6 @@ class LatentProjection:
         keys[..., : self.nope].copy_(k_nope)
         keys[..., self.nope:].copy_(k_pe[:, None].expand(-1, self.num_heads, -1, -1))
         return keys, values
-
-
-def latent_group(kv_cache_config: Any) -> int:
-    """The KV cache group of an MLA model's latent caches: its one group, of `MLAAttentionSpec` (by name: no vLLM
-    import). VaseConfigError in one line otherwise (a sliding-window or sparse MLA group)."""
-    kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
-    if kinds != ["MLAAttentionSpec"]:
-        raise VaseConfigError(f"vase evicts an MLA model whose layers form one KV cache group of full MLA attention "
-                              f"(MLAAttentionSpec), this one has {', '.join(kinds)} {_DROP}")
-    return 0
 
 
 def query_size(layer: Any) -> int:

@@ -23,7 +23,7 @@ from .capture import QueryRing
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .groups import full_attention_group
 from .heads import RankHeads, rank_policy
-from .latent import latent_group, query_size
+from .latent import query_size
 from .paged import RequestPolicyState
 from .refusals import check_evicted_layer, check_head_sizes, check_kv_tensor
 from .ring_size import ring_bytes_per_request, ring_log_line, ring_reserve, ring_rows
@@ -221,7 +221,7 @@ class VaseRunnerMixin:
                                   f"model has {len(groups)}: use a model without sliding-window or hybrid layers")
         # the full-attention group, evicted; sliding-window groups are left to vLLM (vase.vllm.groups)
         latent = bool(getattr(self, "vase_latent", None))  # MLA: one group of latent caches (`vase.vllm.latent`)
-        self.vase_group = latent_group(kv_cache_config) if latent else full_attention_group(kv_cache_config)
+        self.vase_group = full_attention_group(kv_cache_config)  # refuses local attention in the evicted group
         self.vase_layers = sorted(groups[self.vase_group].layer_names, key=extract_layer_index)
         ctx = self.compilation_config.static_forward_context
         first = ctx[self.vase_layers[0]]
