@@ -29,11 +29,11 @@ import torch
 
 from ..core.kernel import gather_slots, keep_index
 from ..core.policies import Policy
-from ..core.policy_state import ensure_slot_state
+from ..core.policy_state import draw_layer_state, ensure_slot_state
 from ..core.shared_heads import choose_shared, shared_heads_problem
 from ..hf.latent import LATENT_MODEL_TYPES
 from .config import VaseConfigError
-from .paged import EvictionJob, _draw_layer_state, slot_index
+from .paged import EvictionJob, slot_index
 
 __all__ = ["LatentProjection", "evict_latent_batch", "gather_rows", "install_latent", "is_latent_model",
            "latent_cache", "latent_engine_refusal", "query_size", "latent_model_refusal", "scatter_rows"]
@@ -154,7 +154,9 @@ def evict_latent_batch(cache: torch.Tensor, jobs: list[EvictionJob], length: int
     extra: dict[str, torch.Tensor] = {}
     for job in jobs:  # the state hooks, per request: one "KV head"
         ensure_slot_state(policy, job.state.slot_state.setdefault(layer, {}), 1, 1, length, device)
-        _draw_layer_state(policy, job.state, layer, 1, projection.rank, device)
+        ready = [layer in job.state.layer_state]  # hook 2, right before the request's first eviction in `layer`
+        draw_layer_state(policy, job.state.layer_state.setdefault(layer, {}), ready, [0], [job.state.generator], 1, 1,
+                         projection.rank, device)
     for name in policy.slot_state:
         extra[name] = torch.cat([job.state.slot_state[layer][name][:, :, :n_cand] for job in jobs])
     for name in jobs[0].state.layer_state[layer]:
