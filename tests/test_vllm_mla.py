@@ -4,6 +4,7 @@ plugin, which evicts vLLM's latent cache (one kept set per layer shared by every
 - with nothing evicted (B above every length) the plugin's tokens equal stock vLLM's;
 - with eviction, its tokens, log-probs and kept sets (per layer) equal vase's transformers engine's through 8+
   evictions, for every method that can score MLA (tests/test_vllm_exact.py's comparison, same tolerances);
+- a request preempted after it evicted replays to the same tokens and kept sets;
 - the methods that cannot score MLA (curdkv, vase-dkv, quest), tensor parallelism and other MLA model types are
   refused in one line.
 """
@@ -92,6 +93,60 @@ def test_plugin_matches_transformers_through_evictions(plugin, tiny, method):
     # layer 0's latent depends on the token alone here (k_pe = 0): copies of one token tie exactly, and the engines'
     # rounding may keep different copies; the comparison stops there (tests/test_vllm_exact.py's rule)
     assert max(compared) >= 8, compared
+
+
+def _run_preempting(llm, prompts: list[list[int]], n_new: int, every: int) -> tuple[dict, dict, dict]:
+    """The prompts through the plugin; every `every` steps the scheduler preempts each decoding request that has
+    evicted (twice at most each), as vLLM does under pressure. Returns tokens, preemptions and kept sets per request."""
+    import time
+
+    from tests.test_vllm_exact import _kept
+    from tests.vllm_tiny import core
+    from vase.core import schedule
+
+    r, sched = runner(llm), core(llm).scheduler
+    r.vase_record = {}
+    for i, ids in enumerate(prompts):
+        llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": ids}, greedy(n_new))
+    outs, forced, step = {}, {}, 0
+    while llm.llm_engine.has_unfinished_requests():
+        for out in llm.llm_engine.step():
+            if out.finished:
+                outs[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+        for req in list(sched.running):
+            p, c, n_out = req.num_prompt_tokens, req.num_computed_tokens, req.num_output_tokens
+            if c != p + n_out - 1 or n_out == 0:
+                continue  # inside a (re)prefill
+            rid = req.request_id.rsplit("-", 1)[0]
+            if schedule.num_evictions(p, B, W, c - p) > 0 and step % every == 0 and forced.get(rid, 0) < 2:
+                sched.running.remove(req)
+                sched._preempt_request(req, time.monotonic())
+                forced[rid] = forced.get(rid, 0) + 1
+    kept = _kept(r.vase_record)
+    r.vase_record = None
+    return {k.rsplit("-", 1)[0]: v for k, v in outs.items()}, forced, kept
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv"])
+def test_request_preempted_after_it_evicted_keeps_its_tokens_and_kept_sets(plugin, method):
+    """Three requests (prompts of 10, 30, 70 tokens, 100 new tokens), each preempted twice after it evicted: its
+    recomputing prefill replays the evictions, and the tokens and every layer's kept set at every eviction (the
+    first pass's and the replays') equal the uninterrupted run's."""
+    from vase.core.policies import get_policy
+
+    r = runner(plugin)
+    r.vase_policy = get_policy(method)
+    prompts = [prompt_ids(n, n) for n in (10, 30, 70)]
+    plain, none, plain_kept = _run_preempting(plugin, prompts, N_NEW, every=10**9)
+    before = r.vase_recomputes
+    tokens, forced, kept = _run_preempting(plugin, prompts, N_NEW, every=23)
+    assert not none and sorted(forced.values()) == [2, 2, 2] and r.vase_recomputes - before == 6
+    assert tokens == plain
+    for rid, evictions in kept.items():
+        reference = dict(plain_kept[rid])
+        assert len(evictions) > len(reference)  # the replays evicted again
+        assert all(positions == reference[seen] for seen, positions in evictions), rid
 
 
 def test_latent_rows_move_whole_and_the_choice_is_the_shared_one():
