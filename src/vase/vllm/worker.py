@@ -21,7 +21,9 @@ this applies to the full-attention group only: its layers are evicted, its block
 mapping are made physical; the sliding-window groups keep vLLM's logical slots, and their
 metadata builders (`VaseLogicalLengthsBuilder`) the logical sequence lengths. Beside linear attention
 (Qwen3-Next: recurrent-state groups, `MambaSpec`) the same: vLLM's gated-delta-net metadata builder
-(`VaseLogicalGDNBuilder`) reads the logical lengths it reads without vase.
+(`VaseLogicalGDNBuilder`) reads the logical lengths it reads without vase. An MLA model (DeepSeek-V2/V3: vLLM's CPU
+MLA backend, one group of latent caches) has its latent rows evicted instead of K/V (`vase.vllm.latent`: each
+layer's queries recorded by a class swap of the layer, the candidates up-projected with its `kv_b_proj`).
 """
 
 from __future__ import annotations
