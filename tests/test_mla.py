@@ -204,7 +204,7 @@ def test_storage_compile_and_other_mla_types_are_refused_in_one_line():
 
 def test_models_page_rows_of_mla_families():
     """docs/models.md's MLA rows say what `vase.hf.support` and the vLLM plugin do (it evicts the latent cache of
-    both types; DeepSeek-V3 is compared, tests/test_vllm_mla.py)."""
+    both types, compared in tests/test_vllm_mla.py)."""
     from pathlib import Path
     from types import SimpleNamespace as NS
 
@@ -222,8 +222,7 @@ def test_models_page_rows_of_mla_families():
         stand_in = NS(model="m", hf_config=cfg, hf_text_config=cfg, use_mla=True, is_hybrid=False,
                       has_inner_state=False, get_sliding_window=lambda: None)
         assert model_refusal(stand_in) is None
-        want = "tested (tests/test_vllm_mla.py" if family == "deepseek-v3" else "not run (not refused"
-        assert row["vLLM CPU"].startswith(want), family
+        assert row["vLLM CPU"].startswith("tested (tests/test_vllm_mla.py"), family
 
 
 def test_teacher_forcing_equals_decoding():

@@ -73,15 +73,13 @@ def test_nothing_evicted_equals_stock_vllm(tiny):
     assert got == want
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_plugin_matches_transformers_through_evictions(plugin, tiny, method):
-    """Three requests (prompts of 20, 60 and 7 tokens) in one batch, 100 greedy tokens, B = 24, w = 4: tokens,
-    log-probs and each layer's kept set equal the transformers engine's up to its first near-tie or boundary swap, in
-    every request; 8+ evictions compared in one request or more."""
-    ours = vllm_batch(plugin, method, _prompts(), N_NEW)
+def _matches(llm, path: str, method: str) -> list[int]:
+    """The prompts as one batch through the plugin against the transformers engine (`_compare`); per request the
+    evictions compared."""
+    ours = vllm_batch(llm, method, _prompts(), N_NEW)
     compared = []
     for got_run, ids in zip(ours, _prompts()):
-        ref = transformers_greedy(tiny, method, ids, N_NEW, B, W)
+        ref = transformers_greedy(path, method, ids, N_NEW, B, W)
         assert len(ref["kept"]) >= 8 and all(len(k) == 2 and len(k[0]) == 1 for k in ref["kept"].values())
         same = next((t for t, (a, b) in enumerate(zip(got_run["tokens"], ref["tokens"])) if a != b), N_NEW)
         kept_same = sum(got_run["kept"].get(s) == k for s, k in ref["kept"].items())
@@ -90,6 +88,27 @@ def test_plugin_matches_transformers_through_evictions(plugin, tiny, method):
         got = _compare(got_run, ref, len(ids))  # equal up to the first near-tie or boundary swap (rounding)
         print(method, len(ids), got)
         compared.append(got["evictions"])
+    return compared
+
+
+def test_deepseek_v2_runs_the_same_path(tmp_path):
+    """vLLM's DeepSeek-V2 class (the tiny model's dims and seed: with dense layers and no query LoRA, the DeepSeek-V3
+    model's weights) through the plugin: h2o equals the transformers engine through 8+ evictions."""
+    path = save_tiny_mla(str(tmp_path / "tiny-v2"), family="deepseek-v2")
+    llm = start_llm(dict(OPTIONS, model=path), additional_config("h2o", B, W))
+    try:
+        assert runner(llm).model_config.hf_config.model_type == "deepseek_v2"
+        assert max(_matches(llm, path, "h2o")) >= 8
+    finally:
+        _drop(llm)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_plugin_matches_transformers_through_evictions(plugin, tiny, method):
+    """Three requests (prompts of 20, 60 and 7 tokens) in one batch, 100 greedy tokens, B = 24, w = 4: tokens,
+    log-probs and each layer's kept set equal the transformers engine's up to its first near-tie or boundary swap, in
+    every request; 8+ evictions compared in one request or more."""
+    compared = _matches(plugin, tiny, method)
     # layer 0's latent depends on the token alone here (k_pe = 0): copies of one token tie exactly, and the engines'
     # rounding may keep different copies; the comparison stops there (tests/test_vllm_exact.py's rule)
     assert max(compared) >= 8, compared

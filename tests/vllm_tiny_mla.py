@@ -15,16 +15,17 @@ import os
 import torch
 
 
-def save_tiny_mla(path: str, seed: int = 0) -> str:
-    """Write the model and tokenizer to `path` (if not there yet); returns `path`."""
+def save_tiny_mla(path: str, seed: int = 0, family: str = "deepseek-v3") -> str:
+    """Write the model (`family`: deepseek-v3 or deepseek-v2, the same dims) and tokenizer to `path` (if not there
+    yet); returns `path`."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
     from tests.helpers_tiny import tiny_tokenizer
 
     tok = tiny_tokenizer()
-    cfg = DeepseekV3Config(vocab_size=len(tok), hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+    cfg = {"deepseek-v3": DeepseekV3Config, "deepseek-v2": DeepseekV2Config}[family](vocab_size=len(tok), hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
                            max_position_embeddings=2048, eos_token_id=1, pad_token_id=0, bos_token_id=1,
                            intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
