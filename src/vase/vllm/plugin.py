@@ -135,7 +135,6 @@ def check_vllm_config(vllm_config, prefix_caching_asked: bool | None = None) -> 
     if latent:
         raise VaseConfigError(latent)
     if vllm_config.speculative_config is not None:
-        cfg = VaseVllmConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
         refusal = (speculative_refusal(vllm_config.speculative_config, cfg.window if cfg else 1)
                    or speculative_scope_refusal(vllm_config, has_local_layers(model)))
         if refusal:

@@ -170,11 +170,10 @@ class VaseRunnerMixin:
     def _vase_ring_layers(self) -> tuple[list, int, int]:
         """(the full-attention layers' KV specs, query heads, head size) from vLLM's `get_kv_cache_spec` and the
         attention layers: what the ring and its reserve are sized by (sliding-window layers have no ring row)."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-        from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-        specs = [spec for spec in self.get_kv_cache_spec().values() if type(spec) in (FullAttentionSpec, MLAAttentionSpec)]
+        evicted = (FullAttentionSpec, MLAAttentionSpec)  # an MLA model's latent caches (`vase.vllm.latent`)
+        specs = [spec for spec in self.get_kv_cache_spec().values() if type(spec) in evicted]
         ctx = self.compilation_config.static_forward_context
         first = next(ctx[name] for name, _ in self._vase_attention_impls())
         return specs, int(first.num_heads), query_size(first)
