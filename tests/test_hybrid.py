@@ -446,8 +446,8 @@ def test_vllm_plugin_refuses_hybrid_families_in_one_line(family, fragment):
     every.layer_types = ["sliding_attention"] * 4
     line = model_refusal(NS(**{**vars(plain), "hf_config": every, "hf_text_config": every}))
     assert "sliding-window attention in every layer" in line and "\n" not in line
-    mla = NS(**{**vars(plain), "use_mla": True})
-    assert "uses MLA" in model_refusal(mla)
+    mla = NS(**{**vars(plain), "use_mla": True})  # an MLA model type the plugin was not run on (vase.vllm.latent)
+    assert "multi-head latent attention in a way vase has not been run on" in model_refusal(mla)
 
 
 # -- docs/models.md in step with support.py, the plugin's refusals and the bench shapes ------------------------

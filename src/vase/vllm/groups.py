@@ -24,9 +24,12 @@ from .config import VaseConfigError
 def full_attention_group(kv_cache_config) -> int:
     """Index of the one full-attention group of `kv_cache_config.kv_cache_groups`; every other group must be a
     sliding-window group or a recurrent-state (`MambaSpec`) group, and the full-attention group's spec plain full attention (an allow-list: exactly
-    `FullAttentionSpec`, no window or chunk recorded on it). VaseConfigError in one line otherwise."""
+    `FullAttentionSpec`, no window or chunk recorded on it), or an MLA model's one group of latent caches
+    (`MLAAttentionSpec`, `vase.vllm.latent`). VaseConfigError in one line otherwise."""
     groups = kv_cache_config.kv_cache_groups
     kinds = [type(g.kv_cache_spec) for g in groups]
+    if [kind.__name__ for kind in kinds] == ["MLAAttentionSpec"]:  # an MLA model's latent caches (`vase.vllm.latent`)
+        return 0
     full = [i for i, kind in enumerate(kinds) if kind is FullAttentionSpec]
     other = [kind.__name__ for kind in kinds if kind is not FullAttentionSpec
              and not issubclass(kind, (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec))]

@@ -133,6 +133,17 @@ VLLM_INTERNALS: tuple[Internal, ...] = (
              "the hybrid manager off vLLM records sliding or chunked layers' windows on it (refused)",
              attrs=("sliding_window", "attention_chunk_size", "non_causal")),
     Internal("vllm.v1.kv_cache_interface.SlidingWindowSpec", "groups.full_attention_group: groups left to vLLM"),
+    # -- multi-head latent attention (latent.py) ------------------------------------------------------------
+    Internal("vllm.v1.kv_cache_interface.MLAAttentionSpec", "groups.full_attention_group (an MLA model's one group, "
+             "by class name), VaseRunnerMixin._vase_ring_layers"),
+    Internal("vllm.model_executor.layers.attention.mla_attention.MLAAttention.forward_impl", "latent.install_latent: "
+             "overridden by a class swap to record the post-RoPE query first",
+             params=("self", "q", "k_c_normed", "k_pe", "kv_cache", "attn_metadata", "output"),
+             attrs=("layer_name", "kv_cache", "kv_b_proj", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
+                    "qk_rope_head_dim", "v_head_dim", "qk_head_dim", "indexer", "sliding_window")),
+    Internal("vllm.v1.attention.backends.mla.cpu_mla.CPUMLAImpl.do_kv_cache_update", "latent: the latent row of "
+             "slot s at kv_cache.view(-1, row)[block * block_size + offset] (gather_rows / scatter_rows)",
+             params=("self", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping")),
     Internal("vllm.v1.core.block_pool.BlockPool.free_blocks", "EvictingKVCacheManager.trim, release_copies "
              "(by reference count: a cached block stays in the prefix cache)", params=("self", "ordered_blocks")),
     Internal("vllm.v1.core.block_pool.BlockPool.is_block_writable", "EvictingKVCacheManager.shared_kept_blocks: "

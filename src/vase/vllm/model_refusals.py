@@ -8,9 +8,8 @@ linear-attention hybrids compared end to end are taken (`LINEAR_COMPARED`: Qwen3
 hybrids (Qwen3.5, whose vLLM module needs torchvision; Jamba, Falcon-H1, ...) are refused here and run with
 vase's transformers engine instead, which evicts their full-attention layers (docs/models.md). Llama 4's chunked-local layers get a group of their own
 (`ChunkedLocalAttentionSpec`), left to vLLM at the logical lengths like a sliding-window group. A model sliding every layer has nothing
-growing to evict. MLA models (DeepSeek-V2/V3, Kimi K2) are refused: evicting vLLM's latent cache (its own layout
-in the MLA backends, scored by the heads' absorbed queries) is not written; the transformers engine evicts
-their latent cache, one kept set per layer shared by every head (`vase.hf.latent`).
+growing to evict. MLA models (DeepSeek-V2/V3, Kimi K2) get their latent cache evicted, one kept set per layer
+shared by every head (`vase.vllm.latent`); other MLA variants are refused there.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from typing import Any
 from vase.hf.hybrid import FULL, LINEAR, SLIDING, layer_types
 
 from .config import VaseConfigError
+from .latent import is_latent_model, latent_model_refusal
 
 #: `hf_text_config.model_type` of the linear-attention hybrids whose plugin runs were compared with stock vLLM and
 #: the transformers engine (tests/test_vllm_linear.py).
@@ -34,10 +34,8 @@ def model_refusal(model_config: Any) -> str | None:
     name = model_config.model
     text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
     kind = getattr(text, "model_type", None) or "this model"
-    if getattr(model_config, "use_mla", False):
-        return (f"{name} uses MLA: vase's vLLM plugin does not evict vLLM's latent cache yet (its MLA backends keep one "
-                f"latent row per token in their own layout, and scoring needs each head's absorbed query, not captured): "
-                f"run it with vase's transformers engine (--engine transformers), which evicts the latent cache")
+    if is_latent_model(model_config):  # the latent cache, one kept set per layer (`vase.vllm.latent`)
+        return latent_model_refusal(model_config)
     types = set(layer_types(text))
     recurrent = getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False)
     if (recurrent or LINEAR in types) and not (kind in LINEAR_COMPARED and types == {LINEAR, FULL}):

@@ -22,6 +22,7 @@ from copy import copy
 from ..hf.hybrid import CHUNKED, LINEAR, SLIDING, layer_types
 from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .fp8 import EVICTED_FP8, UNCOMPARED_FP8, evicts_under
+from .latent import latent_engine_refusal
 from .model_refusals import check_model_layers, local_layers_refusal
 from .platforms import GPU_WORKER_CLS, check_gpu_config, prepare_gpu_engine_args, select_v1_runner, worker_cls_for
 from .refusals import (BEAM_SEARCH_REFUSAL, check_built_config, check_runner_shape, speculative_refusal,
@@ -124,13 +125,16 @@ def check_vllm_config(vllm_config, prefix_caching_asked: bool | None = None) -> 
     model = vllm_config.model_config
     if worker_cls_for(current_platform) == GPU_WORKER_CLS:
         check_gpu_config(vllm_config)
-    check_model_layers(model)  # MLA, linear-attention hybrids, every layer sliding: one line each
+    check_model_layers(model)  # other MLA types, linear-attention hybrids, every layer sliding: one line each
     local = local_layers_refusal(model, bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager))
     if local:  # sliding or chunked layers in the evicted group
         raise VaseConfigError(local)
     check_prefix_caching(vllm_config, prefix_caching_asked)
+    cfg = VaseVllmConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
+    latent = latent_engine_refusal(vllm_config, cfg.policy if cfg else None)  # MLA: the method, TP/PP, speculation
+    if latent:
+        raise VaseConfigError(latent)
     if vllm_config.speculative_config is not None:
-        cfg = VaseVllmConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
         refusal = (speculative_refusal(vllm_config.speculative_config, cfg.window if cfg else 1)
                    or speculative_scope_refusal(vllm_config, has_local_layers(model)))
         if refusal:

@@ -24,6 +24,7 @@ from .config import CHILD_KEY, VaseConfigError, VaseVllmConfig
 from .drafter import attach, draft_layer_names
 from .groups import full_attention_group
 from .heads import RankHeads, rank_policy
+from .latent import query_size
 from .paged import RequestPolicyState
 from .refusals import check_evicted_layer, check_head_sizes, check_kv_tensor
 from .ring_size import ring_bytes_per_request, ring_log_line, ring_reserve, ring_rows
@@ -170,12 +171,13 @@ class VaseRunnerMixin:
     def _vase_ring_layers(self) -> tuple[list, int, int]:
         """(the full-attention layers' KV specs, query heads, head size) from vLLM's `get_kv_cache_spec` and the
         attention layers: what the ring and its reserve are sized by (sliding-window layers have no ring row)."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-        specs = [spec for spec in self.get_kv_cache_spec().values() if type(spec) is FullAttentionSpec]
+        evicted = (FullAttentionSpec, MLAAttentionSpec)  # an MLA model's latent caches (`vase.vllm.latent`)
+        specs = [spec for spec in self.get_kv_cache_spec().values() if type(spec) in evicted]
         ctx = self.compilation_config.static_forward_context
         first = next(ctx[name] for name, _ in self._vase_attention_impls())
-        return specs, int(first.num_heads), int(first.head_size)
+        return specs, int(first.num_heads), query_size(first)
 
     def _vase_ring_reserve(self, available: int) -> int:
         """Bytes the workers take from the KV memory vLLM measured, before it sizes the pool: the ring of the
@@ -201,7 +203,7 @@ class VaseRunnerMixin:
         stores = bool(self.vase_policy.needs_queries)
         rows = ring_rows(kv_cache_config.num_blocks, block_size, cfg.budget, cfg.window, max_seqs, stores)
         first = self.compilation_config.static_forward_context[self.vase_layers[0]]
-        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, first.head_size, cfg.window,
+        self.vase_ring = QueryRing(self.vase_layers, first.num_heads, query_size(first), cfg.window,
                                    self.model_config.dtype, self.device, slots=rows, store=stores)
         if stores:
             pool = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
@@ -219,6 +221,7 @@ class VaseRunnerMixin:
             raise VaseConfigError(f"vase's GPU worker needs one KV cache group (full attention everywhere), this "
                                   f"model has {len(groups)}: use a model without sliding-window or hybrid layers")
         # the full-attention group, evicted; sliding-window groups are left to vLLM (vase.vllm.groups)
+        latent = bool(getattr(self, "vase_latent", None))  # MLA: one group of latent caches (`vase.vllm.latent`)
         self.vase_group = full_attention_group(kv_cache_config)  # refuses local attention in the evicted group
         # a draft model's layers share the group (one KV spec) and are evicted apart, sink + recent (vase.vllm.drafter)
         draft = draft_layer_names(self)
@@ -235,10 +238,14 @@ class VaseRunnerMixin:
         first = ctx[self.vase_layers[0]]
         self._vase_make_ring(kv_cache_config)  # sized from the pool vLLM just built
         for name in self.vase_layers + list(self.vase_draft_layers):
-            check_evicted_layer(name, ctx[name])  # plain full attention only: an allow-list
+            if not latent:  # the MLA layer is vLLM's MLAAttention, taken by `latent.install_latent`
+                check_evicted_layer(name, ctx[name])  # plain full attention only: an allow-list
             check_kv_tensor(name, ctx[name].kv_cache.dtype, self.model_config.dtype, self.cache_config.cache_dtype)
         for name in self.vase_layers:  # the draft layers record no queries (their kept set reads none)
-            ctx[name].impl.vase_ring = self.vase_ring
+            if latent:  # the MLA layer records its own queries (`latent.install_latent`)
+                ctx[name].vase_ring = self.vase_ring
+            else:
+                ctx[name].impl.vase_ring = self.vase_ring
         self.vase_block_size = groups[self.vase_group].kv_cache_spec.block_size  # the scheduler's; a kernel's may be smaller
         return first
 

@@ -26,6 +26,7 @@ import torch
 from .capture import CapturePlan
 from .drafter import evict_draft_layers
 from .fp8 import Fp8Codec, layer_codec
+from .latent import evict_latent_batch, latent_cache
 from .offsets import capture_rows, physical_positions, physical_seq_lens, plan_batch
 from .paged import EvictionJob, Layout, evict_paged_batch
 from .requests import VaseRequest, VaseRunnerMixin
@@ -120,9 +121,18 @@ class VaseStepMixin(VaseRunnerMixin):
             slots = torch.tensor([req.slot for req in reqs], dtype=torch.int64, device=self.device)
             seen_t = torch.tensor(seen, dtype=torch.int64, device=self.device)
         kept = []
+        latent = getattr(self, "vase_latent", None)  # MLA: layer name -> its up-projection (`vase.vllm.latent`)
         for layer, name, own in self._vase_layer_order():  # the full-attention group's layers only
-            keys, values = self._kv_views(name)
             queries = self.vase_ring.windows_of(self.vase_ring.index[name], slots, seen_t) if reads else None
+            if latent:  # one kept set per layer for every head, whole latent rows moved
+                cache = latent_cache(self.compilation_config.static_forward_context[name].kv_cache)
+                index = evict_latent_batch(cache, jobs, length, queries, self.vase_policy, keep, cfg.window, layer,
+                                           latent[name], block_size=self.vase_block_size, sort_kept=cfg.sort_kept,
+                                           write=own)
+                if own:
+                    kept.append(index)
+                continue
+            keys, values = self._kv_views(name)
             index = evict_paged_batch(keys, values, jobs, length, queries, self.vase_policy, keep, cfg.window,
                                       layer, sort_kept=cfg.sort_kept, layout=self.vase_layout,
                                       block_size=self.vase_block_size, codec=self._vase_codec(name), write=own)

@@ -21,7 +21,9 @@ this applies to the full-attention group only: its layers are evicted, its block
 mapping are made physical; the sliding-window groups keep vLLM's logical slots, and their
 metadata builders (`VaseLogicalLengthsBuilder`) the logical sequence lengths. Beside linear attention
 (Qwen3-Next: recurrent-state groups, `MambaSpec`) the same: vLLM's gated-delta-net metadata builder
-(`VaseLogicalGDNBuilder`) reads the logical lengths it reads without vase.
+(`VaseLogicalGDNBuilder`) reads the logical lengths it reads without vase. An MLA model (DeepSeek-V2/V3: vLLM's CPU
+MLA backend, one group of latent caches) has its latent rows evicted instead of K/V (`vase.vllm.latent`: each
+layer's queries recorded by a class swap of the layer, the candidates up-projected with its `kv_b_proj`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .capture import install
 from ..storage.fp8 import FORMATS
 from .config import VaseConfigError
 from .fp8 import storage_dtype
+from .latent import LatentProjection, check_latent_layer, install_latent, is_latent_model
 from .paged import Layout
 from .plugin import check_at_start
 from .refusals import check_attention_layer
@@ -151,7 +154,14 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         # Swap the implementation class of this engine's attention layers only: vLLM caches backend
         # selection per process, so registering a backend would also change other engines.
+        ctx = self.compilation_config.static_forward_context
+        self.vase_latent = {}  # MLA: layer name -> its up-projection (`vase.vllm.latent`)
         for name, impl in self._vase_attention_impls():
+            if is_latent_model(self.model_config):  # the latent cache, scored from the layer's own queries
+                check_latent_layer(name, ctx[name], impl)
+                install_latent(ctx[name])
+                self.vase_latent[name] = LatentProjection.of_layer(ctx[name])
+                continue
             if type(impl) is not CPUAttentionBackendImpl:
                 raise VaseConfigError(f"vase needs vLLM's CPU attention, layer {name} uses {type(impl).__name__}: "
                                       f"use a model with standard attention")
@@ -173,8 +183,8 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
                                               f"{type(builder).__name__}: use a model with standard attention")
                     builder.__class__ = ours
                     builder.vase_runner = self
-        self.vase_layout = cpu_kernel_layout(self.vase_block_size, first.head_size, self.model_config.dtype,
-                                             str(self.cache_config.cache_dtype))
+        self.vase_layout = None if self.vase_latent else cpu_kernel_layout(
+            self.vase_block_size, first.head_size, self.model_config.dtype, str(self.cache_config.cache_dtype))
         self._vase_pipeline_stage()
 
     def _vase_pipeline_stage(self) -> None:

@@ -1,0 +1,42 @@
+"""A tiny random DeepSeek-V3 for the vLLM plugin's MLA tests (tests/test_vllm_mla.py): fp32, 2 layers, 4 heads, the
+head dims vLLM's CPU MLA kernel takes (qk_nope 128 + qk_rope 64 over a 512 latent: rows of 576), value heads of 128,
+no query LoRA, dense MLP layers (first_k_dense_replace = num_hidden_layers), the character tokenizer.
+
+The RoPE half of the latent row is zeroed (the kv_a_proj_with_mqa rows that make `k_pe`): stock vLLM 0.32's CPU MLA
+attention on this model equals transformers' with every position 0 (measured: layer 0's attention output of a
+2-token prompt differs by 0.12 at position 1 from transformers' and by 2e-5 from transformers' run with position_ids
+0, 0), so with a live RoPE half the two engines part before any eviction. With `k_pe` = 0 a head's score is
+`q_nope . W_UK c` in both, and the engines agree (tests/test_vllm_mla.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def save_tiny_mla(path: str, seed: int = 0, family: str = "deepseek-v3") -> str:
+    """Write the model (`family`: deepseek-v3 or deepseek-v2, the same dims) and tokenizer to `path` (if not there
+    yet); returns `path`."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+
+    from tests.helpers_tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    cfg = {"deepseek-v3": DeepseekV3Config, "deepseek-v2": DeepseekV2Config}[family](vocab_size=len(tok), hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+                           max_position_embeddings=2048, eos_token_id=1, pad_token_id=0, bos_token_id=1,
+                           intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                           first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                           kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                           q_lora_rank=None, n_group=1, topk_group=1, initializer_range=0.15,
+                           tie_word_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # k_pe = 0 (module docstring)
+            layer.self_attn.kv_a_proj_with_mqa.weight[cfg.kv_lora_rank:] = 0.0
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
