@@ -5,7 +5,7 @@ The head's layer takes the draft model's path (`vase.vllm.drafter`): its first p
 (already physical), its later passes through the remapped slots (none past the next eviction boundary), and its layer
 is compacted sink + recent at the target's eviction steps. Checked against the same engine without speculation: the
 same tokens and target kept sets (every layer, every KV head) at every eviction, for every evicting method, through
->= 9 evictions per request; after a preemption. The engines of tests/test_vllm_spec_draft.py's shape, shared by the
+>= 9 evictions per request; after a preemption. Until a request's first eviction, its drafts are stock vLLM's. The engines of tests/test_vllm_spec_draft.py's shape, shared by the
 module (policy swapped per test).
 """
 
@@ -17,7 +17,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 from tests.test_vllm_spec import _preempted_once, _same  # noqa: E402
 from tests.test_vllm_spec_draft import EVICTING, K, N_NEW, PROMPTS, _counting, _engine, _run  # noqa: E402
-from tests.vllm_tiny import core, runner, save_tiny_llama, vllm_batch  # noqa: E402
+from tests.test_vllm_spec_draft import BLOCK, BYTES_PER_TOKEN  # noqa: E402
+from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm, vllm_batch  # noqa: E402
 from tests.vllm_tiny_eagle import save_tiny_eagle  # noqa: E402
 
 
@@ -34,10 +35,37 @@ def plain(tiny):
 @pytest.fixture(scope="module", params=["eagle", "eagle3"])
 def eagle(request, tiny, plain, tmp_path_factory):
     head = save_tiny_eagle(str(tmp_path_factory.mktemp(f"tiny-{request.param}")), tiny, request.param)
-    llm = _counting(_engine(tiny, speculative_config={"method": request.param, "model": head,
-                                                      "num_speculative_tokens": K}))
-    llm.vase_method = request.param
+    spec = {"method": request.param, "model": head, "num_speculative_tokens": K}
+    llm = _counting(_engine(tiny, speculative_config=spec))
+    llm.vase_method, llm.vase_spec = request.param, spec
     return llm
+
+
+def _drafts(llm, tag: str, method: str | None, n_new: int = 80) -> dict[int, list[tuple[int, list[int]]]]:
+    """PROMPTS as one greedy batch; per prompt, each verify step's (first position, draft tokens). `method`: the
+    eviction policy (None: an engine without vase)."""
+    sched = core(llm).scheduler
+    seen: dict[int, list[tuple[int, list[int]]]] = {i: [] for i in range(len(PROMPTS))}
+    update = sched.update_from_output
+
+    def recording(scheduler_output, model_runner_output):
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            start = sched.requests[rid].num_computed_tokens - scheduler_output.num_scheduled_tokens[rid]
+            seen[int(rid.rsplit("-", 1)[0][len(tag):])].append((start, list(drafts)))
+        return update(scheduler_output, model_runner_output)
+
+    sched.update_from_output = recording
+    try:
+        if method is not None:
+            from vase.core.policies import get_policy
+            runner(llm).vase_policy = get_policy(method)
+        for i, ids in enumerate(PROMPTS):
+            llm.llm_engine.add_request(f"{tag}{i}", {"prompt_token_ids": ids}, greedy(n_new))
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+    finally:
+        sched.update_from_output = update
+    return seen
 
 
 def test_the_head_layer_shares_the_evicted_group_and_is_evicted_apart(eagle):
@@ -45,6 +73,21 @@ def test_the_head_layer_shares_the_evicted_group_and_is_evicted_apart(eagle):
     assert len(r.vase_layers) == 2 and len(r.vase_draft_layers) == 1
     assert r.vase_draft_layers[0].startswith("model.layers.2.")  # the head's layer, numbered after the target's
     assert type(r.drafter).__name__ == "VaseEagleProposer"
+
+
+def test_until_the_first_eviction_the_heads_drafts_are_stock_vllms(eagle, tiny):
+    """The same head in stock vLLM (no vase): every verify step before a request's first eviction (at 64) drafts the
+    same tokens (the head's K/V written where stock writes it: physical = logical until then; with the draft limit
+    at 0, no slot for draft passes 2..K, this fails); later the head's cache is evicted and its drafts may differ."""
+    stock = start_llm(dict(model=tiny, max_model_len=512, kv_cache_memory_bytes=32 * BLOCK * BYTES_PER_TOKEN,
+                           block_size=BLOCK, enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8,
+                           enable_chunked_prefill=True, max_num_batched_tokens=64,
+                           speculative_config=eagle.vase_spec), None)
+    ours, theirs = _drafts(eagle, "e", "h2o"), _drafts(stock, "s", None)
+    for i in ours:
+        early = [step for step in ours[i] if step[0] + K < 64]
+        assert len(early) >= 20 and early == [step for step in theirs[i] if step[0] + K < 64], i
+    del stock
 
 
 @pytest.mark.parametrize("method", EVICTING)

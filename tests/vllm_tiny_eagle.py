@@ -68,3 +68,4 @@ def save_tiny_eagle(path: str, target: str, method: str = "eagle3", seed: int = 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return path
+
