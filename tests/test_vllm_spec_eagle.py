@@ -22,6 +22,11 @@ from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm, vl
 from tests.vllm_tiny_eagle import save_tiny_eagle  # noqa: E402
 
 
+#: every engine started here, kept to the end of the process: a vLLM engine torn down in-process takes the
+#: distributed groups the others still use ("pipeline model parallel group is not initialized", tried)
+_ENGINES: list = []
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
@@ -38,6 +43,7 @@ def eagle(request, tiny, plain, tmp_path_factory):
     spec = {"method": request.param, "model": head, "num_speculative_tokens": K}
     llm = _counting(_engine(tiny, speculative_config=spec))
     llm.vase_method, llm.vase_spec = request.param, spec
+    _ENGINES.append(llm)
     return llm
 
 
@@ -83,11 +89,11 @@ def test_until_the_first_eviction_the_heads_drafts_are_stock_vllms(eagle, tiny):
                            block_size=BLOCK, enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8,
                            enable_chunked_prefill=True, max_num_batched_tokens=64,
                            speculative_config=eagle.vase_spec), None)
+    _ENGINES.append(stock)
     ours, theirs = _drafts(eagle, "e", "h2o"), _drafts(stock, "s", None)
     for i in ours:
         early = [step for step in ours[i] if step[0] + K < 64]
         assert len(early) >= 20 and early == [step for step in theirs[i] if step[0] + K < 64], i
-    del stock
 
 
 @pytest.mark.parametrize("method", EVICTING)
