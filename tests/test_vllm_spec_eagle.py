@@ -134,3 +134,15 @@ def test_a_request_preempted_after_it_evicted_with_an_eagle_head_stays_exact(eag
     _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
     assert runner(eagle).vase_recomputes - before == len(PROMPTS)
     assert all(o["evictions"] > len(o["kept"]) for o in ours)
+
+
+def test_a_head_with_another_kv_spec_is_refused_in_one_line(tiny, tmp_path):
+    """A head layer with 1 KV head beside the target's 2: vLLM puts all layers in one group of mixed specs, which
+    vase does not evict (`groups.full_attention_group`, as for a draft model)."""
+    from vase.vllm import VaseConfigError
+
+    head = save_tiny_eagle(str(tmp_path / "head"), tiny, "eagle3", kv_heads=1)
+    with pytest.raises(VaseConfigError) as exc:
+        _ENGINES.append(_engine(tiny, speculative_config={"method": "eagle3", "model": head,
+                                                          "num_speculative_tokens": K}))
+    assert "\n" not in str(exc.value) and "speculative_config" in str(exc.value)

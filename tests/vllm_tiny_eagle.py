@@ -29,9 +29,9 @@ def _layer(prefix: str, hidden: int, q_in: int, heads: int, kv_heads: int, head_
     return w
 
 
-def save_tiny_eagle(path: str, target: str, method: str = "eagle3", seed: int = 0) -> str:
+def save_tiny_eagle(path: str, target: str, method: str = "eagle3", seed: int = 0, kv_heads: int | None = None) -> str:
     """Write an EAGLE (`method` "eagle") or EAGLE-3 ("eagle3") head for the tiny Llama saved at `target` into `path`
-    (if not there yet); returns `path`."""
+    (if not there yet); returns `path`. `kv_heads`: the head layer's KV heads (default: the target's)."""
     if method not in ARCHITECTURES:
         raise ValueError(f"method must be one of {sorted(ARCHITECTURES)}, got {method!r}")
     if os.path.exists(os.path.join(path, "config.json")):
@@ -40,7 +40,8 @@ def save_tiny_eagle(path: str, target: str, method: str = "eagle3", seed: int = 
 
     with open(os.path.join(target, "config.json")) as f:
         cfg = json.load(f)
-    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = kv_heads or cfg["num_key_value_heads"]
     head_dim, inter, vocab = cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]
     torch.manual_seed(seed)
     scale = 0.15
@@ -60,6 +61,7 @@ def save_tiny_eagle(path: str, target: str, method: str = "eagle3", seed: int = 
                                    "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
                                    "rope_theta", "bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     config.update(architectures=[ARCHITECTURES[method]], model_type="llama", num_hidden_layers=1,
+                  num_key_value_heads=kv_heads,
                   torch_dtype="float32", tie_word_embeddings=False, hidden_act="silu")
     if method == "eagle3":
         # the target's hidden states the fc reads: after its embeddings, first and second layer (vLLM's default for
