@@ -1,6 +1,6 @@
-"""Speculative decoding with the vLLM plugin (issue 41): n-gram proposals and draft models run (tests/test_vllm_spec.py,
-tests/test_vllm_spec_draft.py); EAGLE and MTP heads (untested), a proposer named by its model path only, and drafts
-of w tokens or more are refused in one line naming what to change.
+"""Speculative decoding with the vLLM plugin (issue 41): n-gram proposals, draft models and EAGLE / EAGLE-3 heads run
+(tests/test_vllm_spec.py, tests/test_vllm_spec_draft.py, tests/test_vllm_spec_eagle.py); MTP layers (untested), a
+proposer named by its model path only, and drafts of w tokens or more are refused in one line naming what to change.
 
 No engine is started: `check_engine_args` runs on the EngineArgs fields it reads, before anything is built.
 """
@@ -17,7 +17,7 @@ from vase.vllm import VaseConfigError, VaseVllmConfig  # noqa: E402
     {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 4},  # K >= w = 16
     {"method": "draft_model", "model": "draft", "num_speculative_tokens": 16},  # K >= w
     {"model": "some/draft-model", "num_speculative_tokens": 2},  # method unset: vLLM infers it, vase asks for it
-    {"method": "eagle", "model": "eagle-head", "num_speculative_tokens": 2},
+    {"method": "eagle3", "model": "eagle-head", "num_speculative_tokens": 16},  # K >= w
     {"method": "mtp", "num_speculative_tokens": 1},
     {"method": "ngram", "num_speculative_tokens": "3"},  # bad values of K: not a whole number from 1 to w - 1
     {"method": "ngram", "num_speculative_tokens": 0},
@@ -45,8 +45,10 @@ def test_no_speculative_config_passes_the_check():
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     {"model": "[ngram]", "num_speculative_tokens": 15},
     {"method": "draft_model", "model": "some/draft-model", "num_speculative_tokens": 3},
+    {"method": "eagle", "model": "some/eagle-head", "num_speculative_tokens": 3},
+    {"method": "eagle3", "model": "some/eagle3-head", "num_speculative_tokens": 15},
 ])
-def test_ngram_or_draft_model_speculation_below_the_window_passes_the_check(spec):
+def test_ngram_draft_model_or_eagle_speculation_below_the_window_passes_the_check(spec):
     from vase.vllm import plugin
 
     args = engine_args(speculative_config=spec)
@@ -70,16 +72,16 @@ def _built_with_spec(tp=1, pp=1, dp=1, cache_dtype="auto", moe=False, method="ng
     (dict(moe=True), False, "an MoE model"), ({}, True, "sliding-window, chunked or linear-attention layers"),
 ])
 def test_speculation_beside_an_uncompared_setting_is_refused_in_one_line(built, local, needle):
-    """Allow-list: n-gram and draft-model speculation were compared on a dense full-attention model, one worker, the
-    model's dtype."""
+    """Allow-list: n-gram, draft-model and EAGLE speculation were compared on a dense full-attention model, one worker,
+    the model's dtype; MTP is refused."""
     from vase.vllm.refusals import speculative_refusal, speculative_scope_refusal
 
-    for method in ("ngram", "draft_model"):
+    for method in ("ngram", "draft_model", "eagle", "eagle3"):
         assert speculative_refusal(_built_with_spec(method=method).speculative_config, 16) is None
         assert speculative_scope_refusal(_built_with_spec(method=method), False) is None
         text = speculative_scope_refusal(_built_with_spec(method=method, **built), local)
         assert "\n" not in text and needle in text and "speculative_config" in text
-    assert "eagle" in speculative_refusal(_built_with_spec(method="eagle").speculative_config, 16)
+    assert "mtp" in speculative_refusal(_built_with_spec(method="mtp").speculative_config, 16)
 
 
 def test_a_draft_model_with_another_kv_spec_is_refused_in_one_line():

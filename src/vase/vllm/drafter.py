@@ -1,4 +1,4 @@
-"""A draft model's own KV cache under eviction (speculative decoding with speculative_config method "draft_model").
+"""A drafter's own KV cache under eviction (speculative_config method "draft_model", "eagle" or "eagle3").
 
 vLLM 0.32 puts the draft model's attention layers in the target's KV cache group when their KV spec is the target's
 (same KV heads, head size, dtype: one `FullAttentionSpec`; `SpecDecodeBaseProposer.validate_same_kv_cache_group`

@@ -157,10 +157,11 @@ BEAM_SEARCH_REFUSAL = ("vase does not run under vLLM's beam search (it sends one
                        "additional_config['vase']")
 
 
-# -- speculative decoding: n-gram proposals and draft models --------------------------------------------------------
-#: The proposers that run with eviction: n-gram lookup (no KV cache of its own) and a draft model (its layers in the
-#: target's KV cache group, evicted sink + recent at the same steps, slots made physical: `vase.vllm.drafter`).
-EVICTED_PROPOSERS = ("ngram", "draft_model")
+# -- speculative decoding: n-gram proposals, draft models, EAGLE heads ------------------------------------------------
+#: The proposers that run with eviction: n-gram lookup (no KV cache of its own), a draft model and an EAGLE / EAGLE-3
+#: head (their layers in the target's KV cache group, evicted sink + recent at the same steps, slots made physical:
+#: `vase.vllm.drafter`; an EAGLE head's first pass writes at the target's slots, already physical).
+EVICTED_PROPOSERS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
 def _spec_field(spec: Any, name: str) -> Any:
@@ -169,9 +170,9 @@ def _spec_field(spec: Any, name: str) -> Any:
 
 def speculative_refusal(spec: Any, window: int) -> str | None:
     """One line refusing `spec` (EngineArgs' `speculative_config` dict, or the built `SpeculativeConfig`) for an
-    engine evicting with window `window`, or None when it runs: an n-gram or draft-model proposer drafting fewer than
-    `window` tokens. EAGLE/MTP heads are refused as untested: their layers would take the draft model's path
-    (`vase.vllm.drafter`: physical slots, sink + recent eviction), but no head was run here; K >= w would let vLLM
+    engine evicting with window `window`, or None when it runs: an n-gram, draft-model, EAGLE or EAGLE-3 proposer
+    drafting fewer than `window` tokens. MTP layers (vLLM's "mtp" method: a model's own next-token layers) are
+    refused as untested: they take the same proposer class, but no model with them runs here; K >= w would let vLLM
     pad a resumed request's first step (`pad_spec_decode`) past its first eviction boundary, which the scheduler
     cannot cut."""
     if spec is None:
@@ -179,9 +180,10 @@ def speculative_refusal(spec: Any, window: int) -> str | None:
     # vLLM also takes the legacy spelling model="[ngram]" (method unset)
     method = str(_spec_field(spec, "method") or _spec_field(spec, "model") or "").strip("[]") or None
     if method not in EVICTED_PROPOSERS:
-        return (f"vase evicts with n-gram or draft-model speculation only, and speculative_config asks for the "
-                f"{method or 'unnamed'} proposer (EAGLE/MTP heads: untested with eviction, no head runs here): use "
-                f"speculative_config={{'method': 'ngram' or 'draft_model', ...}}, drop speculative_config {_DROP}")
+        return (f"vase evicts with n-gram, draft-model or EAGLE speculation only, and speculative_config asks for the "
+                f"{method or 'unnamed'} proposer (MTP layers: untested with eviction, no MTP model runs here): use "
+                f"speculative_config={{'method': 'ngram', 'draft_model', 'eagle' or 'eagle3', ...}}, drop "
+                f"speculative_config {_DROP}")
     k = _spec_field(spec, "num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         return (f"vase needs speculative_config's num_speculative_tokens as a whole number of drafts from 1 to w - 1 "
@@ -209,5 +211,6 @@ def speculative_scope_refusal(vllm_config: Any, local_layers: bool) -> str | Non
         ("sliding-window, chunked or linear-attention layers", local_layers)) if present]
     if not untested:
         return None
-    return (f"vase's speculation (n-gram, draft model) is compared on a dense full-attention model with one worker "
-            f"and the model's KV dtype, not with {', '.join(untested)}: drop speculative_config or that setting {_DROP}")
+    return (f"vase's speculation (n-gram, draft model, EAGLE) is compared on a dense full-attention model with one "
+            f"worker and the model's KV dtype, not with {', '.join(untested)}: drop speculative_config or that setting "
+            f"{_DROP}")
