@@ -110,12 +110,11 @@ def test_until_the_first_eviction_the_heads_drafts_are_stock_vllms(eagle, tiny):
 EAGLE_METHODS = ("h2o", "random", "vase-attnv", "snapkv-sample")
 
 
-@pytest.mark.parametrize("method", EVICTING)
+@pytest.mark.parametrize("eagle, method", [("eagle", m) for m in EAGLE_METHODS] + [("eagle3", m) for m in EVICTING],
+                         indirect=["eagle"])
 def test_eagle_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(eagle, plain, method):
     """Three requests in one batch, 200 tokens each: tokens and kept sets at each of >= 9 evictions equal to the
     engine without speculation; some verify steps were cut at a boundary."""
-    if eagle.vase_method == "eagle" and method not in EAGLE_METHODS:
-        pytest.skip(f"the EAGLE (v1) head runs {', '.join(EAGLE_METHODS)}; EAGLE-3 runs every method")
     cuts = core(eagle).scheduler.vase_draft_cuts
     ours, steps = _run(eagle, method)
     _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
