@@ -5,6 +5,8 @@ validation added back anywhere below a door makes a count here go up."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -109,3 +111,36 @@ def test_the_eval_validates_at_its_config_and_the_runner_carries_the_requests(ti
     assert len(validations) == 0
     assert sorted((r.method, r.budget) for r in seen if r.method != "full") == [("snapkv", 12), ("snapkv", 16)]
     assert [r for r in seen if r.method == "full"] == [config.request("full", None)]
+
+
+def test_vase_bench_validates_each_configuration_once_whatever_the_runs(validations, tmp_path, capsys, monkeypatch):
+    """`vase bench` (transformers engine): each method at each budget validated once at the CLI's door, full once at
+    run_bench's; the warm-up and timed runs (2 lengths x 2 repeats) carry them."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(["bench", "--random-init", "tiny", "--methods", "snapkv,streamingllm", "--budgets", "24",
+                               "--window", "8", "--lengths", "32,40", "--repeats", "2", "--prompt-length", "8",
+                               "--no-dynamic", "--bandwidth", "0", "--out", str(tmp_path / "b")], capsys)
+    assert code == 0, err
+    rows = json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]
+    assert {(r["method"], r["new_tokens"]) for r in rows} == {(m, n) for m in ("full", "snapkv", "streamingllm")
+                                                              for n in (32, 40)}
+    assert all(r["evictions"] > 0 for r in rows if r["method"] != "full")
+    assert sorted(str(s.method) for s in validations) == ["full", "snapkv", "streamingllm"]
+
+
+def test_vase_bench_on_vllm_validates_at_its_door_and_each_engine_gets_the_section(validations, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """`vase bench --engine vllm`: each (method, budget) validated once at the CLI's door; every engine of every
+    regime and round starts with that request's section (no engine starts here: `_one_engine` records)."""
+    from vase.bench import vllm_bench
+
+    started: list = []
+    monkeypatch.setattr(vllm_bench, "_one_engine", lambda path, **kw: started.append((kw["method"], kw["section"])))
+    monkeypatch.chdir(tmp_path)
+    run_main(["bench", "--engine", "vllm", "--methods", "snapkv,h2o", "--budgets", "24,32", "--window", "8",
+              "--lengths", "16", "--repeats", "2", "--regimes", "ample,tight", "--out", str(tmp_path / "v")], capsys)
+    assert sorted((str(s.method), s.budget) for s in validations) == [("h2o", 24), ("h2o", 32), ("snapkv", 24),
+                                                                      ("snapkv", 32)]
+    vase_rows = [(m, sec["vase"]["budget"]) for m, sec in started if sec is not None]
+    assert sorted(vase_rows) == sorted([(m, b) for m in ("h2o", "snapkv") for b in (24, 32)] * 4)  # 2 regimes x 2
+    assert [m for m, sec in started if sec is None] == ["full"] * 4
