@@ -79,7 +79,9 @@ def model_dir(tmp_path_factory) -> str:
 
 def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
     """Run the `vase` CLI in-process: (exit code, stdout, stderr), SystemExit turned into its code."""
-    from vase.cli import main
+    # from the submodule: once `vase.cli.main` is imported (`from vase.cli import app` loads it), the package's
+    # `main` attribute is that module, not the function (seen: test_eval_report then test_request_carried)
+    from vase.cli.main import main
 
     capsys.readouterr()
     try:

@@ -144,3 +144,23 @@ def test_vase_bench_on_vllm_validates_at_its_door_and_each_engine_gets_the_secti
     vase_rows = [(m, sec["vase"]["budget"]) for m, sec in started if sec is not None]
     assert sorted(vase_rows) == sorted([(m, b) for m in ("h2o", "snapkv") for b in (24, 32)] * 4)  # 2 regimes x 2
     assert [m for m, sec in started if sec is None] == ["full"] * 4
+
+
+def test_the_eval_fidelity_pass_carries_every_request_and_validates_nothing(tiny, validations, tmp_path):
+    """The fidelity pass forces full's reference, full's noise floor (in chunks of w) and each method through the
+    requests the config validated: none is built from keywords, none validated again."""
+    model, tok = tiny
+    config = EvalConfig(task="arith", limit=1, methods=["snapkv"], budgets=[12, 16], window=4, max_new_tokens=20,
+                        batch_size=1, model="tiny", fidelity=True, output_dir=str(tmp_path))
+    validations.clear()
+    forced: list[tuple[str, int, int | None]] = []
+
+    def forced_fn(*a, **kw):
+        forced.append((kw["request"].method, kw["request"].budget, kw.get("max_chunk")))
+        return vase.forced_log_probs(*a, **kw)
+
+    run_eval(config, model, tok, forced_fn=forced_fn, progress=False, summarize=False)
+    assert len(validations) == 0
+    placeholder = config.request("full", None).budget
+    assert sorted(forced, key=str) == sorted([("full", 16, 4), ("full", placeholder, None), ("snapkv", 12, None),
+                                              ("snapkv", 16, None)], key=str)
