@@ -164,3 +164,35 @@ def test_the_eval_fidelity_pass_carries_every_request_and_validates_nothing(tiny
     placeholder = config.request("full", None).budget
     assert sorted(forced, key=str) == sorted([("full", 16, 4), ("full", placeholder, None), ("snapkv", 12, None),
                                               ("snapkv", 16, None)], key=str)
+
+
+def test_vase_inspect_validates_once_at_its_door(tiny, validations, tmp_path, capsys):
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    code, out, err = run_main(["inspect", "abcdefghijklmnopqrstuvwxyz", "--model", str(tmp_path / "m"), "--method",
+                               "snapkv", "--budget", "12", "--window", "4", "--max-new-tokens", "12", "--greedy",
+                               "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "o" / "inspect.json").read_text())["stats"]["evictions"] > 0
+    assert [(str(s.method), s.budget) for s in validations] == [("snapkv", 12)]
+
+
+def test_the_randomness_study_validates_each_request_once_whatever_the_prompts_and_seeds(validations, tmp_path):
+    """Each request of the study (full, each arm, the control at each of its budgets) is validated once at its door;
+    the trajectories, the traced runs of every seed, the controls and the free generations carry them."""
+    from vase.analysis.randomness import Arm, run_randomness, study_requests
+
+    model, tok = tiny_model("qwen3", "sdpa"), tiny_tokenizer()
+    arms = (Arm("snapkv", "snapkv"), Arm("snapkv-sample", "snapkv-sample"))
+    study = dict(arms=arms, budget=24, window=8, seeds=2, max_new_tokens=48, loop_tokens=20, chat_template=False)
+    report = run_randomness(model, tok, ["Tell me a story", "Count to ten"], tmp_path, **study)
+    assert report["problems"] and report["controls"]
+    assert sorted((str(s.method), s.budget) for s in validations) == sorted(
+        [("full", 24), ("snapkv", 24), ("snapkv-sample", 24)] + [("snapkv", 24 + o) for o in (-6, -2, 2, 6)])
+    requests = study_requests(arms, None, 2, 24, 8)
+    validations.clear()
+    again = run_randomness(model, tok, ["Tell me a story", "Count to ten"], tmp_path / "again", requests=requests,
+                           **study)
+    assert len(validations) == 0
+    assert again["methods"] == report["methods"]
