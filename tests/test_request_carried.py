@@ -196,3 +196,18 @@ def test_the_randomness_study_validates_each_request_once_whatever_the_prompts_a
                            **study)
     assert len(validations) == 0
     assert again["methods"] == report["methods"]
+
+
+def test_the_sweep_validates_each_method_at_each_budget_once(validations, tmp_path):
+    """Two tasks of the same problem (the same trajectory: each task's row 0 samples with the same seed) run every
+    method at the same budgets: each request is validated on its first ask and carried by the second task's runs
+    (full's by both trajectories and every reference)."""
+    from vase.analysis.sweep import run_sweep
+
+    model, tok = tiny_model("qwen3", "sdpa"), tiny_tokenizer()
+    report = run_sweep(model, tok, tmp_path, tasks={"a": ["Tell me a story about a cat"], "b": ["Tell me a story about a cat"]},
+                       methods=["snapkv", "quest"], compressions=[2, 3], window=4, max_new_tokens=40,
+                       chat_template=False)
+    assert len(report["rows"]) == 2 * 2 * 2 and {r["problems"] for r in report["rows"]} == {1}  # every cell ran
+    keys = [(str(s.method), s.budget, s.window, tuple(sorted(s.params.items()))) for s in validations]
+    assert len(keys) == len(set(keys)) == 1 + 2 * 2  # full, then each method at each compression's budget, once
