@@ -274,7 +274,7 @@ def test_fidelity_full_is_exactly_zero_and_resumes(tmp_path, tiny):
     calls = []
 
     def forced(*a, **kw):
-        calls.append(kw["request"].method if "request" in kw else kw["method"])  # the methods' requests; full's keywords
+        calls.append(kw["request"].method)  # every forcing carries its request, full's reference and noise floor too
         return vase.forced_log_probs(*a, **kw)
 
     run_dir = run_eval(cfg, model, tok, progress=False, forced_fn=forced)

@@ -154,7 +154,8 @@ def test_run_sweep_gives_quest_the_equal_sparsity_budget_at_its_call_site(tmp_pa
     calls, real = [], generation.forced_log_probs
 
     def spy(model, prompt_ids, targets, **kw):
-        calls.append((kw["method"], kw.get("budget"), len(prompt_ids), len(targets), kw.get("window")))
+        r = kw["request"]  # every run carries its validated request
+        calls.append((r.method, r.budget, len(prompt_ids), len(targets), r.window))
         return real(model, prompt_ids, targets, **kw)
 
     monkeypatch.setattr(generation, "forced_log_probs", spy)

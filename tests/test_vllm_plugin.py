@@ -26,6 +26,7 @@ from vase.vllm import VaseConfigError, VaseVllmConfig, additional_config, max_bl
 BLOCK = 32
 POOL_BLOCKS = 40  # 39 usable: stock vLLM cannot hold 4 sequences of 350 tokens (4 x 11 blocks) at once; vase can
 MAX_LEN = 1100
+LONG = 640  # the long decode of test_long_decode_...: 16 evictions, four times the bound's tokens
 
 
 @pytest.fixture(scope="module")
@@ -191,15 +192,16 @@ def test_snapkv_matches_transformers_at_the_first_eviction(snap, model_path):
 
 
 def test_long_decode_holds_at_most_the_bound_and_pool_pressure_never_preempts(attnv):
-    """B=128, w=32: one 1,000-token decode plus four 330-token ones in a pool stock vLLM cannot fit them in."""
+    """B=128, w=32: one 640-token decode (16 evictions, four times the bound's tokens) plus four 330-token ones in a
+    pool stock vLLM cannot fit them in (4 x 11 + 21 blocks of 39 without eviction)."""
     cfg = VaseVllmConfig.from_additional_config(additional_config("vase-attnv", 128, 32))
     bound = max_blocks(cfg, BLOCK)
     prompts = [prompt_ids(20, 10)] + [prompt_ids(20, 11 + i) for i in range(4)]
-    params = [greedy(1000)] + [greedy(330)] * 4
+    params = [greedy(LONG)] + [greedy(330)] * 4
     record = runner(attnv).vase_record
     record.clear()
     res = run_stepped(attnv, prompts, params)
-    assert sorted(map(len, res["outputs"].values())) == [330] * 4 + [1000]
+    assert sorted(map(len, res["outputs"].values())) == [330] * 4 + [LONG]
     assert not any(res["preemptions"].values())
     assert core(attnv).scheduler.vase_preemptions == 0
     checked = 0
@@ -212,7 +214,7 @@ def test_long_decode_holds_at_most_the_bound_and_pool_pressure_never_preempts(at
                 checked += 1
     assert checked > 1000
     evictions = sorted(e["evictions"] for e in record.values())
-    assert evictions == sorted(schedule.num_evictions(20, 128, 32, n - 1) for n in [1000] + [330] * 4)
+    assert evictions == sorted(schedule.num_evictions(20, 128, 32, n - 1) for n in [LONG] + [330] * 4)
 
 
 def test_stock_vllm_preempts_under_the_same_pool(stock):

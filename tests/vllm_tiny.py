@@ -9,6 +9,7 @@ keeps greedy parity checks meaningful. Saved once per directory; bit-identical f
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -87,6 +88,15 @@ def greedy(max_tokens: int, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
+@functools.lru_cache(maxsize=4)
+def _reference_model(path: str, dtype: str, attn: str | None):
+    """`path` loaded once per (dtype, attention) for the references of a test file (about 1 s a load of the embedded
+    model; a file compares each method and prompt): only read under no_grad, each reference with its own cache."""
+    from vase.models import load_model
+
+    return load_model(path, dtype=dtype, **({"attn_implementation": attn} if attn else {}))[0]
+
+
 def transformers_greedy(path: str, method: str, ids: list[int], n_new: int, budget: int, window: int,
                         seed: int = 0, attn: str | None = None, storage=None, dtype: str = "float32") -> dict:
     """The reference the plugin is compared with: greedy decode of `path` through vase's EvictionCache.
@@ -97,9 +107,8 @@ def transformers_greedy(path: str, method: str, ids: list[int], n_new: int, budg
     `dtype`: the model's (bfloat16 for a linear-attention hybrid, which vLLM's CPU build runs in bf16 only)."""
     from vase.caches.eager import EvictionCache
     from vase.hf.compat import cache_kwargs
-    from vase.models import load_model
 
-    model, _ = load_model(path, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
+    model = _reference_model(path, dtype, attn)
     cache = EvictionCache(model, method, budget, window, seed=seed, storage=storage)
     evicting = cache.evicting_layers
     tokens, logps, kept = [], [], {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from ..caches.eager import EvictionCache
 from ..hf.compat import cache_kwargs
 from ..core.scalars import plain, plain_items
 from ..core.checks import check_flags, check_prompts, check_sampling, check_seed
+from ..core.spec import Request, RequestSpec, carried, set_beside
 from ..generation.generate import Sampler, decode, eos_ids, prepare_prompts
 from ..hf.hybrid import full_attention_layers
 from .kept import kept_map, plot_kept_map
@@ -23,8 +25,11 @@ from .values import value_statistics
 def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, method: str = "vase-attnv",
                        budget: int = 512, window: int = 64, max_new_tokens: int = 512, greedy: bool = False,
                        temperature: float = 0.6, top_p: float = 0.95, seed: int = 0, chat_template: bool = True,
-                       **method_params) -> dict:
+                       request: Request | None = None, **method_params) -> dict:
     """Generate once under `method`, then write `kept.png` and `inspect.json` into `out_dir`.
+
+    request: an already validated `vase.core.spec.Request` (the CLI's door, `checked_requests`) instead of `method`,
+    `budget`, `window` and the method's parameters: the cache is built from it as it is, never validated again.
 
     Returns the report: the text, cache stats, the loop onset (token index or None), the share
     of positions each layer kept, and the value statistics of the full sequence's values (a hybrid model's
@@ -32,6 +37,9 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
     """
     # generate's checks, in generate's order: the prompt, the sampling and length, the seed, the switches, then
     # the prompt against the model's context and the request spec (in the cache), all before the folder is made
+    if request is not None:
+        request = carried(request, **set_beside(method, budget, window), **method_params)
+        method, budget, window = request.method, request.budget, request.window
     budget, window, max_new_tokens, greedy, temperature, top_p, seed, chat_template = map(
         plain, (budget, window, max_new_tokens, greedy, temperature, top_p, seed, chat_template))
     method_params = plain_items(method_params)
@@ -40,7 +48,9 @@ def inspect_generation(model, tokenizer, prompt: str, out_dir: str | Path, *, me
     check_seed(seed, 1)
     check_flags(greedy=greedy, chat_template=chat_template)
     ids, mask, total = prepare_prompts(model, tokenizer, [prompt], chat_template, max_new_tokens)
-    cache = EvictionCache(model, method, budget, window, seed=[seed], max_length=total, **method_params)
+    if request is None:  # the door: the one validation of this call's request (vase.core.spec)
+        request = RequestSpec.of(method, budget, window, seed=[seed], **method_params).validate()
+    cache = EvictionCache.from_request(model, replace(request, seed=[seed]), max_length=total)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     generated, _, _ = decode(model, ids, mask, cache, max_new_tokens=max_new_tokens, seeds=[seed],

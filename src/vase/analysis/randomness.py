@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 
 from ..core.policies import get_policy
+from ..core.spec import Request, RequestSpec, carried, set_beside
 from .randomness_report import print_report, write_files
 from .randomness_stats import (Mixture, bootstrap_ratio, bootstrap_ratio_difference, consecutive_overlap, coverage,
                                ensemble_kl, jaccard, relative_error, token_kl)
 
-__all__ = ["Arm", "Control", "Trace", "run_randomness", "traced_forced", "attention_modules", "print_report",
+__all__ = ["Arm", "Control", "Trace", "run_randomness", "study_requests", "traced_forced", "attention_modules", "print_report",
            # the measures, from randomness_stats
            "Mixture", "bootstrap_ratio", "bootstrap_ratio_difference", "consecutive_overlap", "coverage", "ensemble_kl",
            "jaccard", "relative_error", "token_kl"]
@@ -75,7 +76,7 @@ class Trace:
 @torch.inference_mode()
 def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *, method: str = "full",
                   budget: int = 512, window: int = 64, seed: int = 0, reference: torch.Tensor | None = None,
-                  keep_outputs: bool = False, **method_params) -> Trace:
+                  keep_outputs: bool = False, request: Request | None = None, **method_params) -> Trace:
     """Teacher-force `target_ids` [T] after `prompt_ids` [P] through `vase.generation.generate.forced_log_probs`
     (same chunks, same evictions, same log-probs), observing each chunk to record kept sets and
     attention outputs.
@@ -83,8 +84,17 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
     reference: [layers, T - 1, hidden] attention outputs of a full run (layers: the modules of
     `attention_modules`, in order); the trace then holds the
     relative error per layer and fed target. keep_outputs: keep this run's own outputs (for full).
+    request: a validated `Request` instead of `method`, `budget`, `window` and the method's parameters (carried to
+    `forced_log_probs` as it is); None: they are validated there.
     """
     from ..generation.generate import forced_log_probs
+
+    if request is not None:
+        request = carried(request, **set_beside(method, budget, window, "full"), **method_params)
+        window = request.window
+        what: dict = {"request": request}
+    else:
+        what = dict(method=method, budget=budget, window=window, **method_params)
 
     P, T = len(prompt_ids), len(target_ids)
     if T < 2:
@@ -127,8 +137,7 @@ def traced_forced(model, prompt_ids: Sequence[int], target_ids: Sequence[int], *
 
     handles = [m.register_forward_hook(hook) for m in mods]
     try:
-        log_probs = forced_log_probs(model, list(prompt_ids), list(target_ids), method=method, budget=budget,
-                                     window=window, seed=seed, on_chunk=observe, **method_params)
+        log_probs = forced_log_probs(model, list(prompt_ids), list(target_ids), seed=seed, on_chunk=observe, **what)
     finally:
         for h in handles:
             h.remove()
@@ -189,7 +198,8 @@ def _mean(xs: Sequence[float]) -> float | None:
 def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path, *, arms: Sequence[Arm] = DEFAULT_ARMS,
                    controls: Sequence[Control] | None = None, budget: int = 96, window: int = 16, seeds: int = 4,
                    max_new_tokens: int = 256, seed: int = 0, loop_tokens: int | None = None,
-                   chat_template: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+                   chat_template: bool = True, progress: Callable[[str], None] | None = None,
+                   requests: Mapping[str | tuple[str, int], Request] | None = None) -> dict:
     """Run the study on `prompts` and write `randomness.json`, `randomness.csv` and the plots into `out_dir`.
 
     Trajectories: the full cache's own sample (temperature 0.6, top-p 0.95, `seed`) of up to
@@ -198,10 +208,13 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     `DEFAULT_CONTROLS` whose arm runs); it is compared with its `versus` arm on the rows after the last of their first evictions. Loop onset: each arm
     generates freely (same sampling and seed) for `loop_tokens` (default `max_new_tokens`)
     tokens; 0 skips it. Returns the report dict.
+    `requests`: the study's validated requests (`study_requests`, the CLI's door); None: validated here, once each;
+    every run carries its own.
     """
     from ..generation.generate import encode_prompts, eos_ids, generate
 
     controls = _check_study(arms, controls, seeds, loop_tokens, budget, window)
+    req = dict(requests) if requests is not None else study_requests(arms, controls, seeds, budget, window)
     say = progress or (lambda msg: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,8 +223,8 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     sampling = dict(temperature=0.6, top_p=0.95, chat_template=chat_template)
 
     say(f"full: sampling {len(prompts)} trajectories of up to {max_new_tokens} tokens")
-    full_gen = generate(model, tokenizer, list(prompts), method="full", budget=budget, window=window,
-                        max_new_tokens=max_new_tokens, seed=seed, **sampling)
+    full_gen = generate(model, tokenizer, list(prompts), request=req["full"], max_new_tokens=max_new_tokens,
+                        seed=seed, **sampling)
     device = next(model.parameters()).device
     per_arm: dict[str, dict] = {a.label: {"kl": [], "top1": [], "kl_mix": [], "kl_single": [], "err_layer": [],
                                           "err_time": [], "coverage": [], "overlap": [], "evictions": []}
@@ -228,20 +241,20 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
             say(f"prompt {i}: full stopped after {len(targets)} tokens, before any eviction; skipped")
             continue
         say(f"prompt {i}: {len(prompt_ids)} prompt + {len(targets)} target tokens; full reference")
-        ref = traced_forced(model, prompt_ids, targets, method="full", budget=budget, window=window, keep_outputs=True)
+        ref = traced_forced(model, prompt_ids, targets, request=req["full"], keep_outputs=True)
         problems.append({"prompt_tokens": len(prompt_ids), "target_tokens": len(targets)})
         for arm in arms:
-            _measure_arm(model, prompt_ids, targets, ref, arm, seeds if arm.stochastic else 1, budget, window, seed,
+            _measure_arm(model, prompt_ids, targets, ref, arm, seeds if arm.stochastic else 1, req[arm.label], seed,
                          per_arm[arm.label], mixed[arm.label], lambda msg, i=i: say(f"prompt {i}: {msg}"))
         for ctl in controls:
-            mixed[ctl.label].append(_measure_control(model, prompt_ids, targets, ref, ctl, budget, window, seed,
+            mixed[ctl.label].append(_measure_control(model, prompt_ids, targets, ref, ctl, budget, window, seed, req,
                                                      lambda msg, i=i: say(f"prompt {i}: {msg}")))
         del ref
     if not problems:
         raise ValueError(f"no trajectory was long enough to evict (budget {budget} + window {window}): lower "
                          "--budget or raise --max-new-tokens")
 
-    loops = _free_generation(model, tokenizer, prompts, arms, budget, window, loop_tokens, seed, sampling, say) \
+    loops = _free_generation(model, tokenizer, prompts, arms, req, loop_tokens, seed, sampling, say) \
         if loop_tokens > 0 else {}
 
     report = _summarise(per_arm, arms, loops, problems, dict(
@@ -253,6 +266,20 @@ def run_randomness(model, tokenizer, prompts: Sequence[str], out_dir: str | Path
     report["cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # wall time depends on the machine's load
     write_files(report, per_arm, out_dir)
     return report
+
+
+def study_requests(arms: Sequence[Arm], controls: Sequence[Control] | None, seeds: int, budget: int,
+                   window: int) -> dict[str | tuple[str, int], Request]:
+    """The study's door: every request it runs, validated once (SpecError, one line): ``"full"``, each arm by its
+    label, each control at each of its budgets by ``(label, budget)`` (`controls` None: the default ones for
+    `seeds`, as `run_randomness` picks them)."""
+    out: dict[str | tuple[str, int], Request] = {"full": RequestSpec.of("full", budget, window).validate()}
+    for a in arms:  # the budget given first: its problem is named before a control's neighbouring budget's
+        out[a.label] = RequestSpec.of(a.method, budget, window, **a.params).validate()
+    for c in _check_study(arms, controls, seeds, None, budget, window):
+        for o in c.offsets:
+            out[c.label, budget + o] = RequestSpec.of(c.method, budget + o, window, **c.params).validate()
+    return out
 
 
 def _check_study(arms: Sequence[Arm], controls: Sequence[Control] | None, seeds: int, loop_tokens: int | None,
@@ -274,16 +301,15 @@ def _check_study(arms: Sequence[Arm], controls: Sequence[Control] | None, seeds:
     return controls
 
 
-def _measure_arm(model, prompt_ids: list[int], targets: list[int], ref: Trace, arm: Arm, n_seeds: int, budget: int,
-                 window: int, seed: int, acc: dict[str, list], mixed: list, say: Callable[[str], None]) -> None:
+def _measure_arm(model, prompt_ids: list[int], targets: list[int], ref: Trace, arm: Arm, n_seeds: int,
+                 request: Request, seed: int, acc: dict[str, list], mixed: list, say: Callable[[str], None]) -> None:
     """One prompt through one arm at each of its `n_seeds` seeds: its measures appended to `acc`, and (several
     seeds) its mixture's (first scored row, KL [T'], mean single KL [T']) to `mixed`."""
     mix = Mixture()
     singles = []
     for s in range(n_seeds):
         say(f"{arm.label} seed {s}")
-        tr = traced_forced(model, prompt_ids, targets, method=arm.method, budget=budget, window=window,
-                           seed=seed + s, reference=ref.attn_out, **arm.params)
+        tr = traced_forced(model, prompt_ids, targets, request=request, seed=seed + s, reference=ref.attn_out)
         t0 = tr.evict_targets[0]  # measure after the first eviction only
         kl = token_kl(ref.log_probs, tr.log_probs)
         singles.append(kl[t0:])
@@ -305,7 +331,8 @@ def _measure_arm(model, prompt_ids: list[int], targets: list[int], ref: Trace, a
 
 
 def _measure_control(model, prompt_ids: list[int], targets: list[int], ref: Trace, ctl: Control, budget: int,
-                     window: int, seed: int, say: Callable[[str], None]) -> tuple[int, torch.Tensor, torch.Tensor]:
+                     window: int, seed: int, requests: Mapping, say: Callable[[str], None]
+                     ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """One prompt through one control: its method's runs at each budget offset, mixed; (first scored row, mixture
     KL [T'], mean single KL [T'])."""
     from ..eval.metrics import first_evicted_target
@@ -316,14 +343,13 @@ def _measure_control(model, prompt_ids: list[int], targets: list[int], ref: Trac
     mix, singles = Mixture(), []
     for b in budgets:
         say(f"control {ctl.label} at B = {b}")
-        lp = forced_log_probs(model, prompt_ids, targets, method=ctl.method, budget=b, window=window,
-                              seed=seed, **ctl.params)[t0:].cpu()
+        lp = forced_log_probs(model, prompt_ids, targets, request=requests[ctl.label, b], seed=seed)[t0:].cpu()
         mix.add(lp)
         singles.append(token_kl(ref.log_probs[t0:], lp))
     return t0, token_kl(ref.log_probs[t0:], mix.log_probs()), torch.stack(singles).mean(0)
 
 
-def _free_generation(model, tokenizer, prompts: Sequence[str], arms: Sequence[Arm], budget: int, window: int,
+def _free_generation(model, tokenizer, prompts: Sequence[str], arms: Sequence[Arm], requests: Mapping,
                      loop_tokens: int, seed: int, sampling: dict, say: Callable[[str], None]) -> dict[str, list]:
     """Loop onset: the full cache and each arm generate freely for `loop_tokens` tokens; per label, per prompt, the
     loop onset, the length and the failure class."""
@@ -332,10 +358,10 @@ def _free_generation(model, tokenizer, prompts: Sequence[str], arms: Sequence[Ar
     from .loops import loop_onset
 
     loops: dict[str, list] = {}
-    for label, method, params in [("full", "full", {})] + [(a.label, a.method, a.params) for a in arms]:
+    for label in ["full"] + [a.label for a in arms]:
         say(f"free generation: {label}, {loop_tokens} tokens")
-        g = generate(model, tokenizer, list(prompts), method=method, budget=budget, window=window,
-                     max_new_tokens=loop_tokens, seed=seed, **sampling, **params)
+        g = generate(model, tokenizer, list(prompts), request=requests[label], max_new_tokens=loop_tokens, seed=seed,
+                     **sampling)
         decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
         loops[label] = [{"loop_onset": loop_onset(t, decode), "tokens": len(t),
                          "failure": classify_failure(decode(t), not fin)}

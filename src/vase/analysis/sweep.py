@@ -34,6 +34,7 @@ import torch
 
 from ..eval.metrics import aggregate_fidelity, fidelity_metrics, first_evicted_target
 from ..core.policies import get_policy
+from ..core.spec import Request, RequestSpec
 from ..core.schedule import physical_length
 
 DEFAULT_METHODS = ("streamingllm", "snapkv", "rkv", "vase-attnv", "vase-dkv", "quest")
@@ -181,13 +182,15 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
     budgets: dict[tuple, list[tuple[int, bool]]] = {}
     attended: dict[tuple, list[float]] = {}  # (task, method, c) -> [attended tokens summed over rows, rows]
     n_layers = int(model.config.num_hidden_layers)
+    validated: dict[tuple, Request] = {}  # each request checked once, then carried by every run that asks for it
+    full_request = _request(validated, "full", {}, 512, 64)  # generate's and forced_log_probs' defaults
     skipped: list[dict] = []
     trajectories = []
     for task, prompts in tasks.items():
         cap = max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[task]
         say(f"{task}: full samples {len(prompts)} trajectories of up to {cap} tokens")
-        full = generate(model, tokenizer, prompts, method="full", max_new_tokens=cap, seed=seed, temperature=0.6,
-                        top_p=0.95, chat_template=chat_template)
+        full = generate(model, tokenizer, prompts, request=full_request, max_new_tokens=cap, seed=seed,
+                        temperature=0.6, top_p=0.95, chat_template=chat_template)
         for i, prompt in enumerate(prompts):
             ids, _ = encode_prompts(tokenizer, [prompt], chat_template, device)
             prompt_ids, targets = ids[0].tolist(), full.token_ids[i]
@@ -198,7 +201,7 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
                 skipped.append({"task": task, "problem": i, "reason": f"full generated {T} tokens"})
                 continue
             say(f"{task} {i}: {P} prompt + {T} target tokens")
-            full_lp = forced_log_probs(model, prompt_ids, targets, method="full")
+            full_lp = forced_log_probs(model, prompt_ids, targets, request=full_request, seed=0)
             target_t = torch.tensor(targets)
             for c in compressions:
                 budget, clamped = sweep_budget(P + T, c, window)
@@ -213,8 +216,8 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
                     name, params = parse_method(m)
                     b, seen = _method_budget(m, P, T, budget, window, t0, quest_budget, n_layers)
                     say(f"{task} {i}: {m} at {c}x (B = {b})")
-                    lp = forced_log_probs(model, prompt_ids, targets, method=name, budget=b, window=window, seed=seed,
-                                          **params)
+                    request = _request(validated, name, params, b, window)
+                    lp = forced_log_probs(model, prompt_ids, targets, request=request, seed=seed)
                     cells.setdefault((task, m, c), []).append(fidelity_metrics(full_lp[t0:], lp[t0:], target_t[t0:]))
                     acc = attended.setdefault((task, m, c), [0.0, 0])
                     acc[0] += seen
@@ -230,6 +233,15 @@ def run_sweep(model, tokenizer, out_dir: str | Path, *, tasks: dict[str, list[st
               "cpu_seconds": round(time.process_time() - cpu_start, 1)}  # wall time depends on the machine's load
     write_sweep(report, out_dir)
     return report
+
+
+def _request(validated: dict[tuple, Request], name: str, params: dict, budget: int, window: int) -> Request:
+    """Method `name` with `params` at `budget`: validated on its first ask (SpecError, one line), then the same
+    `Request` for every problem that runs it at that budget."""
+    key = (name, json.dumps(params, sort_keys=True, default=str), budget, window)
+    if key not in validated:
+        validated[key] = RequestSpec.of(name, budget, window, **params).validate()
+    return validated[key]
 
 
 def _method_budget(m: str, P: int, T: int, budget: int, window: int, t0: int, quest_budget: int,

@@ -66,12 +66,15 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..caches.eager import EvictionCache
+from ..core.checks import check_seed
+from ..core.spec import Request, RequestSpec
 from ..generation.generate import PAPER_SAMPLING, Sampler, decode
 from .memory import PeakMemory, dynamic_kv_bytes
 from .paired import alternating
@@ -166,8 +169,11 @@ def _set_attention(model, method: str) -> None:
 
 def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int, prompt_length: int = 128,
             window: int = 64, segments: int = 4, seed: int = 0, compile: bool = False, cache_tokens: int | None = None,
-            clock: str = "wall", **method_params) -> dict:
+            clock: str = "wall", request: Request | None = None, **method_params) -> dict:
     """Decode `new_tokens` tokens once and return the raw measurements of that run.
+
+    request: the validated request of `method` at `budget` (`run_bench` carries the one it validated at its door);
+    None: validated here from `method`, `budget`, `window`, `seed` and `method_params` (not read for `dynamic`).
 
     compile: decode with `vase.generation.compiled.decode_compiled` (`full`: transformers' StaticCache, the step
     compiled; evicting methods: the static cache's compiled steps); `dynamic` stays eager.
@@ -188,8 +194,10 @@ def run_one(model, method: str, budget: int | None, new_tokens: int, batch: int,
     memory = PeakMemory(device)
     with memory:
         compiled = compile and method != "dynamic"
-        cache, timer, run_decode = _bench_cache(model, method, budget, window, seed, batch, prompt_length, new_tokens,
-                                                compiled, cache_tokens, now, method_params, device)
+        if method != "dynamic":
+            request = _run_request(method, budget, window, seed, method_params, request)
+        cache, timer, run_decode = _bench_cache(model, method, request, batch, prompt_length, new_tokens,
+                                                compiled, cache_tokens, now, device)
         stamps: list[float] = []
         evict_marks: list[int] = []
         calls = 0
@@ -231,17 +239,32 @@ def _check_clock(model, clock: str) -> None:
         raise ValueError("clock='cpu' times one CPU thread: run on the CPU with one torch thread (--threads 1)")
 
 
-def _bench_cache(model, method: str, budget: int | None, window: int, seed: int, batch: int, prompt_length: int,
-                 new_tokens: int, compiled: bool, cache_tokens: int | None, now, method_params: dict,
-                 device: torch.device):
-    """The cache one run decodes into, its eviction timer (None: nothing to time) and the decode loop to run."""
+def _run_request(method: str, budget: int | None, window: int, seed: int, method_params: dict,
+                 request: Request | None) -> Request:
+    """The request one run builds its cache from: `request` (carried; seeded with `seed`), else validated here (the
+    method's parameters are not full's: full runs in full precision without them)."""
+    if request is None:
+        params = method_params if method not in BASELINES else {}
+        return RequestSpec.of(method, budget, window, seed=seed, **params).validate()  # budget None: the placeholder
+    if not isinstance(request, Request) or request.method != method or request.window != window or (
+            budget is not None and request.budget != budget):
+        raise ValueError(f"request must be the validated Request of {method!r} at budget {budget}, window {window} "
+                         f"(RequestSpec(...).validate()), got {request!r}")
+    if request.seed == seed:
+        return request
+    check_seed(seed)
+    return replace(request, seed=seed)
+
+
+def _bench_cache(model, method: str, request: Request | None, batch: int, prompt_length: int, new_tokens: int,
+                 compiled: bool, cache_tokens: int | None, now, device: torch.device):
+    """The cache one run decodes into (built from `request`, not read for `dynamic`), its eviction timer (None:
+    nothing to time) and the decode loop to run."""
     timer = None
     if method == "dynamic":
         cache = _dynamic_cache(model)
     else:
-        params = method_params if method not in BASELINES else {}  # the method's parameters are not full's
-        cache = EvictionCache(model, method, budget, window, seed=seed, max_length=prompt_length + new_tokens,
-                              **params)  # budget None (full): the request spec's placeholder
+        cache = EvictionCache.from_request(model, request, max_length=prompt_length + new_tokens)
         timer = _EvictTimer(cache, device, now)  # eager evictions only (the compiled ones run inside the step)
     run_decode = decode
     if compiled:
@@ -306,7 +329,8 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
               repeats: int = 3, segments: int = 4, include_dynamic: bool = True, seed: int = 0,
               include_full: bool = True, warmup_tokens: int | None = None,
               progress: Callable[[dict], None] | None = None, compile: bool | str = False,
-              bandwidth: float | str | None = "probe", clock: str = "wall", **method_params) -> list[dict]:
+              bandwidth: float | str | None = "probe", clock: str = "wall",
+              requests: Mapping[tuple[str, int], Request] | None = None, **method_params) -> list[dict]:
     """Benchmark decode throughput and memory; one row per (batch, method, budget, output length).
 
     `methods` are eviction methods (run at every budget); `full` (owned cache, no eviction) and,
@@ -330,9 +354,12 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
     Repeats are paired: round r runs every configuration once (A, B, A, B, ...), and each ratio is
     the median over rounds of that round's ratio, with its range (`vs_full_lo` .. `vs_full_hi`).
     `clock`: "wall", or "cpu" (`run_one`: CPU time of one thread, for a loaded shared machine).
+    `requests`: the validated request of each evicting (method, budget) (the CLI's door, `checked_requests`); the
+    others are validated here, once each, from `window`, `seed` and `method_params`; every run carries its request.
     """
     configs = _bench_configs(methods, budgets, output_lengths, batch_sizes, prompt_length, warmup, repeats,
                              include_full, include_dynamic, compile)
+    carried = _bench_requests(configs, window, seed, method_params, requests or {})
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     bandwidth, sizes = _traffic_inputs(model, device, bandwidth)
@@ -350,14 +377,16 @@ def run_bench(model, methods: Sequence[str], budgets: Sequence[int], output_leng
                     if warm_key not in warmed:
                         for _ in range(max(warmup, 1 if comp else 0)):  # compiling is never timed
                             run_one(model, method, budget, warmup_tokens or length, batch, prompt_length, window,
-                                    segments, seed, compile=comp, cache_tokens=length, clock=clock, **method_params)
+                                    segments, seed, compile=comp, cache_tokens=length, clock=clock,
+                                    request=carried.get((method, budget)))
                         warmed.add(warm_key)
                 runs: dict[tuple, list[dict]] = {cfg: [] for cfg in configs}
                 # paired rounds (A, B, A, B, ...), so drifting machine load hits every method alike
                 for rep, (method, budget, comp) in alternating(configs, repeats):
                     runs[(method, budget, comp)].append(run_one(model, method, budget, length, batch,
                                                                 prompt_length, window, segments, seed,
-                                                                compile=comp, clock=clock, **method_params))
+                                                                compile=comp, clock=clock,
+                                                                request=carried.get((method, budget))))
                     if rep == repeats - 1:  # this configuration is done: report it now
                         row = summarise(runs[(method, budget, comp)], model, device, dtype, method, budget,
                                          length, batch, prompt_length, window, repeats, comp)
@@ -398,6 +427,19 @@ def _bench_configs(methods: Sequence[str], budgets: Sequence[int], output_length
     configs += [(m, b) for m in evicting for b in budgets]
     modes = [False, True] if compile == "both" else [bool(compile)]
     return [(m, b, c) for m, b in configs for c in modes if not (c and m == "dynamic")]
+
+
+def _bench_requests(configs: Sequence[tuple[str, int | None, bool]], window: int, seed: int, method_params: dict,
+                    given: Mapping[tuple[str, int], Request]) -> dict[tuple[str, int | None], Request]:
+    """run_bench's door: the request of every (method, budget) but `dynamic`, the given one (a validated
+    `Request`) or validated here once (SpecError, one line); every run of the configuration carries it."""
+    out: dict[tuple[str, int | None], Request] = {}
+    for method, budget, _ in configs:
+        if method == "dynamic" or (method, budget) in out:
+            continue
+        request = given.get((method, budget))
+        out[method, budget] = _run_request(method, budget, window, seed, method_params, request)
+    return out
 
 
 def _traffic_inputs(model, device: torch.device, bandwidth: float | str | None):

@@ -37,7 +37,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from .paired import alternating
 from .vllm_report import (STOCK_AT_VASE, STOCK_METHODS, SUMMARY_TABLE, Step, VllmBenchRow, paired_summary,
                           write_vllm_report)
 from ..core.schedule import cdiv
+from ..core.spec import Request
 
 __all__ = ["Step", "VllmBenchRow", "run_vllm_bench", "pool_bytes", "write_vllm_report", "compare_to_ample",
            "first_difference", "paired_rounds", "paired_summary", "REGIMES", "EVICTING_ONLY"]
@@ -137,7 +138,7 @@ def _time_mean(ts: Sequence[float], values: Sequence[float], end: float) -> floa
     return total / span if span > 0 else float(values[-1])
 
 
-def _one(model_path: str, *, regime: str, method: str, budget: int | None, window: int, params: dict,
+def _one(model_path: str, *, regime: str, method: str, budget: int | None, window: int, section: dict | None,
          prompts: list[list[int]], new_tokens: int, kv_bytes: int, dtype: str, block_size: int | None,
          engine_kwargs: dict, log, runner_env: str | None = None) -> VllmBenchRow:
     """One configuration. `runner_env`: VLLM_USE_V2_MODEL_RUNNER for this engine (None: unset, vLLM's default);
@@ -145,7 +146,7 @@ def _one(model_path: str, *, regime: str, method: str, budget: int | None, windo
     saved = os.environ.get(_RUNNER_ENV)
     _set_runner_env(runner_env if method in STOCK_METHODS else saved)
     try:
-        return _one_engine(model_path, regime=regime, method=method, budget=budget, window=window, params=params,
+        return _one_engine(model_path, regime=regime, method=method, budget=budget, window=window, section=section,
                            prompts=prompts, new_tokens=new_tokens, kv_bytes=kv_bytes, dtype=dtype,
                            block_size=block_size, engine_kwargs=engine_kwargs, log=log)
     finally:
@@ -163,16 +164,15 @@ def _set_runner_env(value: str | None) -> None:
         envs.__getattr__.cache_clear()
 
 
-def _one_engine(model_path: str, *, regime: str, method: str, budget: int | None, window: int, params: dict,
+def _one_engine(model_path: str, *, regime: str, method: str, budget: int | None, window: int, section: dict | None,
                 prompts: list[list[int]], new_tokens: int, kv_bytes: int, dtype: str, block_size: int | None,
                 engine_kwargs: dict, log) -> VllmBenchRow:
+    """One engine run of `method` at `budget`; `section`: its validated ``additional_config`` (None: stock vLLM)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vase.engines.vllm import engine_args, start_engine
-    from vase.vllm.config import vase_section
 
-    section = None if method in STOCK_METHODS else vase_section(method, int(budget), window, params)
     n = len(prompts)
     prompt_len = len(prompts[0])
     args = engine_args(model_path, dtype=dtype, max_model_len=prompt_len + new_tokens, seed=0, section=section,
@@ -247,7 +247,8 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
                    regimes: Sequence[str] = ("ample", "tight"), pool_requests: float | None = None,
                    dtype: str | None = None, block_size: int | None = None, in_process: bool = True,
                    seed: int = 0, engine_kwargs: dict | None = None, vase_kwargs: dict | None = None,
-                   skip_errors: bool = False, repeats: int = 1, log=print, **params: Any) -> list[VllmBenchRow]:
+                   skip_errors: bool = False, repeats: int = 1, log=print,
+                   requests: Mapping[tuple[str, int], Request] | None = None, **params: Any) -> list[VllmBenchRow]:
     """Run every regime x (``full`` + methods x budgets), ``repeats`` paired rounds (`paired_rounds`); returns
     one row per configuration and round (`paired_summary` folds the rounds).
 
@@ -264,6 +265,8 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
             stock row, ``full@vase-settings`` (V1 runner too); the ``full`` baseline keeps vLLM's defaults.
         skip_errors: log a configuration that fails to build or run (e.g. the plugin refusing a platform)
             and go on with the next, instead of raising.
+        requests: the validated request of each (method, budget) (the CLI's door, ``checked_requests``); the
+            others are validated here, once each, from ``window`` and ``params``, before any engine starts.
         params: method parameters (``-p``), passed to every method.
     """
     import torch
@@ -278,6 +281,7 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     for r in regimes:
         if r not in REGIMES:
             raise ValueError(f"unknown regime {r!r}: use {', '.join(REGIMES)} (or --pool-requests N)")
+    sections = _sections(methods, budgets, window, params, requests or {})
     if in_process:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     on_cpu = not torch.cuda.is_available()
@@ -307,7 +311,8 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
         if m != "full":
             kwargs.update(vase_kwargs or {})
         try:
-            return _one(path, regime=regime, method=m, budget=b, window=window, params=params, prompts=prompts,
+            return _one(path, regime=regime, method=m, budget=b, window=window, section=sections.get((m, b)),
+                        prompts=prompts,
                         new_tokens=new_tokens, kv_bytes=kv[regime], dtype=dtype, block_size=block_size,
                         engine_kwargs=kwargs, log=log, runner_env=user_runner if m == "full" else "0")
         except Exception as e:  # noqa: BLE001 - only with skip_errors
@@ -317,6 +322,23 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
             return None
 
     return paired_rounds(configs, repeats, run)
+
+
+def _sections(methods: Sequence[str], budgets: Sequence[int], window: int, params: dict,
+              given: Mapping[tuple[str, int], Request]) -> dict[tuple[str, int], dict]:
+    """The bench's door: each (method, budget)'s ``additional_config``, from its given validated `Request` or
+    validated here once (VaseConfigError, one line); every engine of that configuration starts with it."""
+    from vase.vllm.config import CONFIG_KEY, request_config, vase_section
+
+    sections = {}
+    for m in methods:
+        for b in budgets:
+            request = given.get((m, b))
+            if request is None:
+                sections[m, b] = vase_section(m, b, window, params)
+            else:
+                sections[m, b] = {CONFIG_KEY: request_config(request).to_dict()}
+    return sections
 
 
 def paired_rounds(configs: Sequence[tuple[str, str, int | None]], repeats: int,
@@ -348,11 +370,12 @@ def paired_rounds(configs: Sequence[tuple[str, str, int | None]], repeats: int,
 _NOT_READ = ("random_init", "layers", "clock", "bandwidth", "batch_sizes", "warmup", "warmup_tokens", "no_dynamic")
 
 
-def engine_bench(options: dict[str, Any], given: set[str], *, check_params: Callable[..., dict],
+def engine_bench(options: dict[str, Any], given: set[str], *, check_requests: Callable[..., tuple],
                  split: Callable[..., list], log=print) -> dict[str, Path]:
     """`vase bench --engine vllm` (the registry's ``bench`` hook): refuses the decode bench's flags in `given` (the
-    command-line names of those set), checks the methods' parameters with `check_params` (the CLI's
-    ``checked_params``), then :func:`cli_bench`. `options`: the command's settings by parameter name."""
+    command-line names of those set), validates each method at each budget once with `check_requests` (the CLI's
+    door, ``checked_requests``: the parsed parameters and the requests), then :func:`cli_bench` carries the
+    requests down. `options`: the command's settings by parameter name."""
     o = options
     dropped = [f"--{n.replace('_', '-')}" for n in _NOT_READ if n in given]
     if dropped:  # the vLLM bench has its own rounds and files: these would be dropped
@@ -360,22 +383,25 @@ def engine_bench(options: dict[str, Any], given: set[str], *, check_params: Call
         raise ValueError(f"{', '.join(dropped)} {'is' if one else 'are'} for the transformers engine's bench only: "
                          f"drop {'it' if one else 'them'} with --engine vllm")
     baseline = [m for m in o["methods"] if m != "full"]  # stock vLLM is the reference, never a vase config
-    params = check_params(baseline or o["methods"], o["param"], budgets=o["budgets"] if baseline else None,
-                          window=o["window"], engine=o["engine"])
+    params, checked = check_requests(baseline or o["methods"], o["param"], budgets=o["budgets"] if baseline else None,
+                                     window=o["window"], engine=o["engine"])
     return cli_bench(o["model"], o["methods"], o["budgets"], split(o["lengths"] or "2048", int, "--lengths"),
                      requests=o["requests"], prompt_len=o["prompt_length"], window=o["window"],
                      regimes=split(o["regimes"], str, "--regimes"), pool_requests=o["pool_requests"],
                      block_size=o["block_size"], dtype=None if o["dtype"] == "auto" else o["dtype"], params=params,
-                     out=o["out"], repeats=o["repeats"], results=o["results"], command=o["command"], log=log)
+                     out=o["out"], repeats=o["repeats"], results=o["results"], command=o["command"], log=log,
+                     checked=checked)
 
 
 def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int], lengths: Sequence[int], *,
               requests: int, prompt_len: int, window: int, regimes: Sequence[str], pool_requests: float | None,
               block_size: int | None, dtype: str | None, params: dict, out: str | Path = "bench-out",
               repeats: int = 1, results: str | Path | None = None, command: str | Sequence[str] | None = None,
-              log=print) -> dict[str, Path]:
+              log=print, checked: Mapping[tuple[str, int], Request] | None = None) -> dict[str, Path]:
     """What `vase bench --engine vllm` runs: checks, the runs, the report and the results file (`paired_summary`'s
-    rows with their provenance, default OUT/vllm_bench.json); returns the written paths."""
+    rows with their provenance, default OUT/vllm_bench.json); returns the written paths. `checked`: the requests the
+    CLI's door validated, by (method, budget), carried to every engine (the others are validated by
+    :func:`run_vllm_bench` before any engine starts)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -383,17 +409,12 @@ def cli_bench(model: str | None, methods: Sequence[str], budgets: Sequence[int],
     if len(lengths) != 1:
         raise ValueError(f"--engine vllm takes one output length (every request generates it), got {list(lengths)}")
     methods = [m for m in methods if m != "full"]  # stock vLLM is always the reference
-    for m in methods:  # the plugin's own checks (budget vs window and sinks), before any engine starts
-        for b in budgets:
-            from vase.vllm.config import vase_section
-
-            vase_section(m, b, window, params)
     from ..files.provenance import finish, provenance, write_results
 
     record = provenance(command, repeats=repeats)  # before the runs: the load average they start under
     rows = run_vllm_bench(model, methods, budgets, n_requests=requests, new_tokens=lengths[0], prompt_len=prompt_len,
                           window=window, regimes=regimes, pool_requests=pool_requests, dtype=dtype,
-                          block_size=block_size, repeats=repeats, log=log, **params)
+                          block_size=block_size, repeats=repeats, log=log, requests=checked, **params)
     paths = write_vllm_report(rows, out)
     paths["results"] = write_results(Path(results) if results is not None else Path(out) / "vllm_bench.json",
                                      paired_summary(rows), finish(record), table=SUMMARY_TABLE)

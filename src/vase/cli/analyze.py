@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..core.checks import check_sampling
 
-from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_out_dir, check_range, checked_params,
+from .common import (ModelArgs, ParamOpt, SeedOpt, UserError, WindowOpt, check_out_dir, check_range, checked_requests,
                      console, err_console, model_options, split_list, warn)
 
 __all__ = ["inspect", "analyze_app", "analysis_prompts", "MAX_SEEDS"]
@@ -44,12 +44,12 @@ def inspect(
     check_range("--max-new-tokens", max_new_tokens)  # generate's checks, before the model loads
     check_sampling(max_new_tokens=max_new_tokens, temperature=0.6, top_p=0.95, top_k=None, greedy=greedy)
     check_out_dir(out, "--out")
-    params = checked_params([method], param, budgets=[budget], window=window)
+    _, requests = checked_requests([method], param, budgets=[budget], window=window)  # the door: validated once
     from ..analysis.inspect import inspect_generation
 
     mdl, tok = model.load()
-    report = inspect_generation(mdl, tok, prompt, out, method=method, budget=budget, window=window,
-                                max_new_tokens=max_new_tokens, greedy=greedy, seed=seed, **params)
+    report = inspect_generation(mdl, tok, prompt, out, request=requests[method, budget],
+                                max_new_tokens=max_new_tokens, greedy=greedy, seed=seed)
     console.rule(f"[bold]{method}[/] B={budget}")
     console.out(report["text"], highlight=False)
     s = report["stats"]
@@ -108,12 +108,13 @@ def analyze_randomness(
                         f"problem), got {seeds}")
     check_range("--max-new-tokens", max_new_tokens, minimum=1)
     check_range("--loop-tokens", loop_tokens, minimum=0)  # 0 skips the free generation; -1 skipped it silently
-    checked_params(["snapkv", "vase-attnv"], None, budgets=[budget], window=window)  # before the model loads
-    prompts = analysis_prompts(task, data_dir=data_dir, limit=limit)
-    from ..analysis.randomness import print_report, run_randomness
+    from ..analysis.randomness import DEFAULT_ARMS, print_report, run_randomness, study_requests
 
+    # the door, before the model loads: every request of the study (full, each arm, each control's budgets) once
+    requests = study_requests(DEFAULT_ARMS, None, seeds, budget, window)
+    prompts = analysis_prompts(task, data_dir=data_dir, limit=limit)
     mdl, tok = model.load()
-    report = run_randomness(mdl, tok, prompts, out, budget=budget, window=window, seeds=seeds,
+    report = run_randomness(mdl, tok, prompts, out, budget=budget, window=window, seeds=seeds, requests=requests,
                             max_new_tokens=max_new_tokens, loop_tokens=loop_tokens, seed=seed,
                             progress=lambda m: err_console.print(m, highlight=False))
     print_report(report, console)

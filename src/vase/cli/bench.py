@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import (ModelArgs, invocation, ParamOpt, UserError, WindowOpt, checked_params, console, given, model_options,
-                     quant_options, quiet_loading, split_list, warn)
+from .common import (ModelArgs, invocation, ParamOpt, UserError, WindowOpt, checked_requests, console, given,
+                     model_options, quant_options, quiet_loading, split_list, warn)
 
 __all__ = ["bench", "random_model"]
 
@@ -109,7 +109,7 @@ def _engine_bench(hook: str, ctx: typer.Context, engine: str, model: ModelArgs, 
                    command=invocation(), engine=engine)
     flags = {n for n in ("random_init", "layers", "clock", "bandwidth", "batch_sizes", "warmup", "warmup_tokens",
                          "no_dynamic") if given(ctx, n)}
-    return load_hook(hook)(options, flags, check_params=checked_params, split=split_list, log=console.print)
+    return load_hook(hook)(options, flags, check_requests=checked_requests, split=split_list, log=console.print)
 
 
 def _decode_bench(ctx: typer.Context, model: ModelArgs, method_list: list[str], budget_list: list[int],
@@ -131,8 +131,10 @@ def _decode_bench(ctx: typer.Context, model: ModelArgs, method_list: list[str], 
     if clock == "cpu" and torch.get_num_threads() != 1:
         raise UserError("--clock cpu times one thread: add --threads 1 before the command (vase --threads 1 bench ...)")
     quant = quant_options(o["kv_bits"], None)
-    params = {**checked_params(method_list, o["param"], budgets=budget_list, window=o["window"], storage=quant),
-              **quant}
+    # the door: every (method, budget) validated once here, carried down to each run (`run_bench(requests=)`)
+    params, requests = checked_requests(method_list, o["param"], budgets=budget_list, window=o["window"],
+                                        storage=quant)
+    params = {**params, **quant}
     from ..bench.report import write_report, write_results_file
     from ..bench.runner import run_bench
     from ..files.provenance import finish, provenance
@@ -148,7 +150,8 @@ def _decode_bench(ctx: typer.Context, model: ModelArgs, method_list: list[str], 
                      window=o["window"], warmup=o["warmup"], warmup_tokens=o["warmup_tokens"], repeats=o["repeats"],
                      include_dynamic=not o["no_dynamic"],
                      compile="both" if o["compile"] else False,
-                     bandwidth="probe" if bandwidth is None else (bandwidth * 1e9 or None), clock=clock, **params)
+                     bandwidth="probe" if bandwidth is None else (bandwidth * 1e9 or None), clock=clock,
+                     requests=requests, **params)
     paths = write_report(rows, o["out"], console=console)
     paths["results"] = write_results_file(rows, o["results"] or o["out"] / "bench.json", finish(record))
     return paths

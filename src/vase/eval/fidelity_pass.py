@@ -57,8 +57,8 @@ class FidelityPass:
                                f"saw {ref['prompt_length']}")
         target_t = torch.tensor(targets, dtype=torch.long)
         t0 = time.perf_counter()
-        full_lp = self.engine.forced_log_probs(prompt_ids, targets, method=FULL, budget=None,
-                                               window=c.window, seed=seed0)
+        # the reference: full at its placeholder, the request the config validated (its door) and generated with
+        full_lp = self.engine.forced_log_probs(prompt_ids, targets, request=c.request(FULL, None), seed=seed0)
         full_seconds = time.perf_counter() - t0
         for u in pending:
             spec = self.specs[u.label]
@@ -96,9 +96,9 @@ class FidelityPass:
         """Full against full teacher-forced in chunks of ``w`` (the compressed caches' feeding): the KL that
         arithmetic alone produces. None when the forced function has no ``max_chunk`` argument."""
         try:
-            chunked = self.engine.forced_log_probs(prompt_ids, targets, method=FULL,
-                                                   budget=max(self.config.budgets, default=512),
-                                                   window=self.config.window, seed=seed, max_chunk=self.config.window)
+            request = self.config.request(FULL, max(self.config.budgets, default=512))  # validated at the config
+            chunked = self.engine.forced_log_probs(prompt_ids, targets, request=request, seed=seed,
+                                                   max_chunk=self.config.window)
         except TypeError:  # a stand-in forced function without chunking
             return {"noise_kl_mean": None, "noise_top1_agree": None}
         m = _chunked_fidelity(full_lp, chunked, target_t)
