@@ -101,8 +101,9 @@ def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
 #: goes first and test_vllm_dp and test_vllm_pp later: it makes the degree-1 run the three share
 #: (`tests.vllm_parallel.single_engine`), which the other two would otherwise wait for on their worker.
 SLOW_FIRST: tuple[str, ...] = (
-    "test_vllm_tp.py", "test_vllm_plugin.py", "test_compile.py", "test_static_generate.py", "test_vllm_linear.py",
-    "test_vllm_eval.py", "test_vllm_spec.py", "test_vllm_hybrid.py", "test_vllm_dp.py", "test_models.py", "test_vllm_scale_bench.py",
+    "test_vllm_tp.py", "test_vllm_plugin.py", "test_compile.py", "test_vllm_spec.py", "test_static_generate.py",
+    "test_vllm_linear.py", "test_vllm_spec_draft.py", "test_vllm_eval.py", "test_vllm_spec_eagle.py", "test_vllm_mla.py",
+    "test_vllm_hybrid.py", "test_vllm_dp.py", "test_models.py", "test_vllm_scale_bench.py",
     "test_vllm_bench.py", "test_vllm_pp.py", "test_vllm_serve.py", "test_vllm_exact.py", "test_bench.py",
     "test_cli.py", "test_vllm_prefix.py", "test_gpu_check.py", "test_vllm_llama4.py", "test_quant.py",
     "test_import_weight.py", "test_eval_runner.py", "test_vllm_moe.py", "test_hybrid.py", "test_cache.py",
