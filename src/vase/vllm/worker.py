@@ -154,13 +154,14 @@ class VaseCPUModelRunner(VaseStepMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         # Swap the implementation class of this engine's attention layers only: vLLM caches backend
         # selection per process, so registering a backend would also change other engines.
-        ctx = self.compilation_config.static_forward_context
+        latent = is_latent_model(self.model_config)
         self.vase_latent = {}  # MLA: layer name -> its up-projection (`vase.vllm.latent`)
         for name, impl in self._vase_attention_impls():
-            if is_latent_model(self.model_config):  # the latent cache, scored from the layer's own queries
-                check_latent_layer(name, ctx[name], impl)
-                install_latent(ctx[name])
-                self.vase_latent[name] = LatentProjection.of_layer(ctx[name])
+            if latent:  # the latent cache, scored from the layer's own queries
+                layer = self.compilation_config.static_forward_context[name]
+                check_latent_layer(name, layer, impl)
+                install_latent(layer)
+                self.vase_latent[name] = LatentProjection.of_layer(layer)
                 continue
             if type(impl) is not CPUAttentionBackendImpl:
                 raise VaseConfigError(f"vase needs vLLM's CPU attention, layer {name} uses {type(impl).__name__}: "
