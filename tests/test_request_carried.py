@@ -132,6 +132,7 @@ def test_vase_bench_on_vllm_validates_at_its_door_and_each_engine_gets_the_secti
                                                                                    monkeypatch):
     """`vase bench --engine vllm`: each (method, budget) validated once at the CLI's door; every engine of every
     regime and round starts with that request's section (no engine starts here: `_one_engine` records)."""
+    pytest.importorskip("vllm", reason="vase bench --engine vllm refuses at its door without vLLM installed")
     from vase.bench import vllm_bench
 
     started: list = []
