@@ -212,14 +212,20 @@ def test_tensor_parallel_and_other_mla_types_are_refused_in_one_line():
     from vase.core.policies import get_policy
     from vase.vllm.latent import latent_engine_refusal, latent_model_refusal
 
-    text = NS(model_type="deepseek_v32")
+    text = NS(model_type="deepseek_v32", n_routed_experts=4, num_hidden_layers=2, first_k_dense_replace=2)
     model = NS(model="m", use_mla=True, hf_text_config=text, hf_config=text)
     assert "deepseek_v32" in latent_model_refusal(model) and "\n" not in latent_model_refusal(model)
     text.model_type = "deepseek_v3"
     assert latent_model_refusal(model) is None
     config = NS(model_config=model, speculative_config=None,
-                parallel_config=NS(tensor_parallel_size=2, pipeline_parallel_size=1))
+                parallel_config=NS(tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1))
     line = latent_engine_refusal(config, get_policy("snapkv"))
     assert "tensor_parallel_size=2" in line and "\n" not in line
     config.parallel_config.tensor_parallel_size = 1
-    assert latent_engine_refusal(config, get_policy("snapkv")) is None
+    assert latent_engine_refusal(config, get_policy("snapkv")) is None  # experts declared, every layer dense
+    config.parallel_config.data_parallel_size = 2
+    assert "data_parallel_size=2" in latent_engine_refusal(config, get_policy("snapkv"))
+    config.parallel_config.data_parallel_size = 1
+    text.num_hidden_layers = 3  # layer 2 routes to experts: not compared
+    line = latent_engine_refusal(config, get_policy("snapkv"))
+    assert "MoE layers" in line and "\n" not in line
