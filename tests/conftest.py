@@ -12,8 +12,14 @@ from __future__ import annotations
 import gc
 import os
 
-import pytest
-import torch
+# vLLM's n-gram proposer runs numba, whose OpenMP layer shares torch's OpenMP runtime and leaves its thread count
+# at numba's (2 here) in the test process; a later in-process engine's CPU attention then builds its schedule for
+# one thread count and runs with another ("Check failed: input->metadata->thread_num == thread_num (2 vs. 1)",
+# seen in CI). numba's own thread pool leaves torch's alone. Set before numba is imported.
+os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 

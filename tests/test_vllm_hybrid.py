@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 import torch  # noqa: E402
 
 from tests.test_vllm_exact import B_PRE, W_PRE, _compare, _exact_under_preemption, prompt_ids  # noqa: E402
-from tests.vllm_tiny import core, runner, start_llm, transformers_greedy, vllm_batch  # noqa: E402
+from tests.vllm_tiny import core, runner, start_llm, stop_llm, transformers_greedy, vllm_batch  # noqa: E402
 from vase.core import schedule  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
@@ -119,11 +119,7 @@ def hybrid(request, tmp_path_factory):
                          max_num_batched_tokens=64),
                     additional_config("snapkv", B, W))
     yield family, path, llm
-    # the next family's engine in this process builds vLLM's parallel groups afresh (gpt-oss needs its EP group)
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    del llm
-    cleanup_dist_env_and_memory()
+    stop_llm(llm)
 
 
 #: Generated tokens, past each prompt's first eviction, that tiny Llama 4 must equal the transformers engine's.

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import tests.test_vllm_exact as exact  # noqa: E402
 from tests.test_vllm_exact import prompt_ids  # noqa: E402
-from tests.vllm_tiny import core, greedy, runner, start_llm, transformers_greedy, vllm_batch  # noqa: E402
+from tests.vllm_tiny import core, greedy, runner, start_llm, stop_llm, transformers_greedy, vllm_batch  # noqa: E402
 from vase.core.policies import get_policy  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
@@ -58,14 +58,6 @@ def save_tiny_qwen3_next(path: str) -> str:
     return path
 
 
-def _close(llm) -> None:
-    """Drop an in-process engine so the next one builds vLLM's parallel groups afresh."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    del llm
-    cleanup_dist_env_and_memory()
-
-
 def _prompts() -> list[list[int]]:
     return [prompt_ids(n, salt) for n, salt in PROMPTS]
 
@@ -79,17 +71,18 @@ def model_path(tmp_path_factory):
 def stock(model_path):
     """Stock vLLM's greedy tokens and top-5 log-probs for the prompts (one batch), its engine closed after."""
     llm = start_llm(dict(model=model_path, **OPTIONS), None)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in _prompts()], greedy(N_NEW, logprobs=5))
-    results = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
-    _close(llm)
-    return results
+    try:
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in _prompts()], greedy(N_NEW, logprobs=5))
+    finally:
+        stop_llm(llm)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def plugin(model_path, stock):  # after `stock`: one engine at a time
     llm = start_llm(dict(model=model_path, **OPTIONS), additional_config("snapkv", B, W))
     yield llm
-    _close(llm)
+    stop_llm(llm)
 
 
 def test_the_plugin_keeps_the_recurrent_groups_and_evicts_the_full_attention_one(plugin):

@@ -16,20 +16,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 from tests.test_vllm_exact import prompt_ids  # noqa: E402
 from tests.test_vllm_hybrid import BLOCK, W, save_tiny_hybrid  # noqa: E402
-from tests.vllm_tiny import core, greedy, runner, start_llm  # noqa: E402
+from tests.vllm_tiny import core, greedy, runner, start_llm, stop_llm  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
 N_NEW, B_ABOVE = 150, 400
 OPTIONS = dict(max_model_len=512, kv_cache_memory_bytes=2**22, block_size=BLOCK, enforce_eager=True, dtype="float32",
                seed=0, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=64)
-
-
-def _close(llm) -> None:
-    """Drop an in-process engine so the next one builds vLLM's parallel groups afresh."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    del llm
-    cleanup_dist_env_and_memory()
 
 
 def _generate(path: str, vase: dict | None) -> tuple[list[tuple[list[int], list[dict]]], dict]:
@@ -48,16 +40,12 @@ def _generate(path: str, vase: dict | None) -> tuple[list[tuple[list[int], list[
             r = runner(llm)
             info.update(group=r.vase_group, evictions=r.vase_evictions)
     finally:
-        _close(llm)
+        stop_llm(llm)
     return results, info
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    # an engine an earlier test file left in this worker holds parallel groups without the EP group an MoE needs
-    cleanup_dist_env_and_memory()
     path = save_tiny_hybrid("llama4", str(tmp_path_factory.mktemp("tiny-llama4")))
     stock = _generate(path, None)
     return stock, _generate(path, additional_config("snapkv", B_ABOVE, W))

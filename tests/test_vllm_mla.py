@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 import torch  # noqa: E402
 
 from tests.test_vllm_exact import _compare, prompt_ids  # noqa: E402
-from tests.vllm_tiny import greedy, runner, start_llm, transformers_greedy, vllm_batch  # noqa: E402
+from tests.vllm_tiny import greedy, runner, start_llm, stop_llm, transformers_greedy, vllm_batch  # noqa: E402
 from tests.vllm_tiny_mla import save_tiny_mla  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
@@ -35,14 +35,6 @@ def _prompts() -> list[list[int]]:
     return [prompt_ids(20, 40), prompt_ids(60, 42), prompt_ids(7, 41)]
 
 
-def _drop(llm) -> None:
-    """Free an engine so that the next one in this process builds vLLM's parallel groups afresh."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    del llm
-    cleanup_dist_env_and_memory()
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_mla(str(tmp_path_factory.mktemp("tiny-mla")))
@@ -52,7 +44,7 @@ def tiny(tmp_path_factory):
 def plugin(tiny):
     llm = start_llm(dict(OPTIONS, model=tiny), additional_config("snapkv", B, W))
     yield llm
-    _drop(llm)
+    stop_llm(llm)
 
 
 def test_nothing_evicted_equals_stock_vllm(tiny):
@@ -61,7 +53,7 @@ def test_nothing_evicted_equals_stock_vllm(tiny):
     prompts = [{"prompt_token_ids": ids} for ids in _prompts()]
     stock = start_llm(dict(OPTIONS, model=tiny), None)
     want = [list(o.outputs[0].token_ids) for o in stock.generate(prompts, greedy(N_NEW))]
-    _drop(stock)
+    stop_llm(stock)
     llm = start_llm(dict(OPTIONS, model=tiny), additional_config("snapkv", 1024, W))
     try:
         r = runner(llm)
@@ -69,7 +61,7 @@ def test_nothing_evicted_equals_stock_vllm(tiny):
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(N_NEW))]
         assert r.vase_evictions == 0
     finally:
-        _drop(llm)
+        stop_llm(llm)
     assert got == want
 
 
@@ -100,7 +92,7 @@ def test_deepseek_v2_runs_the_same_path(tmp_path):
         assert runner(llm).model_config.hf_config.model_type == "deepseek_v2"
         assert max(_matches(llm, path, "h2o")) >= 8
     finally:
-        _drop(llm)
+        stop_llm(llm)
 
 
 @pytest.mark.parametrize("method", METHODS)

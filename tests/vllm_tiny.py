@@ -64,11 +64,36 @@ def engine_args(**overrides):
 
 
 def start_llm(options: dict, vase: dict | None):
-    """An in-process `vllm.LLM` (no engine subprocess, one OpenMP thread) with vase's section, if any."""
+    """An in-process `vllm.LLM` (no engine subprocess, one OpenMP thread) with vase's section, if any, built on
+    parallel groups of its own (`release_engines`)."""
     from vllm import LLM
 
+    release_engines()
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1"):
         return LLM(**options, additional_config=vase or {})
+
+
+def release_engines() -> None:
+    """Finalize the engines earlier tests dropped and tear down vLLM's parallel groups, so the next engine builds its
+    own. Each in-process engine initializes process-wide groups once and never for a second model: a MoE model after
+    a dense one finds no expert group ("expert parallel group is not initialized", seen in a worker that ran
+    test_vllm_spec then test_vllm_linear), and an engine finalized late, after the next one started, tears down the
+    groups under it ("pipeline model parallel group is not initialized", seen in CI after a fixture failed while its
+    traceback held the engine)."""
+    import gc
+
+    import torch.distributed
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() or torch.distributed.is_initialized():  # an engine ran here
+        gc.collect()
+        parallel_state.cleanup_dist_env_and_memory()
+
+
+def stop_llm(llm) -> None:
+    """Shut an in-process engine down now: its parallel groups are torn down here, not whenever the garbage collector
+    finalizes it (which then does nothing)."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def core(llm):
