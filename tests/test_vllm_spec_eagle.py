@@ -39,14 +39,29 @@ def plain(tiny):
     return _engine(tiny)
 
 
+@pytest.fixture(scope="module")
+def heads(tiny, plain, tmp_path_factory):
+    """`heads(kind)`: the engine with an EAGLE (`eagle`) or EAGLE-3 (`eagle3`) head, started on first use and shared
+    by every test of the module (a test parametrized over (kind, method) pairs would otherwise get an engine per
+    pair: pytest keys an indirect parameter by its position in the list, not its value)."""
+    engines: dict = {}
+
+    def get(kind: str):
+        if kind not in engines:
+            head = save_tiny_eagle(str(tmp_path_factory.mktemp(f"tiny-{kind}")), tiny, kind)
+            spec = {"method": kind, "model": head, "num_speculative_tokens": K}
+            llm = _counting(_engine(tiny, speculative_config=spec))
+            llm.vase_method, llm.vase_spec = kind, spec
+            _ENGINES.append(llm)
+            engines[kind] = llm
+        return engines[kind]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["eagle", "eagle3"])
-def eagle(request, tiny, plain, tmp_path_factory):
-    head = save_tiny_eagle(str(tmp_path_factory.mktemp(f"tiny-{request.param}")), tiny, request.param)
-    spec = {"method": request.param, "model": head, "num_speculative_tokens": K}
-    llm = _counting(_engine(tiny, speculative_config=spec))
-    llm.vase_method, llm.vase_spec = request.param, spec
-    _ENGINES.append(llm)
-    return llm
+def eagle(request, heads):
+    return heads(request.param)
 
 
 def _drafts(llm, tag: str, method: str | None, n_new: int = 80) -> dict[int, list[tuple[int, list[int]]]]:
@@ -102,11 +117,11 @@ def test_until_the_first_eviction_the_heads_drafts_are_stock_vllms(eagle, tiny):
 EAGLE_METHODS = ("h2o", "random", "vase-attnv", "snapkv-sample")
 
 
-@pytest.mark.parametrize("eagle, method", [("eagle", m) for m in EAGLE_METHODS] + [("eagle3", m) for m in EVICTING],
-                         indirect=["eagle"])
-def test_eagle_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(eagle, plain, method):
+@pytest.mark.parametrize("kind, method", [("eagle", m) for m in EAGLE_METHODS] + [("eagle3", m) for m in EVICTING])
+def test_eagle_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(heads, plain, kind, method):
     """Three requests in one batch, 200 tokens each: tokens and kept sets at each of >= 9 evictions equal to the
     engine without speculation; some verify steps were cut at a boundary."""
+    eagle = heads(kind)
     cuts = core(eagle).scheduler.vase_draft_cuts
     ours, steps = _run(eagle, method)
     same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
