@@ -86,6 +86,7 @@ def release_engines() -> None:
     from vllm.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized() or torch.distributed.is_initialized():  # an engine ran here
+        gc.unfreeze()  # an engine freezes what lives when it starts, itself included: it can only be finalized thawed
         gc.collect()
         parallel_state.cleanup_dist_env_and_memory()
 
