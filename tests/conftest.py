@@ -112,8 +112,8 @@ SLOW_FIRST: tuple[str, ...] = (
     "test_vllm_hybrid.py", "test_vllm_dp.py", "test_models.py", "test_vllm_scale_bench.py",
     "test_vllm_bench.py", "test_vllm_pp.py", "test_vllm_serve.py", "test_vllm_exact.py", "test_bench.py",
     "test_cli.py", "test_vllm_prefix.py", "test_gpu_check.py", "test_vllm_llama4.py", "test_quant.py",
-    "test_import_weight.py", "test_eval_runner.py", "test_vllm_moe.py", "test_hybrid.py", "test_cache.py",
-    "test_eval_report.py",
+    "test_import_weight.py", "test_eval_runner.py", "test_vllm_moe.py", "test_vllm_mla_moe.py", "test_hybrid.py",
+    "test_cache.py", "test_eval_report.py",
 )
 
 

@@ -59,16 +59,11 @@ def latent_model_refusal(model_config: Any) -> str | None:
     return None
 
 
-def _has_moe_layers(model_config: Any) -> bool:
-    """Whether a DeepSeek config routes any layer to experts (layers from `first_k_dense_replace` on, when it has
-    routed experts); tests/test_vllm_mla.py compares dense layers only."""
-    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
-    experts = getattr(text, "n_routed_experts", None) or 0
-    return experts > 0 and getattr(text, "num_hidden_layers", 0) > (getattr(text, "first_k_dense_replace", 0) or 0)
-
-
 def latent_engine_refusal(vllm_config: Any, policy: Policy | None) -> str | None:
-    """Why the plugin cannot evict an MLA model under this engine config and method, in one line (None: it can)."""
+    """Why the plugin cannot evict an MLA model under this engine config and method, in one line (None: it can).
+
+    MoE layers are not refused: the experts run on what attention returns, and tests/test_vllm_mla_moe.py compares
+    DeepSeek-V2 and -V3 models with a routed layer with the transformers engine (one worker)."""
     if not is_latent_model(vllm_config.model_config):
         return None
     problem = shared_heads_problem(policy) if policy is not None else None
@@ -79,7 +74,6 @@ def latent_engine_refusal(vllm_config: Any, policy: Policy | None) -> str | None
         (f"tensor_parallel_size={parallel.tensor_parallel_size}", parallel.tensor_parallel_size > 1),
         (f"pipeline_parallel_size={parallel.pipeline_parallel_size}", parallel.pipeline_parallel_size > 1),
         (f"data_parallel_size={parallel.data_parallel_size}", parallel.data_parallel_size > 1),
-        ("MoE layers", _has_moe_layers(vllm_config.model_config)),
         ("speculative decoding", getattr(vllm_config, "speculative_config", None) is not None)) if present]
     if untested:
         # TP splits the query heads over ranks: each rank's head mean would choose another kept set

