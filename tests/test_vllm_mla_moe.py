@@ -6,7 +6,7 @@ shared; V3's router `noaux_tc` with sigmoid scores and a non-zero `e_score_corre
 - with nothing evicted (B above every length) the plugin's tokens equal stock vLLM's;
 - with eviction (B = 24, w = 4, 100 tokens, three requests in one batch), its tokens, log-probs and each layer's
   kept set equal vase's transformers engine's through 8+ evictions (tests/test_vllm_exact.py's comparison, up to
-  the first near-tie): V3 with h2o, vase-attnv and snapkv, V2 with h2o. The routers are compared only through
+  the first near-tie): V3 with h2o, vase-attnv, snapkv and knorm, V2 with h2o and vase-attnv. The routers are compared only through
   what they produce: a router near-tie that routed a token differently in the two engines would show as log-probs
   apart before the first near-tie of two tokens, and fail the comparison.
 """
