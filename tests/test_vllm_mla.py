@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from tests.test_vllm_exact import _compare, prompt_ids  # noqa: E402
 from tests.vllm_tiny import greedy, runner, start_llm, stop_llm, transformers_greedy, vllm_batch  # noqa: E402
-from tests.vllm_tiny_mla import save_tiny_mla  # noqa: E402
+from tests.vllm_tiny_mla import ROPE_OPTIONS, save_tiny_mla  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
 B, W, N_NEW = 24, 4, 100
@@ -28,7 +28,7 @@ METHODS = ("snapkv", "snapkv-sample", "snapkv-v", "vase-attnv", "h2o", "tova", "
            "random", "streamingllm")
 REFUSED = ("curdkv", "vase-dkv", "quest")
 OPTIONS = dict(max_model_len=512, kv_cache_memory_bytes=2**23, enforce_eager=True, dtype="float32", seed=0,
-               max_num_seqs=8)
+               max_num_seqs=8, **ROPE_OPTIONS)
 
 
 def _prompts() -> list[list[int]]:
@@ -101,8 +101,6 @@ def test_plugin_matches_transformers_through_evictions(plugin, tiny, method):
     log-probs and each layer's kept set equal the transformers engine's up to its first near-tie or boundary swap, in
     every request; 8+ evictions compared in one request or more."""
     compared = _matches(plugin, tiny, method)
-    # layer 0's latent depends on the token alone here (k_pe = 0): copies of one token tie exactly, and the engines'
-    # rounding may keep different copies; the comparison stops there (tests/test_vllm_exact.py's rule)
     assert max(compared) >= 8, compared
 
 
