@@ -47,6 +47,17 @@ def plugin(tiny):
     stop_llm(llm)
 
 
+def test_the_rope_half_is_live(tiny):
+    """The tiny model's `kv_a_proj_with_mqa` makes a non-zero `k_pe` in every layer, so the comparisons below score
+    `q_pe . k_pe` and would fail if a row's RoPE half did not move with it (docs/vllm.md, MLA section)."""
+    from safetensors import safe_open
+
+    with safe_open(f"{tiny}/model.safetensors", "pt") as f:
+        for layer in range(2):
+            weight = f.get_tensor(f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight")
+            assert weight.shape == (512 + 64, 128) and weight[512:].abs().min() > 0, layer
+
+
 def test_nothing_evicted_equals_stock_vllm(tiny):
     """B above every length: the plugin runs its latent path (query capture, physical lengths) and gives stock vLLM's
     tokens exactly."""
