@@ -6,8 +6,9 @@
 1. The kernel: `RotaryEmbedding.forward_cpu` (`torch.ops._C.rotary_embedding`) on the views DeepSeek's MLA layer
    passes (`vllm/model_executor/layers/mla.py`: `q[..., qk_nope:]` [T, H, 64] of a [T, H, 192] query, `k_pe`
    [T, 1, 64] inside the [T, 576] latent row) against `forward_native`: which channels it changed.
-2. The engines: stock vLLM (enforce_eager, custom ops on, and with `-rotary_embedding`) against transformers on the
-   tiny DeepSeek-V3 of tests/vllm_tiny_mla.py: prompt log-probs of a 60-token prompt and 100 greedy tokens."""
+2. The engines: stock vLLM (enforce_eager with custom ops on, then with `-rotary_embedding`; vLLM's default compiled
+   mode) against transformers on the tiny DeepSeek-V3 of tests/vllm_tiny_mla.py: prompt log-probs of a 60-token
+   prompt and 100 greedy tokens."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def engine_probe(path: str) -> None:
     options = dict(model=path, max_model_len=512, kv_cache_memory_bytes=2**23, enforce_eager=True, dtype="float32",
                    seed=0)
     for name, extra in (("custom ops on (enforce_eager's default)", {}),
-                        ("custom_ops ['-rotary_embedding']", {"compilation_config": {"custom_ops": ["-rotary_embedding"]}})):
+                        ("custom_ops ['-rotary_embedding']", {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}),
+                        ("compiled (no enforce_eager: custom ops off)", {"enforce_eager": False})):
         llm = start_llm(dict(options, **extra), None)
         out = llm.generate([{"prompt_token_ids": ids}], greedy(100, prompt_logprobs=0))[0]
         stop_llm(llm)
