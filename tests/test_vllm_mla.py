@@ -1,5 +1,6 @@
 """Multi-head latent attention (a tiny random DeepSeek-V3, fp32, 2 layers: tests/vllm_tiny_mla.py) through the vLLM
-plugin, which evicts vLLM's latent cache (one kept set per layer shared by every head, `vase.vllm.latent`):
+plugin, which evicts vLLM's latent cache (one kept set per layer shared by every head, `vase.vllm.latent`); the
+latent rows' RoPE half is live, and vLLM runs its rotary embedding in PyTorch (`ROPE_OPTIONS`, docs/vllm.md):
 
 - with nothing evicted (B above every length) the plugin's tokens equal stock vLLM's;
 - with eviction, its tokens, log-probs and kept sets (per layer) equal vase's transformers engine's through 8+

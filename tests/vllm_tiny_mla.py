@@ -6,8 +6,8 @@ The RoPE half of the latent row (`k_pe`) is live, so a head's score is `q_nope .
 engines. The tests run vLLM with `ROPE_OPTIONS` (its rotary embedding in PyTorch): with `enforce_eager=True` vLLM 0.32
 turns every custom op on, and its CPU rotary kernel (`torch.ops._C.rotary_embedding`) mis-reads the strided 3-D
 views DeepSeek's MLA layer hands it (`q[..., qk_nope:]` [T, H, 64] and `k_pe` [T, 1, 64] inside the 576-wide
-row): it rotates one head per token at the head stride, so most `q_pe` heads and every prefill `k_pe` but the first
-keep position 0, and the writes land in other heads' and rows' channels (docs/vllm.md, "RoPE in vLLM 0.32's CPU
+row): it rotates one head per token at the head stride, so most `q_pe` heads and most prompt `k_pe` rows keep
+position 0, and the writes land in other heads' and rows' channels (docs/vllm.md, "RoPE in vLLM 0.32's CPU
 build"). With the PyTorch rotary, stock vLLM's prompt log-probs equal transformers' within 2e-5."""
 
 from __future__ import annotations
