@@ -1,5 +1,6 @@
 """Multi-head latent attention (a tiny random DeepSeek-V3, fp32, 2 layers: tests/vllm_tiny_mla.py) through the vLLM
-plugin, which evicts vLLM's latent cache (one kept set per layer shared by every head, `vase.vllm.latent`):
+plugin, which evicts vLLM's latent cache (one kept set per layer shared by every head, `vase.vllm.latent`); the
+latent rows' RoPE half is live, and vLLM runs its rotary embedding in PyTorch (`ROPE_OPTIONS`, docs/vllm.md):
 
 - with nothing evicted (B above every length) the plugin's tokens equal stock vLLM's;
 - with eviction, its tokens, log-probs and kept sets (per layer) equal vase's transformers engine's through 8+
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 
 from tests.test_vllm_exact import _compare, prompt_ids  # noqa: E402
 from tests.vllm_tiny import greedy, runner, start_llm, stop_llm, transformers_greedy, vllm_batch  # noqa: E402
-from tests.vllm_tiny_mla import save_tiny_mla  # noqa: E402
+from tests.vllm_tiny_mla import ROPE_OPTIONS, save_tiny_mla  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
 B, W, N_NEW = 24, 4, 100
@@ -28,7 +29,7 @@ METHODS = ("snapkv", "snapkv-sample", "snapkv-v", "vase-attnv", "h2o", "tova", "
            "random", "streamingllm")
 REFUSED = ("curdkv", "vase-dkv", "quest")
 OPTIONS = dict(max_model_len=512, kv_cache_memory_bytes=2**23, enforce_eager=True, dtype="float32", seed=0,
-               max_num_seqs=8)
+               max_num_seqs=8, **ROPE_OPTIONS)
 
 
 def _prompts() -> list[list[int]]:
@@ -45,6 +46,17 @@ def plugin(tiny):
     llm = start_llm(dict(OPTIONS, model=tiny), additional_config("snapkv", B, W))
     yield llm
     stop_llm(llm)
+
+
+def test_the_rope_half_is_live(tiny):
+    """The tiny model's `kv_a_proj_with_mqa` makes a non-zero `k_pe` in every layer, so the comparisons below score
+    `q_pe . k_pe` and would fail if a row's RoPE half did not move with it (docs/vllm.md, MLA section)."""
+    from safetensors import safe_open
+
+    with safe_open(f"{tiny}/model.safetensors", "pt") as f:
+        for layer in range(2):
+            weight = f.get_tensor(f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight")
+            assert weight.shape == (512 + 64, 128) and weight[512:].abs().min() > 0, layer
 
 
 def test_nothing_evicted_equals_stock_vllm(tiny):
@@ -101,8 +113,6 @@ def test_plugin_matches_transformers_through_evictions(plugin, tiny, method):
     log-probs and each layer's kept set equal the transformers engine's up to its first near-tie or boundary swap, in
     every request; 8+ evictions compared in one request or more."""
     compared = _matches(plugin, tiny, method)
-    # layer 0's latent depends on the token alone here (k_pe = 0): copies of one token tie exactly, and the engines'
-    # rounding may keep different copies; the comparison stops there (tests/test_vllm_exact.py's rule)
     assert max(compared) >= 8, compared
 
 

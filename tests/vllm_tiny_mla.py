@@ -2,17 +2,23 @@
 head dims vLLM's CPU MLA kernel takes (qk_nope 128 + qk_rope 64 over a 512 latent: rows of 576), value heads of 128,
 no query LoRA, dense MLP layers (first_k_dense_replace = num_hidden_layers), the character tokenizer.
 
-The RoPE half of the latent row is zeroed (the kv_a_proj_with_mqa rows that make `k_pe`): stock vLLM 0.32's CPU MLA
-attention on this model equals transformers' with every position 0 (measured: layer 0's attention output of a
-2-token prompt differs by 0.12 at position 1 from transformers' and by 2e-5 from transformers' run with position_ids
-0, 0), so with a live RoPE half the two engines part before any eviction. With `k_pe` = 0 a head's score is
-`q_nope . W_UK c` in both, and the engines agree (tests/test_vllm_mla.py)."""
+The RoPE half of the latent row (`k_pe`) is live, so a head's score is `q_nope . W_UK c + q_pe . k_pe` in both
+engines. The tests run vLLM with `ROPE_OPTIONS` (its rotary embedding in PyTorch): with `enforce_eager=True` vLLM 0.32
+turns every custom op on, and its CPU rotary kernel (`torch.ops._C.rotary_embedding`) mis-reads the strided 3-D
+views DeepSeek's MLA layer hands it (`q[..., qk_nope:]` [T, H, 64] and `k_pe` [T, 1, 64] inside the 576-wide
+row): it rotates one head per token at the head stride, so most `q_pe` heads and most prompt `k_pe` rows keep
+position 0, and the writes land in other heads' and rows' channels (docs/vllm.md, "RoPE in vLLM 0.32's CPU
+build"). With the PyTorch rotary, stock vLLM's prompt log-probs equal transformers' within 2e-5."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+#: vLLM options the MLA tests add: the rotary embedding in PyTorch (`RotaryEmbedding.forward_native`), not vLLM 0.32's
+#: CPU kernel, which rotates DeepSeek's strided q_pe / k_pe views wrongly under enforce_eager (module docstring)
+ROPE_OPTIONS = dict(compilation_config={"custom_ops": ["-rotary_embedding"]})
 
 
 def save_tiny_mla(path: str, seed: int = 0, family: str = "deepseek-v3", moe: bool = False) -> str:
@@ -40,8 +46,7 @@ def save_tiny_mla(path: str, seed: int = 0, family: str = "deepseek-v3", moe: bo
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
-        for layer in model.model.layers:  # k_pe = 0 (module docstring)
-            layer.self_attn.kv_a_proj_with_mqa.weight[cfg.kv_lora_rank:] = 0.0
+        for layer in model.model.layers:
             bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
             if bias is not None:  # V3's router: a live correction (zeros would load as well as none)
                 bias.copy_(torch.randn(bias.shape) * 0.1)
