@@ -230,3 +230,21 @@ def test_tensor_parallel_and_other_mla_types_are_refused_in_one_line():
     config.parallel_config.data_parallel_size = 1
     text.num_hidden_layers = 3  # layer 2 routes to experts: compared (tests/test_vllm_mla_moe.py), not refused
     assert latent_engine_refusal(config, get_policy("snapkv")) is None
+    # vLLM's CPU rotary kernel on MLA's strided views (tests/vllm_tiny_mla.py): refused where vLLM would run it
+    config.compilation_config = NS(custom_ops=["all"])  # what enforce_eager gives
+    line = latent_engine_refusal(config, get_policy("snapkv"))
+    assert "-rotary_embedding" in line and "\n" not in line
+    config.compilation_config.custom_ops = ["all", "-rotary_embedding"]
+    assert latent_engine_refusal(config, get_policy("snapkv")) is None
+    config.compilation_config.custom_ops = ["none"]  # vLLM's compiled default: the PyTorch rotary
+    assert latent_engine_refusal(config, get_policy("snapkv")) is None
+
+
+def test_an_eager_engine_with_vllms_cpu_rotary_kernel_is_refused(tiny):
+    """The built config of an eager engine without `-rotary_embedding` (vLLM adds 'all' to its custom ops)."""
+    from vase.vllm.config import VaseConfigError
+
+    options = {k: v for k, v in OPTIONS.items() if k != "compilation_config"}
+    with pytest.raises(VaseConfigError, match="-rotary_embedding") as err:
+        start_llm(dict(options, model=tiny), additional_config("snapkv", B, W))
+    assert "\n" not in str(err.value)

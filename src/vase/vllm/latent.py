@@ -79,7 +79,23 @@ def latent_engine_refusal(vllm_config: Any, policy: Policy | None) -> str | None
         # TP splits the query heads over ranks: each rank's head mean would choose another kept set
         return (f"vase evicts vLLM's MLA latent cache with one worker and plain decoding (tests/test_vllm_mla.py), "
                 f"not with {', '.join(untested)}: drop that setting {_DROP}")
+    if _cpu_rotary_kernel(vllm_config):
+        return ("vLLM 0.32's CPU rotary kernel, which enforce_eager turns on, mis-reads an MLA layer's strided query "
+                "and key views (most positions stay 0: docs/vllm.md, 'RoPE in vLLM 0.32's CPU build'): add "
+                "compilation_config={'custom_ops': ['-rotary_embedding']} or drop enforce_eager")
     return None
+
+
+def _cpu_rotary_kernel(vllm_config: Any) -> bool:
+    """Whether vLLM runs its CPU rotary kernel (`RotaryEmbedding.forward_cpu`) under this config: on a CPU, with the
+    rotary custom op on by vLLM's rule (`CustomOp.enabled`: 'all' or '+rotary_embedding', and no '-rotary_embedding';
+    vLLM adds 'all' to an eager run's custom ops)."""
+    from vllm.platforms import current_platform
+
+    compilation = getattr(vllm_config, "compilation_config", None)
+    ops = list(getattr(compilation, "custom_ops", None) or [])
+    on = "-rotary_embedding" not in ops and ("all" in ops or "+rotary_embedding" in ops)
+    return on and current_platform.is_cpu()
 
 
 class LatentProjection:
