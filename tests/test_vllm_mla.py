@@ -59,22 +59,31 @@ def test_the_rope_half_is_live(tiny):
             assert weight.shape == (512 + 64, 128) and weight[512:].abs().min() > 0, layer
 
 
-def test_nothing_evicted_equals_stock_vllm(tiny):
-    """B above every length: the plugin runs its latent path (query capture, physical lengths) and gives stock vLLM's
-    tokens exactly."""
+def assert_unevicted_equals_stock(path: str, method: str = "snapkv", check_stock=None) -> None:
+    """B above every length: the plugin runs its latent path (query capture, physical lengths; both layers' latent
+    caches) and gives stock vLLM's greedy tokens exactly (3 prompts, N_NEW tokens). `check_stock(llm)`: what to
+    assert about the stock engine first."""
     prompts = [{"prompt_token_ids": ids} for ids in _prompts()]
-    stock = start_llm(dict(OPTIONS, model=tiny), None)
-    want = [list(o.outputs[0].token_ids) for o in stock.generate(prompts, greedy(N_NEW))]
-    stop_llm(stock)
-    llm = start_llm(dict(OPTIONS, model=tiny), additional_config("snapkv", 1024, W))
+    stock = start_llm(dict(OPTIONS, model=path), None)
+    try:
+        if check_stock is not None:
+            check_stock(stock)
+        want = [list(o.outputs[0].token_ids) for o in stock.generate(prompts, greedy(N_NEW))]
+    finally:
+        stop_llm(stock)
+    llm = start_llm(dict(OPTIONS, model=path), additional_config(method, 1024, W))
     try:
         r = runner(llm)
-        assert set(r.vase_latent) == set(r.vase_layers) and len(r.vase_layers) == 2  # both layers' latent caches
+        assert set(r.vase_latent) == set(r.vase_layers) and len(r.vase_layers) == 2
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(N_NEW))]
         assert r.vase_evictions == 0
     finally:
         stop_llm(llm)
     assert got == want
+
+
+def test_nothing_evicted_equals_stock_vllm(tiny):
+    assert_unevicted_equals_stock(tiny)
 
 
 def _matches(llm, path: str, method: str) -> list[int]:

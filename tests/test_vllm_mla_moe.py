@@ -23,8 +23,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 import torch  # noqa: E402
 
-from tests.test_vllm_mla import B, N_NEW, OPTIONS, W, _matches, _prompts  # noqa: E402
-from tests.vllm_tiny import greedy, runner, start_llm, stop_llm  # noqa: E402
+from tests.test_vllm_mla import B, OPTIONS, W, _matches, assert_unevicted_equals_stock  # noqa: E402
+from tests.vllm_tiny import runner, start_llm, stop_llm  # noqa: E402
 from tests.vllm_tiny_mla import save_tiny_mla  # noqa: E402
 from vase.vllm import additional_config  # noqa: E402
 
@@ -60,22 +60,7 @@ def test_nothing_evicted_equals_stock_vllm(moe_model):
     """B above every length: the plugin's greedy tokens equal stock vLLM's on the MoE MLA model (3 prompts, 100
     tokens)."""
     family, path = moe_model
-    prompts = [{"prompt_token_ids": ids} for ids in _prompts()]
-    stock = start_llm(dict(OPTIONS, model=path), None)
-    try:
-        _check_routed_layer(stock, path, family)
-        want = [list(o.outputs[0].token_ids) for o in stock.generate(prompts, greedy(N_NEW))]
-    finally:
-        stop_llm(stock)
-    llm = start_llm(dict(OPTIONS, model=path), additional_config("h2o", 1024, W))
-    try:
-        r = runner(llm)
-        assert set(r.vase_latent) == set(r.vase_layers) and len(r.vase_layers) == 2  # both layers' latent caches
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(N_NEW))]
-        assert r.vase_evictions == 0
-    finally:
-        stop_llm(llm)
-    assert got == want
+    assert_unevicted_equals_stock(path, "h2o", lambda stock: _check_routed_layer(stock, path, family))
 
 
 def test_plugin_matches_transformers_through_evictions(moe_model):
