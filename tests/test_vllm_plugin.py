@@ -1,8 +1,12 @@
-"""The vLLM plugin end to end on the embedded SmolLM2-135M (CPU build of vLLM 0.32).
+"""The vLLM plugin end to end (CPU build of vLLM 0.32): on the embedded SmolLM2-135M (a real checkpoint and
+tokenizer: stock parity, transformers parity at the first eviction, `vase generate --engine vllm`), and on the tiny
+random Llama of tests/vllm_tiny.py where what is checked does not depend on the weights (the block bound under pool
+pressure over long decodes, preemption, seeded sampling, the multiprocess engine): a SmolLM decode step costs about
+0.15 s here, the tiny model's a few milliseconds.
 
 Engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the tests can read vLLM's
 own scheduler and KV cache manager; one test runs the default multiprocess path in a child.
-Each engine configuration is built once per module (a start takes 10-20 s here).
+Each engine configuration is built once per module (a SmolLM start takes 10-20 s here, a tiny one about 2 s).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vll
 
 import torch  # noqa: E402
 
-from tests.vllm_tiny import core, greedy, runner, start_llm  # noqa: E402
+from tests.vllm_tiny import core, greedy, runner, save_tiny_llama, start_llm  # noqa: E402
 from vase.core import schedule  # noqa: E402
 from vase.vllm import VaseConfigError, VaseVllmConfig, additional_config, max_blocks, request_stats  # noqa: E402
 
@@ -36,6 +40,11 @@ def model_path():
     return model_dir()
 
 
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("plugin-tiny")))
+
+
 def _block_bytes(path: str) -> int:
     cfg = json.load(open(os.path.join(path, "config.json")))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -49,10 +58,12 @@ def make_engine(path: str, vase: dict | None = None, **kwargs):
     return start_llm(options, vase)
 
 
-def prompt_ids(n: int, salt: int = 0) -> list[int]:
-    """A prompt of exactly n tokens (ordinary text tokens of the model's vocabulary)."""
+def prompt_ids(n: int, salt: int = 0, tiny: bool = False) -> list[int]:
+    """A prompt of exactly n tokens: ordinary text tokens of SmolLM's vocabulary, or with `tiny` characters of the
+    tiny model's."""
     g = torch.Generator().manual_seed(1000 + salt)
-    return (torch.randint(300, 9000, (n,), generator=g)).tolist()
+    low, high = (3, 90) if tiny else (300, 9000)
+    return (torch.randint(low, high, (n,), generator=g)).tolist()
 
 
 def run_stepped(llm, prompts: list[list[int]], params) -> dict:
@@ -102,9 +113,21 @@ def snap(model_path):
 
 
 @pytest.fixture(scope="module")
-def attnv(model_path):
-    """vase-attnv B=128 w=32, chunked prefill on with 128-token chunks."""
-    llm = make_engine(model_path, additional_config("vase-attnv", 128, 32), enable_chunked_prefill=True,
+def tiny_stock(tiny_path):
+    return make_engine(tiny_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_snap(tiny_path):
+    """The tiny model with `snap`'s settings."""
+    return make_engine(tiny_path, additional_config("snapkv", 64, 16), enable_chunked_prefill=False,
+                       max_num_batched_tokens=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def attnv(tiny_path):
+    """The tiny model, vase-attnv B=128 w=32, chunked prefill on with 128-token chunks."""
+    llm = make_engine(tiny_path, additional_config("vase-attnv", 128, 32), enable_chunked_prefill=True,
                       max_num_batched_tokens=128)
     runner(llm).vase_record = {}
     return llm
@@ -196,7 +219,7 @@ def test_long_decode_holds_at_most_the_bound_and_pool_pressure_never_preempts(at
     pool stock vLLM cannot fit them in (4 x 11 + 21 blocks of 39 without eviction)."""
     cfg = VaseVllmConfig.from_additional_config(additional_config("vase-attnv", 128, 32))
     bound = max_blocks(cfg, BLOCK)
-    prompts = [prompt_ids(20, 10)] + [prompt_ids(20, 11 + i) for i in range(4)]
+    prompts = [prompt_ids(20, 10, tiny=True)] + [prompt_ids(20, 11 + i, tiny=True) for i in range(4)]
     params = [greedy(LONG)] + [greedy(330)] * 4
     record = runner(attnv).vase_record
     record.clear()
@@ -217,9 +240,9 @@ def test_long_decode_holds_at_most_the_bound_and_pool_pressure_never_preempts(at
     assert evictions == sorted(schedule.num_evictions(20, 128, 32, n - 1) for n in [LONG] + [330] * 4)
 
 
-def test_stock_vllm_preempts_under_the_same_pool(stock):
-    prompts = [prompt_ids(20, 11 + i) for i in range(4)]
-    res = run_stepped(stock, prompts, greedy(330))
+def test_stock_vllm_preempts_under_the_same_pool(tiny_stock):
+    prompts = [prompt_ids(20, 11 + i, tiny=True) for i in range(4)]
+    res = run_stepped(tiny_stock, prompts, greedy(330))
     assert sorted(map(len, res["outputs"].values())) == [330] * 4
     assert sum(res["preemptions"].values()) > 0
 
@@ -230,12 +253,12 @@ def test_fixed_seed_sampling_is_identical_across_runs_and_alone_vs_batched(attnv
     def params(seed):
         return SamplingParams(max_tokens=200, temperature=0.6, top_p=0.95, seed=seed, ignore_eos=True)
 
-    ids = {"prompt_token_ids": prompt_ids(30, 3)}
+    ids = {"prompt_token_ids": prompt_ids(30, 3, tiny=True)}
     record = runner(attnv).vase_record
     record.clear()
     alone = attnv.generate([ids], params(7))[0].outputs[0].token_ids
     again = attnv.generate([ids], params(7))[0].outputs[0].token_ids
-    others = [{"prompt_token_ids": prompt_ids(n, n)} for n in (12, 50)]
+    others = [{"prompt_token_ids": prompt_ids(n, n, tiny=True)} for n in (12, 50)]
     batched = attnv.generate([others[0], ids, others[1]], [params(1), params(7), params(2)])[1].outputs[0].token_ids
     assert min(e["evictions"] for e in record.values()) >= 2  # eviction (and its sampling) really ran
     assert alone == again == batched
@@ -244,17 +267,17 @@ def test_fixed_seed_sampling_is_identical_across_runs_and_alone_vs_batched(attnv
 def test_forced_preemption_long_prompts_and_early_finishes_complete(attnv):
     """Prompts longer than B, held whole until their first eviction, overflow the 39-block pool: vLLM
     preempts and recomputes; every request still completes. A short request finishes before any eviction."""
-    long_prompts = [prompt_ids(400, 20 + i) for i in range(3)]  # 13 blocks each, 14 before their first eviction
-    short = [prompt_ids(15, 30)]
+    long_prompts = [prompt_ids(400, 20 + i, tiny=True) for i in range(3)]  # 13 blocks each, 14 before its first eviction
+    short = [prompt_ids(15, 30, tiny=True)]
     res = run_stepped(attnv, long_prompts + short, [greedy(120)] * 3 + [greedy(8)])
     assert sorted(map(len, res["outputs"].values())) == [8] + [120] * 3
     assert sum(res["preemptions"].values()) > 0
 
 
-def test_default_multiprocess_engine_matches_in_process(snap, model_path, tmp_path):
+def test_default_multiprocess_engine_matches_in_process(tiny_snap, tiny_path, tmp_path):
     """A real deployment runs the engine core in its own process: the plugin loads there through the
-    entry point and evicts exactly as in process."""
-    ids = prompt_ids(20, 1)
+    entry point and evicts exactly as in process (120 tokens, B=64 w=16: two evictions)."""
+    model_path, ids = tiny_path, prompt_ids(20, 1, tiny=True)
     script = textwrap.dedent(f"""
         import json, os
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -275,7 +298,8 @@ def test_default_multiprocess_engine_matches_in_process(snap, model_path, tmp_pa
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stderr[-3000:]
     theirs = json.loads(lines[-1][len("RESULT "):])
-    ours = snap.generate([{"prompt_token_ids": ids}], greedy(120))[0].outputs[0].token_ids
+    ours = tiny_snap.generate([{"prompt_token_ids": ids}], greedy(120))[0].outputs[0].token_ids
+    assert runner(tiny_snap).vase_evictions >= 2
     assert theirs == list(ours)
 
 
