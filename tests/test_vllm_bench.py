@@ -133,12 +133,15 @@ def test_report_writes_table_timeline_and_plot(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def rows():
+def rows(tmp_path_factory):
+    """The run on the tiny random Llama (what is checked does not depend on the weights; SmolLM took 40 s here)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed here")
+    from tests.vllm_tiny import save_tiny_llama
     from vase.bench.vllm_bench import run_vllm_bench
 
-    got = run_vllm_bench(None, ["vase-attnv"], [B], n_requests=N, new_tokens=NEW, prompt_len=PROMPT, window=W,
+    model = save_tiny_llama(str(tmp_path_factory.mktemp("bench-tiny")))
+    got = run_vllm_bench(model, ["vase-attnv"], [B], n_requests=N, new_tokens=NEW, prompt_len=PROMPT, window=W,
                          pool_requests=2, block_size=BS, log=lambda *a: None)
     return {r.method: r for r in got}
 

@@ -296,7 +296,9 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     bs = block_size or (128 if on_cpu else 16)  # vLLM's defaults: the CPU backend uses 128-token blocks
     vocab = int(text_config.vocab_size)
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(n_requests)]
+    # ordinary tokens, clear of the special ids at both ends of a real vocabulary (a character-level one: all but 3)
+    low, high = (100, vocab - 100) if vocab > 300 else (3, vocab)
+    prompts = [[rng.randrange(low, high) for _ in range(prompt_len)] for _ in range(n_requests)]
     plan = ({"custom": pool_requests} if pool_requests is not None
             else {r: max(1.0, REGIMES[r] * n_requests) for r in regimes})  # vLLM needs one whole request
     user_runner = os.environ.get(_RUNNER_ENV)  # stock vLLM's baseline runs with the user's choice (or vLLM's default)
