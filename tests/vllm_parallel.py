@@ -62,10 +62,12 @@ def single_engine(tmp_path_factory) -> tuple[str, dict]:
 def worker_env(bind_ranks: int | None) -> None:
     """A run script's environment, before vLLM is imported: one OpenMP thread; the policy swap sent to the workers
     as a function (`collective_rpc`: vLLM pickles callables only when asked); with `bind_ranks`, that many worker
-    processes bound by hand (vLLM's CPU autobind wants one NUMA node per worker; cores wrap on small machines)."""
+    processes bound by hand (vLLM's CPU autobind wants one NUMA node per worker; cores wrap on small machines) and
+    the engine core in the script's process (each process imports vLLM: about 10 s here)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if bind_ranks is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         cores = os.cpu_count() or 1
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(bind_ranks)))
 
