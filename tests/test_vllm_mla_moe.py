@@ -1,18 +1,23 @@
 """Multi-head latent attention with MoE layers through the vLLM plugin: tiny random DeepSeek-V3 and DeepSeek-V2
 (tests/vllm_tiny_mla.py `moe=True`: fp32, 2 layers, layer 0 dense, layer 1 routed to 4 experts, 2 per token, 1
-shared; V3's router `noaux_tc` with sigmoid scores and a non-zero `e_score_correction_bias`, V2's greedy softmax).
+shared; V3's router `noaux_tc` with sigmoid scores and a non-zero `e_score_correction_bias`, V2's greedy softmax),
+and both with DeepSeek's group-limited routing ("-grouped", `grouped=True`: 8 experts in 4 groups, each token routed
+to 3 within its best 2 groups; V2's `group_limited_greedy`).
 
-- stock vLLM 0.32 loads both with the routed layer as an MoE layer (V3's correction bias loaded as saved);
+- stock vLLM 0.32 loads each with the routed layer as an MoE layer (V3's correction bias loaded as saved) and its
+  CPU router's groups as the checkpoint's;
 - with nothing evicted (B above every length) the plugin's tokens equal stock vLLM's;
 - with eviction (B = 24, w = 4, 100 tokens, three requests in one batch), its tokens, log-probs and each layer's
   kept set equal vase's transformers engine's through 8+ evictions (tests/test_vllm_exact.py's comparison, up to
-  the first near-tie): V3 with h2o, vase-attnv, snapkv and rkv, V2 with h2o and vase-attnv. Not knorm: with the
-  RoPE half live its layer-0 score is a function of the token alone (the latent `c` and the norm of the rotated
-  `k_pe`), so copies of a token tie up to rounding that differs between the engines, and on this model the
-  comparison stopped at such a copy (same token, layer 0) in every request, after 1, 6 and 7 evictions compared;
-  tests/test_vllm_mla.py compares knorm on the dense model. The routers are compared only through
-  what they produce: a router near-tie that routed a token differently in the two engines would show as log-probs
-  apart before the first near-tie of two tokens, and fail the comparison.
+  the first near-tie): V3 with h2o, vase-attnv, snapkv and rkv, V2 with h2o and vase-attnv, grouped V3 with h2o and
+  vase-attnv, grouped V2 with h2o. Not knorm: with the RoPE half live its layer-0 score is a function of the token
+  alone (the latent `c` and the norm of the rotated `k_pe`), so copies of a token tie up to rounding that differs
+  between the engines, and on this model the comparison stopped at such a copy (same token, layer 0) in every
+  request, after 1, 6 and 7 evictions compared; tests/test_vllm_mla.py compares knorm on the dense model. The
+  routers are compared only through what they produce: a router near-tie that routed a token differently in the
+  two engines would show as log-probs apart before the first near-tie of two tokens, and fail the comparison;
+- on V3, a request preempted after it evicted resumes exactly (tokens and every layer's kept sets equal the
+  uninterrupted run's): h2o greedy, vase-attnv sampled with a seed per request.
 """
 
 from __future__ import annotations

@@ -28,8 +28,10 @@ def save_tiny_mla(path: str, seed: int = 0, family: str = "deepseek-v3", moe: bo
     1 shared), DeepSeek-V3's router as its real configs declare it (`topk_method="noaux_tc"`, sigmoid scores, the
     `e_score_correction_bias` drawn non-zero so that vLLM must load it), DeepSeek-V2's greedy softmax top-k.
     `grouped` (with `moe`): DeepSeek's group-limited routing at tiny size, 8 routed experts in 4 groups, each token
-    routed to 2 experts within its best 2 groups (`n_group=4, topk_group=2`; DeepSeek-V3/R1 declare 256 experts in 8
-    groups, 4 kept, 8 per token), V2's as `topk_method="group_limited_greedy"`."""
+    routed to 3 experts within its best 2 groups (`n_group=4, topk_group=2`; DeepSeek-V3/R1 declare 256 experts in 8
+    groups, 4 kept, 8 per token), V2's as `topk_method="group_limited_greedy"`. 3 per token, not 2: V2 ranks a group
+    by its best expert, so the best 2 experts always lie in the best 2 groups and 2 per token would route as without
+    groups (measured on this model: 0 of 87 prompt tokens routed differently; with 3 per token 52 of 87, V3 51)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
