@@ -125,9 +125,10 @@ def test_plugin_matches_transformers_through_evictions(plugin, tiny, method):
     assert max(compared) >= 8, compared
 
 
-def _run_preempting(llm, prompts: list[list[int]], n_new: int, every: int) -> tuple[dict, dict, dict]:
+def _run_preempting(llm, prompts: list[list[int]], n_new: int, every: int, sampling=None) -> tuple[dict, dict, dict]:
     """The prompts through the plugin; every `every` steps the scheduler preempts each decoding request that has
-    evicted (twice at most each), as vLLM does under pressure. Returns tokens, preemptions and kept sets per request."""
+    evicted (twice at most each), as vLLM does under pressure. `sampling(i)`: request i's SamplingParams (default
+    greedy, `n_new` tokens). Returns tokens, preemptions and kept sets per request."""
     import time
 
     from tests.test_vllm_exact import _kept
@@ -137,7 +138,7 @@ def _run_preempting(llm, prompts: list[list[int]], n_new: int, every: int) -> tu
     r, sched = runner(llm), core(llm).scheduler
     r.vase_record = {}
     for i, ids in enumerate(prompts):
-        llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": ids}, greedy(n_new))
+        llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": ids}, sampling(i) if sampling else greedy(n_new))
     outs, forced, step = {}, {}, 0
     while llm.llm_engine.has_unfinished_requests():
         for out in llm.llm_engine.step():
@@ -158,25 +159,30 @@ def _run_preempting(llm, prompts: list[list[int]], n_new: int, every: int) -> tu
     return {k.rsplit("-", 1)[0]: v for k, v in outs.items()}, forced, kept
 
 
-@pytest.mark.parametrize("method", ["h2o", "snapkv"])
-def test_request_preempted_after_it_evicted_keeps_its_tokens_and_kept_sets(plugin, method):
-    """Three requests (prompts of 10, 30, 70 tokens, 100 new tokens), each preempted twice after it evicted: its
-    recomputing prefill replays the evictions, and the tokens and every layer's kept set at every eviction (the
-    first pass's and the replays') equal the uninterrupted run's."""
+def assert_preempted_exact(llm, method: str, sampling=None) -> None:
+    """Three requests (prompts of 10, 30, 70 tokens, N_NEW new tokens; `sampling`: `_run_preempting`'s), each
+    preempted twice after it evicted: its recomputing prefill replays the evictions, and the tokens and every layer's
+    kept set at every eviction (the first pass's and the replays') equal the uninterrupted run's."""
     from vase.core.policies import get_policy
 
-    r = runner(plugin)
+    r = runner(llm)
     r.vase_policy = get_policy(method)
     prompts = [prompt_ids(n, n) for n in (10, 30, 70)]
-    plain, none, plain_kept = _run_preempting(plugin, prompts, N_NEW, every=10**9)
+    plain, none, plain_kept = _run_preempting(llm, prompts, N_NEW, every=10**9, sampling=sampling)
     before = r.vase_recomputes
-    tokens, forced, kept = _run_preempting(plugin, prompts, N_NEW, every=23)
+    tokens, forced, kept = _run_preempting(llm, prompts, N_NEW, every=23, sampling=sampling)
     assert not none and sorted(forced.values()) == [2, 2, 2] and r.vase_recomputes - before == 6
     assert tokens == plain
     for rid, evictions in kept.items():
         reference = dict(plain_kept[rid])
         assert len(evictions) > len(reference)  # the replays evicted again
         assert all(positions == reference[seen] for seen, positions in evictions), rid
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv"])
+def test_request_preempted_after_it_evicted_keeps_its_tokens_and_kept_sets(plugin, method):
+    """`assert_preempted_exact`: greedy, the same tokens and kept sets as uninterrupted."""
+    assert_preempted_exact(plugin, method)
 
 
 def test_latent_rows_move_whole_and_the_choice_is_the_shared_one():

@@ -21,11 +21,17 @@ import torch
 ROPE_OPTIONS = dict(compilation_config={"custom_ops": ["-rotary_embedding"]})
 
 
-def save_tiny_mla(path: str, seed: int = 0, family: str = "deepseek-v3", moe: bool = False) -> str:
+def save_tiny_mla(path: str, seed: int = 0, family: str = "deepseek-v3", moe: bool = False,
+                  grouped: bool = False) -> str:
     """Write the model (`family`: deepseek-v3 or deepseek-v2, the same dims) and tokenizer to `path` (if not there
     yet); returns `path`. `moe`: layer 1 routes to experts (first_k_dense_replace = 1; 4 routed experts, 2 per token,
     1 shared), DeepSeek-V3's router as its real configs declare it (`topk_method="noaux_tc"`, sigmoid scores, the
-    `e_score_correction_bias` drawn non-zero so that vLLM must load it), DeepSeek-V2's greedy softmax top-k."""
+    `e_score_correction_bias` drawn non-zero so that vLLM must load it), DeepSeek-V2's greedy softmax top-k.
+    `grouped` (with `moe`): DeepSeek's group-limited routing at tiny size, 8 routed experts in 4 groups, each token
+    routed to 3 experts within its best 2 groups (`n_group=4, topk_group=2`; DeepSeek-V3/R1 declare 256 experts in 8
+    groups, 4 kept, 8 per token), V2's as `topk_method="group_limited_greedy"`. 3 per token, not 2: V2 ranks a group
+    by its best expert, so the best 2 experts always lie in the best 2 groups and 2 per token would route as without
+    groups (measured on this model: 0 of 87 prompt tokens routed differently; with 3 per token 52 of 87, V3 51)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
@@ -35,14 +41,19 @@ def save_tiny_mla(path: str, seed: int = 0, family: str = "deepseek-v3", moe: bo
     tok = tiny_tokenizer()
     router = {"deepseek-v3": dict(topk_method="noaux_tc", scoring_func="sigmoid"),
               "deepseek-v2": dict(topk_method="greedy", scoring_func="softmax")}[family] if moe else {}
+    experts = dict(n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2)
+    if grouped:
+        experts = dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3)
+        if family == "deepseek-v2":
+            router["topk_method"] = "group_limited_greedy"
     config_class = {"deepseek-v3": DeepseekV3Config, "deepseek-v2": DeepseekV2Config}[family]
     cfg = config_class(vocab_size=len(tok), hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
                        max_position_embeddings=2048, eos_token_id=1, pad_token_id=0, bos_token_id=1,
                        intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                       first_k_dense_replace=1 if moe else 2, n_routed_experts=4, num_experts_per_tok=2,
+                       first_k_dense_replace=1 if moe else 2,
                        n_shared_experts=1, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                       v_head_dim=128, q_lora_rank=None, n_group=1, topk_group=1, initializer_range=0.15,
-                       tie_word_embeddings=False, torch_dtype="float32", **router)
+                       v_head_dim=128, q_lora_rank=None, initializer_range=0.15,
+                       tie_word_embeddings=False, torch_dtype="float32", **experts, **router)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
