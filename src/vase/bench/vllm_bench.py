@@ -242,6 +242,14 @@ def _one_engine(model_path: str, *, regime: str, method: str, budget: int | None
     return row
 
 
+def random_prompts(vocab: int, length: int, n: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` token ids drawn from `seed`: ordinary tokens, clear of the special ids at both ends of
+    a real vocabulary (of a character-level test vocabulary, all but the first 3)."""
+    rng = random.Random(seed)
+    low, high = (100, vocab - 100) if vocab > 300 else (3, vocab)
+    return [[rng.randrange(low, high) for _ in range(length)] for _ in range(n)]
+
+
 def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-attnv",), budgets: Sequence[int] = (256,),
                    *, n_requests: int = 16, new_tokens: int = 2048, prompt_len: int = 128, window: int = 64,
                    regimes: Sequence[str] = ("ample", "tight"), pool_requests: float | None = None,
@@ -295,10 +303,7 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     bpt = kv_bytes_per_token(text_config, dtype)
     bs = block_size or (128 if on_cpu else 16)  # vLLM's defaults: the CPU backend uses 128-token blocks
     vocab = int(text_config.vocab_size)
-    rng = random.Random(seed)
-    # ordinary tokens, clear of the special ids at both ends of a real vocabulary (a character-level one: all but 3)
-    low, high = (100, vocab - 100) if vocab > 300 else (3, vocab)
-    prompts = [[rng.randrange(low, high) for _ in range(prompt_len)] for _ in range(n_requests)]
+    prompts = random_prompts(vocab, prompt_len, n_requests, seed)
     plan = ({"custom": pool_requests} if pool_requests is not None
             else {r: max(1.0, REGIMES[r] * n_requests) for r in regimes})  # vLLM needs one whole request
     user_runner = os.environ.get(_RUNNER_ENV)  # stock vLLM's baseline runs with the user's choice (or vLLM's default)
