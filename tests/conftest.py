@@ -117,10 +117,6 @@ SLOW_FIRST: tuple[str, ...] = (
 )
 
 
-#: objects frozen at the end of collection (`pytest_collection_finish`)
-_FROZEN_AT_COLLECTION = [0]
-
-
 def pytest_collection_finish(session) -> None:
     """Freeze what collection left alive (torch, transformers, vLLM, the test modules: about half a million objects)
     out of the garbage collector's sight: a full collection (automatic, or `gc.collect()` before each bench run
@@ -128,16 +124,21 @@ def pytest_collection_finish(session) -> None:
     collection without, microseconds after). Nothing made by a test is frozen, so engines are still collected."""
     gc.collect()
     gc.freeze()
-    _FROZEN_AT_COLLECTION[0] = gc.get_freeze_count()
+
+
+#: the test file whose tests run now
+_CURRENT_FILE: list = [None]
 
 
 def pytest_runtest_setup(item) -> None:
-    """Freeze the heap again where a vLLM engine thawed it (its shutdown and `cleanup_dist_env_and_memory` call
-    `gc.unfreeze()`): the full collections of the tests after it (vLLM's four to six in an engine start, the bench's
-    one before each run) would each scan every imported module again. Measured in `make test` (2026-12-06): 543 full
-    collections took 202 s of the two workers' time, 0.37 s each; test_bench.py's 35 took 24 s. The collection here
-    finalizes what the engine left, as the thawed heap's next collection would have."""
-    if gc.get_freeze_count() < _FROZEN_AT_COLLECTION[0] // 2:
+    """At each test file's start, collect and freeze again what lives: a vLLM engine's shutdown and
+    `cleanup_dist_env_and_memory` thaw the whole heap (`gc.unfreeze()`), and every full collection after that (vLLM's
+    four to six in an engine start, the bench's one before each run) scanned every imported module again. Measured in
+    `make test` (2026-12-06): 543 full collections took 202 s of the two workers' time; test_bench.py's 35 took 24 s.
+    Once a file, not per test: `gc.get_freeze_count()` walks the frozen objects (0.07 s), and a collection of a
+    frozen heap costs about as much; within a file, `tests.vllm_tiny` freezes at each engine start and stop."""
+    if item.path != _CURRENT_FILE[0]:
+        _CURRENT_FILE[0] = item.path
         gc.collect()
         gc.freeze()
 

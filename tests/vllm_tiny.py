@@ -97,8 +97,11 @@ def release_engines() -> None:
 
 def stop_llm(llm) -> None:
     """Shut an in-process engine down now: its parallel groups are torn down here, not whenever the garbage collector
-    finalizes it (which then does nothing)."""
+    finalizes it (which then does nothing). The shutdown thawed the heap (vLLM's cleanup); it is frozen again."""
+    import gc
+
     llm.llm_engine.engine_core.shutdown()
+    gc.freeze()
 
 
 def core(llm):
