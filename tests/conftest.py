@@ -117,26 +117,19 @@ SLOW_FIRST: tuple[str, ...] = (
 )
 
 
-def pytest_collection_finish(session) -> None:
-    """Freeze what collection left alive (torch, transformers, vLLM, the test modules: about half a million objects)
-    out of the garbage collector's sight: a full collection (automatic, or `gc.collect()` before each bench run
-    and after each vLLM engine) then scans only what the tests made, not every imported module again (0.4 s a
-    collection without, microseconds after). Nothing made by a test is frozen, so engines are still collected."""
-    gc.collect()
-    gc.freeze()
-
-
 #: the test file whose tests run now
 _CURRENT_FILE: list = [None]
 
 
 def pytest_runtest_setup(item) -> None:
-    """At each test file's start, collect and freeze again what lives: a vLLM engine's shutdown and
-    `cleanup_dist_env_and_memory` thaw the whole heap (`gc.unfreeze()`), and every full collection after that (vLLM's
-    four to six in an engine start, the bench's one before each run) scanned every imported module again. Measured in
-    `make test` (2026-12-06): 543 full collections took 202 s of the two workers' time; test_bench.py's 35 took 24 s.
-    Once a file, not per test: `gc.get_freeze_count()` walks the frozen objects (0.07 s), and a collection of a
-    frozen heap costs about as much; within a file, `tests.vllm_tiny` freezes at each engine start and stop."""
+    """At each test file's start (the first one's included), collect and freeze what lives (torch, transformers,
+    vLLM, the test modules: about half a million objects) out of the garbage collector's sight: a full collection
+    (vLLM's four to six in an engine start, the bench's one before each run) then scans only what the tests made,
+    not every imported module again. Again at every file because a vLLM engine's shutdown and
+    `cleanup_dist_env_and_memory` thaw the whole heap (`gc.unfreeze()`); within a file, `tests.vllm_tiny` freezes at
+    each engine start and stop. Measured in `make test` (2026-12-06) before the per-file freeze: 543 full collections
+    took 202 s of the two workers' time; test_bench.py's 35 took 24 s. Once a file, not per test: a check of the heap
+    (`gc.get_freeze_count()` walks the frozen objects) costs 0.07 s, as a collection of a frozen heap does."""
     if item.path != _CURRENT_FILE[0]:
         _CURRENT_FILE[0] = item.path
         gc.collect()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 
 import torch
@@ -80,8 +81,6 @@ def release_engines() -> None:
     test_vllm_spec then test_vllm_linear), and an engine finalized late, after the next one started, tears down the
     groups under it ("pipeline model parallel group is not initialized", seen in CI after a fixture failed while its
     traceback held the engine)."""
-    import gc
-
     import torch.distributed
     from vllm.distributed import parallel_state
 
@@ -98,8 +97,6 @@ def release_engines() -> None:
 def stop_llm(llm) -> None:
     """Shut an in-process engine down now: its parallel groups are torn down here, not whenever the garbage collector
     finalizes it (which then does nothing). The shutdown thawed the heap (vLLM's cleanup); it is frozen again."""
-    import gc
-
     llm.llm_engine.engine_core.shutdown()
     gc.freeze()
 
