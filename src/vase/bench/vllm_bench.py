@@ -242,7 +242,7 @@ def _one_engine(model_path: str, *, regime: str, method: str, budget: int | None
     return row
 
 
-def random_prompts(vocab: int, length: int, n: int, seed: int) -> list[list[int]]:
+def _random_prompts(vocab: int, length: int, n: int, seed: int) -> list[list[int]]:
     """`n` prompts of `length` token ids drawn from `seed`: ordinary tokens, clear of the special ids at both ends of
     a real vocabulary (of a character-level test vocabulary, all but the first 3)."""
     rng = random.Random(seed)
@@ -303,7 +303,7 @@ def run_vllm_bench(model: str | None = None, methods: Sequence[str] = ("vase-att
     bpt = kv_bytes_per_token(text_config, dtype)
     bs = block_size or (128 if on_cpu else 16)  # vLLM's defaults: the CPU backend uses 128-token blocks
     vocab = int(text_config.vocab_size)
-    prompts = random_prompts(vocab, prompt_len, n_requests, seed)
+    prompts = _random_prompts(vocab, prompt_len, n_requests, seed)
     plan = ({"custom": pool_requests} if pool_requests is not None
             else {r: max(1.0, REGIMES[r] * n_requests) for r in regimes})  # vLLM needs one whole request
     user_runner = os.environ.get(_RUNNER_ENV)  # stock vLLM's baseline runs with the user's choice (or vLLM's default)
