@@ -18,6 +18,26 @@ import os
 # seen in CI). numba's own thread pool leaves torch's alone. Set before numba is imported.
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
+import sys  # noqa: E402
+
+# vLLM freezes the whole heap when an engine starts (its own objects included) and thaws it at the engine's shutdown
+# so that they can be finalized. In the suite, with its many in-process engines, every thaw made each of the next
+# full collections (three in a shutdown, four to six in the next start) scan every imported module again: about
+# 0.5 s each, about 100 s of the two workers' time in `make test` (2026-12-06). In the test process vLLM's own freeze
+# and thaw are skipped: the suite freezes the heap at each file's start (`pytest_runtest_setup`), its engines are
+# never frozen, and the collections vLLM runs scan only what the file made.
+_freeze, _unfreeze = gc.freeze, gc.unfreeze
+
+
+def _unless_vllm(real):
+    def call() -> None:
+        if not sys._getframe(1).f_globals.get("__name__", "").startswith("vllm."):
+            real()
+    return call
+
+
+gc.freeze, gc.unfreeze = _unless_vllm(_freeze), _unless_vllm(_unfreeze)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -124,11 +144,11 @@ _CURRENT_FILE: list = [None]
 def pytest_runtest_setup(item) -> None:
     """At each test file's start (the first one's included), collect and freeze what lives (torch, transformers,
     vLLM, the test modules: about half a million objects) out of the garbage collector's sight: a full collection
-    (vLLM's four to six in an engine start, the bench's one before each run) then scans only what the tests made,
-    not every imported module again. Again at every file because a vLLM engine's shutdown and
-    `cleanup_dist_env_and_memory` thaw the whole heap (`gc.unfreeze()`); within a file, `tests.vllm_tiny` freezes at
-    each engine start and stop. Measured in `make test` (2026-12-06) before the per-file freeze: 543 full collections
-    took 202 s of the two workers' time; test_bench.py's 35 took 24 s. Once a file, not per test: a check of the heap
+    (vLLM's in an engine's start and shutdown, the bench's one before each run) then scans only what the tests made,
+    not every imported module again. Again at every file: what the last file imported (vLLM) joins the frozen heap,
+    and its engines, released by then, are collected first (vLLM's own freeze and thaw are skipped: above).
+    Measured in `make test` (2026-12-06) before the per-file freeze: 543 full collections took 202 s of the two
+    workers' time; test_bench.py's 35 took 24 s. Once a file, not per test: a check of the heap
     (`gc.get_freeze_count()` walks the frozen objects) costs 0.07 s, as a collection of a frozen heap does."""
     if item.path != _CURRENT_FILE[0]:
         _CURRENT_FILE[0] = item.path

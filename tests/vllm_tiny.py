@@ -85,20 +85,14 @@ def release_engines() -> None:
     from vllm.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized() or torch.distributed.is_initialized():  # an engine ran here
-        gc.unfreeze()  # an engine freezes what lives when it starts, itself included: it can only be finalized thawed
-        gc.collect()
+        gc.collect()  # never frozen in the suite (tests/conftest.py skips vLLM's freeze): a dropped engine goes here
         parallel_state.cleanup_dist_env_and_memory()
-    # What lives now (the imported modules, the module's other engines) out of the collector's sight while the next
-    # engine starts: vLLM collects four to six times in a start (loading, profiling, its own heap freeze), each a scan
-    # of the whole heap once its cleanup above (or an engine's shutdown) thawed what the suite froze (0.25 s each).
-    gc.freeze()
 
 
 def stop_llm(llm) -> None:
     """Shut an in-process engine down now: its parallel groups are torn down here, not whenever the garbage collector
-    finalizes it (which then does nothing). The shutdown thawed the heap (vLLM's cleanup); it is frozen again."""
+    finalizes it (which then does nothing)."""
     llm.llm_engine.engine_core.shutdown()
-    gc.freeze()
 
 
 def core(llm):
