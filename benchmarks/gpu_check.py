@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 #: methods whose compiled step part (a) checks by default: each exercises one mechanism
-COMPILED_CHECK = ("vase-attnv", "vase-dkv", "curdkv", "h2o", "tova", "snapkv", "streamingllm")
+COMPILED_CHECK = ("vase-attnv", "vase-attnv 4-bit", "vase-dkv", "curdkv", "h2o", "tova", "snapkv", "streamingllm")
 
 PAPER = ("Paper anchor (Qwen3-14B, batch 16, 16k output, B=4096): full 133 tok/s / 68.7 GB, "
          "VaSE-AttnV 333 tok/s (2.5x) / 39.6 GB.")
@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.shape, args.batch, args.prompt = "tiny", 2, 16
         args.new_tokens, args.eager_tokens, args.budget, args.window = 48, 24, 24, 8
         args.backend = "aot_eager"  # seconds instead of minutes of compiling; tests/test_compile.py runs inductor
-        args.check_methods = ("vase-attnv", "h2o")
+        args.check_methods = ("vase-attnv", "h2o")  # the 4-bit step's compile: tests/test_compile.py
         args.deadline_s = float("inf")  # CI checks both parts whatever the machine's speed
     else:
         args.check_methods = COMPILED_CHECK
@@ -102,7 +102,8 @@ def _tiny(device: str):
 
 
 def check(device: str, log, methods_compiled: tuple[str, ...] | None = None, backend: str = "inductor") -> list[dict]:
-    """Part (a): one dict per evicting method."""
+    """Part (a): one dict per evicting method (and vase-attnv with 4-bit storage); the compiled step is checked for
+    the labels in `methods_compiled` (all: None)."""
     from vase.generation.compiled import CompiledSteps, teacher_forced
     from vase.core.policies import POLICIES
 
@@ -125,7 +126,7 @@ def check(device: str, log, methods_compiled: tuple[str, ...] | None = None, bac
         method_backend = backend if method == "vase-attnv" else "aot_eager"
         row = {"method": label, "backend": None, "evictions": ee, "compiled_same_kept": None,
                "compiled_max_logit_diff": None}
-        if methods_compiled is None or method in methods_compiled:
+        if methods_compiled is None or label in methods_compiled:
             torch._dynamo.reset()
             lc, kc, ec = teacher_forced(dev_model, method, *on_dev, B, w, steps=CompiledSteps(backend=method_backend),
                                         **storage)
