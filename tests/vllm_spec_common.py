@@ -50,6 +50,16 @@ def same(ours: list[dict], ref: list[dict], min_evictions: int = 8) -> None:
             assert a["kept"][seen] == b["kept"][seen], (i, seen)
 
 
+def plain_batch(plain, method: str) -> list[dict]:
+    """`vllm_batch(plain, method, PROMPTS, N_NEW)` on the engine without speculation, run once per method for that
+    engine: greedy decoding and the per-request eviction draws repeat exactly, and a module compares several
+    speculative engines (and the preemption replays) with the same plain runs."""
+    runs = plain.__dict__.setdefault("vase_plain_runs", {})
+    if method not in runs:
+        runs[method] = vllm_batch(plain, method, PROMPTS, N_NEW)
+    return runs[method]
+
+
 def preempted_once(llm, method: str, prompts: list[list[int]], n_new: int) -> list[dict]:
     """The prompts as one greedy batch; each request is preempted once, at the first step after its second eviction
     (vLLM recomputes its history as a chunked prefill, the worker replays its evictions). Per prompt: tokens and
@@ -83,6 +93,6 @@ def assert_preempted_exact(llm, plain, method: str) -> None:
     `plain` without speculation or preemption; the replay evicted again (more eviction events than lengths)."""
     before = runner(llm).vase_recomputes
     ours = preempted_once(llm, method, PROMPTS, N_NEW)
-    same(ours, vllm_batch(plain, method, PROMPTS, N_NEW), min_evictions=9)
+    same(ours, plain_batch(plain, method), min_evictions=9)
     assert runner(llm).vase_recomputes - before == len(PROMPTS)
     assert all(o["evictions"] > len(o["kept"]) for o in ours)
