@@ -179,7 +179,7 @@ def _start(tmp_path, port: int) -> tuple[subprocess.Popen, object]:
     cmd = [sys.executable, "-m", "vase.cli", "serve", "--method", METHOD, "--budget", str(BUDGET),
            "--window", str(WINDOW), "--port", str(port), "--max-model-len", "512",
            "--kv-cache-memory-bytes", str(64 * 2**20), "--dtype", "float32", "--max-num-seqs", "4", "--enforce-eager",
-           "--distributed-executor-backend", "uni"]  # the worker inside the engine process: one start-up less
+           "--distributed-executor-backend", "uni"]  # one start-up less on a GPU (vLLM's CPU platform turns it to mp)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, log_path
