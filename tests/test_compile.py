@@ -9,7 +9,7 @@ Every evicting method and quantized storage configuration runs dynamo's full-gra
 backend (AOT's functionalization, then the eager kernels); the inductor backend (the one users get) runs vase-attnv
 and h2o. The tests of the machinery around the step (the flush schedule, recompilation, a batch of one,
 `vase.generate(compile=...)`) capture with the `eager` backend: the same graph without the AOT pass (measured here:
-the 4-bit step compiles in half the time).
+a quantized step compiles in about half the time).
 """
 
 from __future__ import annotations
