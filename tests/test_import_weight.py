@@ -59,7 +59,7 @@ for module in sys.argv[1:]:
 
 @pytest.fixture(scope="module")
 def imported() -> dict[str, list[str]]:
-    """Per module, the heavy modules a fresh interpreter holds after importing it."""
+    """Per module, the heavy modules a fresh interpreter (forked once torch is imported) holds after importing it."""
     proc = subprocess.run([sys.executable, "-c", _PROBE, *LIGHT_MODULES], capture_output=True, text=True,
                           env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-800:]
